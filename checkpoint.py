@@ -1,0 +1,544 @@
+"""GLM-5.3-Flash checkpoints: tensor names and shapes, reading (BF16/FP8/EXL3 safetensors), writing.
+
+`expected_tensors` is the one place that knows the checkpoint layout (spec glm53.md §2). Names used
+in memory drop the checkpoint prefix (`model.language_model.` or, text-only, `model.`);
+`lm_head.weight` keeps its name. The format of each tensor is read from the files themselves (key
+suffixes and dtypes), never from `quantization_config`, so mixed checkpoints (EXL3 experts with an
+FP8 or BF16 core) need no special casing.
+"""
+from __future__ import annotations
+
+import json
+import math
+import zlib
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+TEXT_PREFIXES = ("model.language_model.", "model.")
+VISION_PREFIX = "model.visual."
+HEAD_NAME = "lm_head.weight"
+FP8_BLOCK = 128
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+FLOAT = frozenset({"BF16", "F16", "F32"})
+LINEAR = FLOAT | {"F8_E4M3"}
+# Trellis last dims exllamav3 can write: 16·K for K = 1..8, and 16·KA + 8 for K = 1.5, 2.5, 3.5.
+EXL3_WIDTHS = frozenset([16 * k for k in range(1, 9)] + [16 * ka + 8 for ka in (1, 2, 3)])
+EXL3_SUFFIXES = ("trellis", "suh", "svh", "su", "sv", "mcg", "mul1", "bias")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint does not match the config: names the tensor(s) and the shapes/dtypes involved."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    shape: tuple[int, ...]
+    dtypes: frozenset[str]
+    linear: bool = False  # a projection [out, in]: may be stored FP8 block-128 or EXL3
+    fp32: bool = False  # kept in fp32 after loading, whatever the model dtype
+
+
+@dataclass(frozen=True)
+class Stored:
+    """Where one expected tensor lives: `format` is "plain" | "fp8" | "exl3"; `keys` maps each
+    role ("weight", "weight_scale_inv", or an EXL3 suffix) to its checkpoint key."""
+    format: str
+    keys: dict[str, str]
+
+
+@dataclass
+class Inventory:
+    stored: dict[str, Stored]
+    skipped: list[str] = field(default_factory=list)  # vision tower keys, read by nobody
+
+
+# ---------------------------------------------------------------------------------------------
+# Layout (spec §2)
+
+def _t(*shape: int, fp32: bool = False) -> TensorSpec:
+    return TensorSpec(tuple(shape), FLOAT, fp32=fp32)
+
+
+def _lin(out_features: int, in_features: int) -> TensorSpec:
+    return TensorSpec((out_features, in_features), LINEAR, linear=True)
+
+
+def is_dsa_layer(config: Any, layer: int) -> bool:
+    """The MTP layer (index num_hidden_layers) is always DSA (spec §2.6)."""
+    return layer >= config.num_hidden_layers or config.layer_types[layer] != "linear_attention"
+
+
+def _hc_tensors(config: Any) -> dict[str, TensorSpec]:
+    hc, d = config.hc_mult, config.hidden_size
+    out: dict[str, TensorSpec] = {}
+    for sub in ("attn", "ffn"):
+        out[f"hc_{sub}_fn"] = _t((2 + hc) * hc, hc * d)
+        out[f"hc_{sub}_base"] = _t((2 + hc) * hc, fp32=True)
+        out[f"hc_{sub}_scale"] = _t(3, fp32=True)
+    return out
+
+
+def _kda_tensors(config: Any) -> dict[str, TensorSpec]:
+    d, h, dh = config.hidden_size, config.linear_num_heads, config.linear_head_dim
+    c = h * dh
+    out = {f"{x}_proj.weight": _lin(c, d) for x in "qkv"}
+    out |= {f"{x}_conv1d.weight": _t(c, 1, config.linear_conv_kernel_dim) for x in "qkv"}
+    out |= {
+        "f_a_proj.weight": _lin(dh, d), "f_b_proj.weight": _lin(c, dh),
+        "g_a_proj.weight": _lin(dh, d), "g_b_proj.weight": _lin(c, dh),
+        "b_proj.weight": _lin(h, d),
+        "A_log": _t(h, fp32=True), "dt_bias": _t(c, fp32=True),
+        "o_norm.weight": _t(dh), "o_proj.weight": _lin(d, c),
+    }
+    return out
+
+
+def _dsa_tensors(config: Any) -> dict[str, TensorSpec]:
+    d, nh = config.hidden_size, config.num_attention_heads
+    qr, kvr = config.q_lora_rank, config.kv_lora_rank
+    nope, rope, vd = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
+    ih, idim = config.index_n_heads, config.index_head_dim
+    return {
+        "q_a_proj.weight": _lin(qr, d),
+        "q_a_layernorm.weight": _t(qr),
+        "q_b_proj.weight": _lin(nh * (nope + rope), qr),
+        "kv_a_proj_with_mqa.weight": _lin(kvr + rope, d),
+        "kv_a_layernorm.weight": _t(kvr),
+        "kv_b_proj.weight": _lin(nh * (nope + vd), kvr),
+        "o_proj.weight": _lin(d, nh * vd),
+        "indexer.wq_b.weight": _lin(ih * idim, qr),
+        "indexer.wk.weight": _lin(idim, d),
+        "indexer.k_norm.weight": _t(idim),
+        "indexer.k_norm.bias": _t(idim),
+        "indexer.weights_proj.weight": _lin(ih, d),
+        "indexer.index_kpool_compress_gate": _t(idim, d),
+        "indexer.index_kpool_compress_ape": _t(config.index_kpool, idim),
+    }
+
+
+def _mlp_tensors(config: Any, dense: bool) -> dict[str, TensorSpec]:
+    d = config.hidden_size
+    if dense:
+        i = config.intermediate_size
+        return {"gate_proj.weight": _lin(i, d), "up_proj.weight": _lin(i, d), "down_proj.weight": _lin(d, i)}
+    i, si = config.moe_intermediate_size, config.moe_intermediate_size * config.n_shared_experts
+    # The router computes in fp32 (spec §2.5), as transformers keeps it.
+    out = {"gate.weight": _t(config.n_routed_experts, d, fp32=True),
+           "gate.e_score_correction_bias": _t(config.n_routed_experts, fp32=True)}
+    for e in range(config.n_routed_experts):
+        out |= {f"experts.{e}.gate_proj.weight": _lin(i, d), f"experts.{e}.up_proj.weight": _lin(i, d),
+                f"experts.{e}.down_proj.weight": _lin(d, i)}
+    out |= {"shared_experts.gate_proj.weight": _lin(si, d), "shared_experts.up_proj.weight": _lin(si, d),
+            "shared_experts.down_proj.weight": _lin(d, si)}
+    return out
+
+
+def _layer_tensors(config: Any, layer: int) -> dict[str, TensorSpec]:
+    d = config.hidden_size
+    mtp = layer == config.num_hidden_layers
+    out = {"input_layernorm.weight": _t(d), "post_attention_layernorm.weight": _t(d)}
+    if mtp:  # the MTP layer reuses the trunk's embed_tokens and lm_head and has no mHC (spec §2.6)
+        out |= {"enorm.weight": _t(d), "hnorm.weight": _t(d), "eh_proj.weight": _lin(d, 2 * d),
+                "shared_head.norm.weight": _t(d)}
+    else:
+        out |= _hc_tensors(config)
+    attn = _dsa_tensors(config) if is_dsa_layer(config, layer) else _kda_tensors(config)
+    out |= {f"self_attn.{k}": v for k, v in attn.items()}
+    dense = not mtp and layer < config.first_k_dense_replace
+    out |= {f"mlp.{k}": v for k, v in _mlp_tensors(config, dense).items()}
+    return {f"layers.{layer}.{k}": v for k, v in out.items()}
+
+
+def expected_tensors(config: Any) -> dict[str, TensorSpec]:
+    """Every language-model tensor the config implies, by in-memory name (checkpoint prefix dropped)."""
+    d, v = config.hidden_size, config.vocab_size
+    out = {"embed_tokens.weight": _t(v, d)}
+    n_layers = config.num_hidden_layers + config.num_nextn_predict_layers
+    if config.num_nextn_predict_layers not in (0, 1):
+        raise CheckpointError(f"num_nextn_predict_layers={config.num_nextn_predict_layers}: only 0 or 1 is supported")
+    for layer in range(n_layers):
+        out |= _layer_tensors(config, layer)
+    out["norm.weight"] = _t(d)
+    out[HEAD_NAME] = _lin(v, d)
+    return out
+
+
+def fp8_in_official_release(config: Any, name: str) -> bool:
+    """Whether the official FP8 checkpoint stores this linear as F8_E4M3 + weight_scale_inv (spec §3)."""
+    parts = name.split(".")
+    if parts[0] != "layers":
+        return False
+    layer, rest = int(parts[1]), ".".join(parts[2:])
+    if rest.startswith("mlp.") and rest.endswith("_proj.weight"):
+        return True  # dense MLP, shared experts, routed experts
+    dsa_fp8 = ("q_a_proj.weight", "q_b_proj.weight", "kv_a_proj_with_mqa.weight", "o_proj.weight")
+    return is_dsa_layer(config, layer) and rest in {f"self_attn.{x}" for x in dsa_fp8}
+
+
+def is_routed_expert(name: str) -> bool:
+    return ".mlp.experts." in name
+
+
+# ---------------------------------------------------------------------------------------------
+# Inventory check (headers only)
+
+def _text_prefix(keys: list[str]) -> str:
+    if any(k.startswith(TEXT_PREFIXES[0]) for k in keys):
+        return TEXT_PREFIXES[0]
+    return TEXT_PREFIXES[1]
+
+
+def _scale_grid(shape: tuple[int, ...]) -> tuple[int, int]:
+    return (math.ceil(shape[0] / FP8_BLOCK), math.ceil(shape[1] / FP8_BLOCK))
+
+
+def _fmt(shape) -> str:
+    return "[" + ", ".join(str(x) for x in shape) + "]"
+
+
+def _check_exl3(base: str, spec: TensorSpec, inventory: Mapping[str, tuple[str, tuple]], problems: list[str]) -> dict[str, str]:
+    """Claim `<base>.{trellis, suh|su, svh|sv, mcg|mul1, bias}` for a linear of shape [out, in]."""
+    out_f, in_f = spec.shape
+    keys = {s: f"{base}.{s}" for s in EXL3_SUFFIXES if f"{base}.{s}" in inventory}
+    dtype, shape = inventory[keys["trellis"]]
+    if dtype != "I16" or len(shape) != 3 or tuple(shape[:2]) != (in_f // 16, out_f // 16) \
+            or shape[2] not in EXL3_WIDTHS or in_f % 16 or out_f % 16:
+        problems.append(f"{keys['trellis']}: EXL3 trellis is {dtype} {_fmt(shape)}, expected I16 "
+                        f"[{in_f // 16}, {out_f // 16}, 16*K] for a [{out_f}, {in_f}] linear")
+    vectors = {"suh": ("F16", in_f), "svh": ("F16", out_f), "su": ("I16", in_f // 16), "sv": ("I16", out_f // 16),
+               "bias": ("F16", out_f)}
+    for suffix, (want_dtype, n) in vectors.items():
+        if suffix in keys:
+            dtype, shape = inventory[keys[suffix]]
+            if dtype != want_dtype or tuple(shape) != (n,):
+                problems.append(f"{keys[suffix]}: is {dtype} {_fmt(shape)}, expected {want_dtype} [{n}]")
+    for one, legacy in (("suh", "su"), ("svh", "sv")):
+        if one not in keys and legacy not in keys:
+            problems.append(f"{base}.{one}: missing (EXL3 linear {base} has a trellis but neither {one} nor {legacy})")
+    if "mcg" in keys and "mul1" in keys:
+        problems.append(f"{base}: has both .mcg and .mul1 codebook markers")
+    for marker in ("mcg", "mul1"):
+        if marker in keys:
+            dtype, shape = inventory[keys[marker]]
+            if not dtype.startswith(("I", "U")) or math.prod(shape) != 1:
+                problems.append(f"{keys[marker]}: codebook marker is {dtype} {_fmt(shape)}, expected one integer")
+    return keys
+
+
+def _claim(name: str, spec: TensorSpec, key: str, inventory: Mapping[str, tuple[str, tuple]],
+           problems: list[str]) -> Stored | None:
+    if key in inventory:
+        dtype, shape = inventory[key]
+        shape = tuple(shape)
+        if shape != spec.shape:
+            problems.append(f"{key}: shape {_fmt(shape)} in the checkpoint, {_fmt(spec.shape)} expected from the config")
+            return None
+        if dtype not in spec.dtypes:
+            problems.append(f"{key}: dtype {dtype}, expected one of {sorted(spec.dtypes)}")
+            return None
+        if dtype != "F8_E4M3":
+            return Stored("plain", {"weight": key})
+        scale_key = key + "_scale_inv"
+        if scale_key not in inventory:
+            problems.append(f"{scale_key}: missing (FP8 weight {key} needs its block scales)")
+            return None
+        s_dtype, s_shape = inventory[scale_key]
+        if s_dtype != "F32" or tuple(s_shape) != _scale_grid(spec.shape):
+            problems.append(f"{scale_key}: is {s_dtype} {_fmt(s_shape)}, expected F32 {_fmt(_scale_grid(spec.shape))}")
+            return None
+        return Stored("fp8", {"weight": key, "weight_scale_inv": scale_key})
+    base = key.removesuffix(".weight")
+    if spec.linear and key.endswith(".weight") and f"{base}.trellis" in inventory:
+        return Stored("exl3", _check_exl3(base, spec, inventory, problems))
+    problems.append(f"{key}: missing (expected {_fmt(spec.shape)})")
+    return None
+
+
+def _raise(problems: list[str], what: str) -> None:
+    if problems:
+        shown = problems[:20]
+        more = f"\n  ... and {len(problems) - len(shown)} more" if len(problems) > len(shown) else ""
+        raise CheckpointError(f"{what}: {len(problems)} problem(s)\n  " + "\n  ".join(shown) + more)
+
+
+def check_inventory(inventory: Mapping[str, tuple[str, tuple]], config: Any) -> Inventory:
+    """Match checkpoint keys (name -> (safetensors dtype, shape)) against the config's layout.
+
+    Every language-model tensor must be present with the shape the config implies, as a plain
+    float tensor, FP8 block-128 (+ `weight_scale_inv`) or EXL3 (linears only); `model.visual.*` is
+    skipped; anything else is an error. All problems are reported together, each naming its key."""
+    keys = list(inventory)
+    prefix = _text_prefix(keys)
+    problems: list[str] = []
+    stored: dict[str, Stored] = {}
+    for name, spec in expected_tensors(config).items():
+        key = name if name == HEAD_NAME else prefix + name
+        s = _claim(name, spec, key, inventory, problems)
+        if s is not None:
+            stored[name] = s
+    claimed = {k for s in stored.values() for k in s.keys.values()}
+    skipped = [k for k in keys if k.startswith(VISION_PREFIX)]
+    unexpected = [k for k in keys if k not in claimed and not k.startswith(VISION_PREFIX)]
+    # A key that a failed claim examined is reported once, by that claim.
+    examined = {p.split(":")[0] for p in problems}
+    problems += [f"{k}: unexpected tensor (not in the layout the config implies)" for k in unexpected
+                 if k not in examined and k.removesuffix("_scale_inv") not in examined]
+    _raise(problems, "checkpoint does not match the config")
+    return Inventory(stored, skipped)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading
+
+def resolve_model_path(path_or_hf_id: str | Path) -> Path:
+    """A local checkpoint folder as is; anything else is a Hugging Face Hub id to download."""
+    path = Path(path_or_hf_id).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise CheckpointError(f"{path} is a file; a checkpoint is a folder (config.json + *.safetensors)")
+    from huggingface_hub import snapshot_download
+    try:
+        return Path(snapshot_download(repo_id=str(path_or_hf_id)))
+    except Exception as e:  # offline, unknown repo, invalid id: all end here with the cause attached
+        raise CheckpointError(
+            f"{str(path_or_hf_id)!r} is not a local folder, and downloading it from the Hugging Face Hub "
+            f"failed ({type(e).__name__}: {e})") from e
+
+
+def checkpoint_files(path: Path) -> list[Path]:
+    """The safetensors files of a checkpoint: those the index names, else model.safetensors, else all."""
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = [path / f for f in sorted(set(weight_map.values()))]
+        for f in files:
+            if not f.exists():
+                raise CheckpointError(f"{f.name}: named by {index.name} but not found in {path}")
+        return files
+    if (path / "model.safetensors").exists():
+        return [path / "model.safetensors"]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no .safetensors files in {path}")
+    return files
+
+
+def read_inventory(files: list[Path]) -> tuple[dict[str, tuple[str, tuple]], dict[str, Path]]:
+    """(name -> (dtype, shape), name -> file) from the safetensors headers alone."""
+    inventory: dict[str, tuple[str, tuple]] = {}
+    where: dict[str, Path] = {}
+    for f in files:
+        with safe_open(f, framework="pt") as st:
+            for k in st.keys():
+                if k in where:
+                    raise CheckpointError(f"{k}: stored twice, in {where[k].name} and {f.name}")
+                sl = st.get_slice(k)
+                inventory[k] = (sl.get_dtype(), tuple(sl.get_shape()))
+                where[k] = f
+    index = files[0].parent / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        for k in sorted(set(weight_map) ^ set(where)):
+            raise CheckpointError(f"{k}: the index and the shard headers disagree (in one, not the other)")
+        for k, f in weight_map.items():
+            if where[k].name != f:
+                raise CheckpointError(f"{k}: the index says {f}, the tensor is in {where[k].name}")
+    return inventory, where
+
+
+def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """W[i, j] = float(W_fp8[i, j]) * scale_inv[i // 128, j // 128] (spec §3: scale_inv multiplies)."""
+    out_f, in_f = weight.shape
+    scale = scale_inv.float().repeat_interleave(FP8_BLOCK, 0)[:out_f].repeat_interleave(FP8_BLOCK, 1)[:, :in_f]
+    return (weight.float() * scale).to(dtype)
+
+
+def load_weights(path: str | Path, config: Any, dtype: torch.dtype = torch.bfloat16,
+                 device: str | torch.device = "cpu", progress: bool = True) -> dict[str, Any]:
+    """Language-model weights by in-memory name: tensors in `dtype` (fp32 ones stay fp32), FP8
+    dequantized, EXL3 linears as `exl3.EXL3Linear`. The inventory is checked before any data is read."""
+    files = checkpoint_files(Path(path))
+    inventory, where = read_inventory(files)
+    plan = check_inventory(inventory, config)
+    specs = expected_tensors(config)
+    weights: dict[str, Any] = {}
+    with ExitStack() as stack:
+        handles = {f: stack.enter_context(safe_open(f, framework="pt")) for f in files}
+
+        def get(key: str) -> torch.Tensor:
+            return handles[where[key]].get_tensor(key)
+
+        for name, s in tqdm(plan.stored.items(), desc="loading weights", unit="tensor", disable=not progress):
+            if s.format == "exl3":
+                import exl3
+                parts = {suffix: get(key) for suffix, key in s.keys.items()}
+                weights[name] = exl3.EXL3Linear.from_tensors(parts, name=name).to(device)
+                continue
+            want = torch.float32 if specs[name].fp32 else dtype
+            w = get(s.keys["weight"]).to(device)
+            if s.format == "fp8":
+                w = dequantize_fp8(w, get(s.keys["weight_scale_inv"]).to(device), want)
+            weights[name] = w.to(want)
+    return weights
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing
+
+def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-128 E4M3: per 128x128 block, scale_inv = amax / 448, W_fp8 = W / scale_inv."""
+    out_f, in_f = weight.shape
+    go, gi = _scale_grid(weight.shape)
+    w = weight.float()
+    padded = torch.zeros(go * FP8_BLOCK, gi * FP8_BLOCK)
+    padded[:out_f, :in_f] = w
+    amax = padded.view(go, FP8_BLOCK, gi, FP8_BLOCK).abs().amax(dim=(1, 3))
+    scale_inv = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    full = scale_inv.repeat_interleave(FP8_BLOCK, 0)[:out_f].repeat_interleave(FP8_BLOCK, 1)[:, :in_f]
+    q = (w / full).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale_inv.contiguous()
+
+
+def _config_object(config_dict: dict) -> Any:
+    # model_glm imports this module, so its config class is imported where it is needed.
+    try:
+        from model_glm import GLMConfig
+    except ImportError:  # interim until model_glm.GLMConfig lands: the text_config fields, flattened
+        from types import SimpleNamespace
+        text = dict(config_dict.get("text_config", config_dict))
+        lin = text.get("linear_attn_config", {})
+        text.setdefault("linear_num_heads", lin.get("num_heads"))
+        text.setdefault("linear_head_dim", lin.get("head_dim"))
+        text.setdefault("linear_conv_kernel_dim", lin.get("short_conv_kernel_size"))
+        text.setdefault("num_nextn_predict_layers", 0)
+        return SimpleNamespace(**text)
+    return GLMConfig.from_dict(config_dict)
+
+
+def _bits_for(bits: float | Mapping[int, float], name: str) -> float:
+    if isinstance(bits, Mapping):
+        layer = int(name.split(".")[1])
+        if layer not in bits:
+            raise CheckpointError(f"{name}: no EXL3 bits given for layer {layer} (bits has layers {sorted(bits)})")
+        return bits[layer]
+    return bits
+
+
+def _exl3_quantization_config(bits: float | Mapping[int, float], codebook: str,
+                              original: dict | None) -> dict:
+    values = list(bits.values()) if isinstance(bits, Mapping) else [bits]
+    qc = {"quant_method": "exl3", "bits": sum(values) / len(values), "head_bits": 16, "codebook": codebook,
+          "scope": "routed_experts_only"}
+    if original is not None:
+        qc["original_quantization_config"] = original
+    return qc
+
+
+def _encode(config: Any, weights: Mapping[str, Any], experts: str, core: str, bits, codebook: str,
+            progress: bool) -> dict[str, torch.Tensor]:
+    """In-memory weights -> checkpoint tensors (in-memory names) in the requested formats."""
+    specs = expected_tensors(config)
+    out: dict[str, torch.Tensor] = {}
+    for name, w in tqdm(weights.items(), desc="encoding weights", unit="tensor", disable=not progress):
+        base = name.removesuffix(".weight")
+        if not isinstance(w, torch.Tensor):  # an already quantized exl3.EXL3Linear
+            out |= {f"{base}.{k}": t for k, t in w.tensors().items()}
+            continue
+        fmt = experts if is_routed_expert(name) else core
+        if fmt == "exl3":
+            import exl3
+            lin = exl3.quantize(w.float(), _bits_for(bits, name), codebook=codebook,
+                                seed=zlib.crc32(name.encode()))
+            out |= {f"{base}.{k}": t for k, t in lin.tensors().items()}
+        elif fmt == "fp8" and fp8_in_official_release(config, name):
+            out[name], out[name + "_scale_inv"] = quantize_fp8(w)
+        elif specs[name].fp32:
+            out[name] = w.float().contiguous()
+        else:
+            out[name] = w.to(torch.bfloat16).contiguous()
+    return out
+
+
+def write_checkpoint(path: str | Path, config_dict: dict, weights: Mapping[str, Any], experts: str = "bf16",
+                     core: str = "bf16", bits: float | Mapping[int, float] = 4, codebook: str = "mcg",
+                     shard_size: int = 4 << 30, progress: bool = False) -> Path:
+    """Write the real layout: config.json, generation_config.json, model-0000i-of-0000N.safetensors
+    + model.safetensors.index.json (or one model.safetensors).
+
+    `weights` uses in-memory names (as `load_weights` returns them). `experts` ("bf16" | "fp8" |
+    "exl3") is the routed experts' format, `core` ("bf16" | "fp8") the rest's; FP8 applies to the
+    linears the official release quantizes (spec §3). EXL3 experts get `bits` (one value, or one
+    per layer index) with `codebook`. An `EXL3Linear` value is written as it is."""
+    if experts not in ("bf16", "fp8", "exl3"):
+        raise CheckpointError(f"experts={experts!r}: expected 'bf16', 'fp8' or 'exl3'")
+    if core not in ("bf16", "fp8"):
+        raise CheckpointError(f"core={core!r}: expected 'bf16' or 'fp8'")
+    config = _config_object(config_dict)
+    specs = expected_tensors(config)
+    problems = [f"{n}: missing from the weights to write" for n in specs if n not in weights]
+    problems += [f"{n}: not a tensor of this model's layout" for n in weights if n not in specs]
+    for n, w in weights.items():
+        if n in specs and isinstance(w, torch.Tensor) and tuple(w.shape) != specs[n].shape:
+            problems.append(f"{n}: shape {_fmt(w.shape)}, expected {_fmt(specs[n].shape)}")
+    _raise(problems, "weights do not match the config")
+
+    tensors = _encode(config, weights, experts, core, bits, codebook, progress)
+    prefix = TEXT_PREFIXES[0] if "text_config" in config_dict else TEXT_PREFIXES[1]
+    tensors = {(k if k == HEAD_NAME else prefix + k): t for k, t in tensors.items()}
+
+    cfg = dict(config_dict)
+    fp8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+           "weight_block_size": [FP8_BLOCK, FP8_BLOCK]}
+    any_fp8 = core == "fp8" or experts == "fp8"
+    if experts == "exl3":
+        cfg["quantization_config"] = _exl3_quantization_config(bits, codebook, fp8 if any_fp8 else None)
+    elif any_fp8:
+        cfg["quantization_config"] = fp8
+    else:
+        cfg.pop("quantization_config", None)
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    text = config_dict.get("text_config", config_dict)
+    generation = {"eos_token_id": text.get("eos_token_id"), "pad_token_id": text.get("pad_token_id"),
+                  "temperature": 1.0, "top_p": 0.95}
+    (path / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    _write_shards(path, tensors, shard_size)
+    return path
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _write_shards(path: Path, tensors: dict[str, torch.Tensor], shard_size: int) -> None:
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for k in sorted(tensors):
+        t = tensors[k]
+        if shards[-1] and size + _nbytes(t) > shard_size:
+            shards.append({})
+            size = 0
+        shards[-1][k] = t
+        size += _nbytes(t)
+    for stale in list(path.glob("model*.safetensors")) + list(path.glob("model.safetensors.index.json")):
+        stale.unlink()
+    if len(shards) == 1:
+        save_file(shards[0], path / "model.safetensors", metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, path / fname, metadata={"format": "pt"})
+        weight_map |= {k: fname for k in shard}
+    index = {"metadata": {"total_size": sum(_nbytes(t) for t in tensors.values())}, "weight_map": weight_map}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
