@@ -1,0 +1,872 @@
+"""OpenAI-compatible HTTP server: flask handlers and one engine thread doing continuous batching.
+
+    python serve.py [--model PATH_OR_HF_ID] [--host 127.0.0.1] [--port 8000] [--api-key KEY] ...
+
+The engine is not thread-safe, so exactly one thread (EngineLoop) touches it: handlers post
+commands to its inbox (add a request, cancel one, run a function such as scoring) and read their
+request's outputs from a per-request queue. Endpoints: /v1/chat/completions, /v1/completions
+(both streamed as SSE or not), /v1/models, /v1/score (teacher-forced log-probabilities),
+/health (ready after load and warm-up), /metrics (Prometheus text). Every bad request gets an
+OpenAI-style error body {"error": {"message", "type", "param", "code"}} with a 4xx status.
+"""
+from __future__ import annotations
+
+import argparse
+import base64
+import itertools
+import json
+import math
+import queue
+import socket
+import sys
+import threading
+import time
+import traceback
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+from flask import Flask, Response, request
+from werkzeug.exceptions import HTTPException
+from werkzeug.serving import make_server
+
+import chat
+
+STARTED = time.monotonic()  # import time of this module, close to process start: "ready in" counts from here
+MAX_BODY_BYTES = 32 << 20
+MAX_TOP_LOGPROBS = 20
+POLL_S = 0.2  # how often a waiting handler checks whether its client is still connected
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+# ---------------------------------------------------------------------------------------------
+# Metrics (Prometheus text format)
+
+
+class Histogram:
+    def __init__(self, name: str, help: str, buckets: tuple[float, ...]):
+        self.name, self.help, self.buckets = name, help, buckets
+        self.counts = [0] * len(buckets)
+        self.sum, self.count = 0.0, 0
+
+    def observe(self, v: float) -> None:
+        for i, b in enumerate(self.buckets):
+            if v <= b:
+                self.counts[i] += 1
+        self.sum += v
+        self.count += 1
+
+    def lines(self) -> list[str]:
+        out = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
+        out += [f'{self.name}_bucket{{le="{b}"}} {c}' for b, c in zip(self.buckets, self.counts)]
+        out += [f'{self.name}_bucket{{le="+Inf"}} {self.count}', f"{self.name}_sum {self.sum}",
+                f"{self.name}_count {self.count}"]
+        return out
+
+
+class Metrics:
+    """Server-side counters; the engine's own (cache, prefix hits) are read at scrape time."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.requests: dict[tuple[str, int], int] = {}
+        self.prompt_tokens = self.generation_tokens = self.cached_tokens = 0
+        self.finished: dict[str, int] = {}
+        lat = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+        self.ttft = Histogram("glm53_time_to_first_token_seconds", "Time from request arrival to its first token.", lat)
+        self.itl = Histogram("glm53_inter_token_latency_seconds", "Time between a request's successive outputs.", lat)
+        self.e2e = Histogram("glm53_request_latency_seconds", "Time from arrival to the last token.", lat)
+
+    def count_request(self, endpoint: str, status: int) -> None:
+        with self.lock:
+            self.requests[(endpoint, status)] = self.requests.get((endpoint, status), 0) + 1
+
+    def observe(self, hist: Histogram, v: float) -> None:
+        with self.lock:
+            hist.observe(v)
+
+    def finish(self, reason: str, prompt: int, generated: int, cached: int) -> None:
+        with self.lock:
+            self.finished[reason] = self.finished.get(reason, 0) + 1
+            self.prompt_tokens += prompt
+            self.generation_tokens += generated
+            self.cached_tokens += cached
+
+    def render(self, stats: Any) -> str:
+        def metric(name, kind, help, samples):
+            return [f"# HELP {name} {help}", f"# TYPE {name} {kind}"] + [f"{name}{lbl} {v}" for lbl, v in samples]
+
+        with self.lock:
+            lines = metric("glm53_requests_total", "counter", "HTTP requests by endpoint and status.",
+                           [(f'{{endpoint="{e}",status="{s}"}}', n) for (e, s), n in sorted(self.requests.items())])
+            lines += metric("glm53_requests_finished_total", "counter", "Generation requests by finish reason.",
+                            [(f'{{reason="{r}"}}', n) for r, n in sorted(self.finished.items())])
+            lines += metric("glm53_prompt_tokens_total", "counter", "Prompt tokens of finished requests.",
+                            [("", self.prompt_tokens)])
+            lines += metric("glm53_generation_tokens_total", "counter", "Generated tokens of finished requests.",
+                            [("", self.generation_tokens)])
+            lines += metric("glm53_request_cached_tokens_total", "counter",
+                            "Prompt tokens of finished requests served by the prefix cache.", [("", self.cached_tokens)])
+            for h in (self.ttft, self.itl, self.e2e):
+                lines += h.lines()
+        if stats is not None:
+            s = stats
+            lines += metric("glm53_num_requests_running", "gauge", "Sequences in the running batch.", [("", s.running)])
+            lines += metric("glm53_num_requests_waiting", "gauge", "Sequences waiting for admission.", [("", s.waiting)])
+            lines += metric("glm53_cache_blocks_used", "gauge", "Paged cache blocks in use.", [("", s.blocks_used)])
+            lines += metric("glm53_cache_blocks_total", "gauge", "Paged cache blocks in the pool.", [("", s.blocks_total)])
+            lines += metric("glm53_cache_usage_ratio", "gauge", "Fraction of cache blocks in use.",
+                            [("", s.blocks_used / max(s.blocks_total, 1))])
+            lines += metric("glm53_prefix_cache_query_tokens_total", "counter", "Prompt tokens looked up in the prefix cache.",
+                            [("", s.prefix_query_tokens)])
+            lines += metric("glm53_prefix_cache_hit_tokens_total", "counter", "Prompt tokens found in the prefix cache.",
+                            [("", s.prefix_hit_tokens)])
+            lines += metric("glm53_kda_snapshots", "gauge", "KDA state snapshots held for the prefix cache.",
+                            [("", s.snapshots)])
+            lines += metric("glm53_preemptions_total", "counter", "Sequences preempted for lack of cache.",
+                            [("", s.preemptions)])
+        return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------
+# The engine thread
+
+
+@dataclass
+class Pending:
+    """One in-flight request: the engine thread puts RequestOutputs (or an exception) on `outputs`."""
+
+    request_id: str
+    outputs: queue.Queue = field(default_factory=queue.Queue)
+
+
+class EngineLoop:
+    """Owns the engine. Handlers talk to it only through `submit`, `cancel` and `call`."""
+
+    def __init__(self, engine: Any):
+        self.engine = engine
+        self.inbox: queue.Queue = queue.Queue()
+        self.pending: dict[str, Pending] = {}
+        self.thread = threading.Thread(target=self.run, name="engine", daemon=True)
+        self.stopped = False
+
+    def submit(self, prompt_ids: list[int], sampling: Any) -> Pending:
+        p = Pending(f"req-{uuid.uuid4().hex}")
+        self.inbox.put(("add", p, prompt_ids, sampling))
+        return p
+
+    def cancel(self, request_id: str) -> None:
+        self.inbox.put(("cancel", request_id))
+
+    def call(self, fn: Callable[[Any], Any]) -> Any:
+        """Run fn(engine) on the engine thread between steps; return its result or raise its error."""
+        done: queue.Queue = queue.Queue()
+        self.inbox.put(("call", fn, done))
+        ok, value = done.get()
+        if not ok:
+            raise value
+        return value
+
+    def stop(self) -> None:
+        self.stopped = True
+        self.inbox.put(("wake",))
+
+    def run(self) -> None:
+        while not self.stopped:
+            block = not self.engine.has_work()
+            try:
+                cmd = self.inbox.get(block=block)
+            except queue.Empty:
+                cmd = None
+            while cmd is not None:
+                self._do(cmd)
+                try:
+                    cmd = self.inbox.get_nowait()
+                except queue.Empty:
+                    cmd = None
+            if self.engine.has_work():
+                self._step()
+
+    def _do(self, cmd: tuple) -> None:
+        kind = cmd[0]
+        if kind == "add":
+            _, p, prompt_ids, sampling = cmd
+            try:
+                self.engine.add_request(prompt_ids, sampling, p.request_id)
+                self.pending[p.request_id] = p
+            except ValueError as e:
+                p.outputs.put(ApiError(400, str(e)))
+        elif kind == "cancel":
+            self.engine.cancel(cmd[1])
+        elif kind == "call":
+            _, fn, done = cmd
+            try:
+                done.put((True, fn(self.engine)))
+            except Exception as e:  # handed to the caller, who turns it into an HTTP error
+                done.put((False, e))
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception:
+            # An engine bug must not take the server down: fail what is in flight and go on.
+            traceback.print_exc()
+            for rid, p in list(self.pending.items()):
+                self.engine.cancel(rid)
+                p.outputs.put(ApiError(500, "the engine failed while running this request; see the server log",
+                                       type="server_error"))
+            self.pending.clear()
+            try:
+                self.engine.step()  # flush the cancellations
+            except Exception:
+                traceback.print_exc()
+            return
+        for o in outputs:
+            p = self.pending.get(o.request_id)
+            if p is None:
+                continue
+            p.outputs.put(o)
+            if o.finished:
+                del self.pending[o.request_id]
+
+
+# ---------------------------------------------------------------------------------------------
+# Request fields
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+KINDS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "int": (_is_int, "an integer"),
+    "number": (_is_num, "a finite number"),
+    "bool": (lambda v: isinstance(v, bool), "a boolean"),
+    "str": (lambda v: isinstance(v, str), "a string"),
+    "dict": (lambda v: isinstance(v, dict), "an object"),
+    "list": (lambda v: isinstance(v, list), "an array"),
+}
+
+
+def field_of(body: dict, name: str, kind: str, default: Any = None, ok: Callable[[Any], bool] | None = None,
+             why: str = "") -> Any:
+    """body[name] checked for type (and range); null or absent gives `default`."""
+    v = body.get(name)
+    if v is None:
+        return default
+    test, what = KINDS[kind]
+    if not test(v):
+        raise ApiError(400, f"'{name}' must be {what}; got {json.dumps(v)[:80]}", name, "invalid_type")
+    if ok is not None and not ok(v):
+        raise ApiError(400, f"'{name}' {why}; got {json.dumps(v)[:80]}", name, "invalid_value")
+    return v
+
+
+def _stop_strings(body: dict) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > 16:
+        raise ApiError(400, "'stop' must be a non-empty string or a list of at most 16 non-empty strings", "stop",
+                       "invalid_value")
+    return stops
+
+
+def _refuse_unsupported(body: dict) -> None:
+    n = field_of(body, "n", "int", 1)
+    if n != 1:
+        raise ApiError(400, f"'n' = {n} is not supported: this server returns one choice per request", "n",
+                       "unsupported")
+    if body.get("logit_bias"):
+        raise ApiError(400, "'logit_bias' is not supported by this engine", "logit_bias", "unsupported")
+    fmt = body.get("response_format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        raise ApiError(400, "'response_format' other than {'type': 'text'} is not supported", "response_format",
+                       "unsupported")
+
+
+# ---------------------------------------------------------------------------------------------
+# The server
+
+
+@dataclass
+class Job:
+    """A validated generation request, ready for the engine."""
+
+    prompt_ids: list[int]
+    sampling: Any
+    stream: bool
+    include_usage: bool
+    logprobs: int | None  # top alternatives per token when logprobs were asked for
+
+
+class Server:
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.ready = threading.Event()
+        self.load_error: str | None = None
+        self.engine: Any = None
+        self.loop: EngineLoop | None = None
+        self.model_name = args.served_model_name
+        self.model_path: Path | None = None
+        self.defaults: dict[str, float] = {}
+        self.metrics = Metrics()
+        self.ids = itertools.count()
+        self.app = self._make_app()
+        self.http = make_server(args.host, args.port, self.app, threaded=True)
+        self.port = self.http.server_port
+
+    # --- start-up ---------------------------------------------------------------------------
+
+    def load(self) -> None:
+        """Load the checkpoint (with progress bars), warm up, then open /health."""
+        import engine as engine_mod
+        import checkpoint
+        import default_model
+
+        a = self.args
+        try:
+            path = Path(default_model.ensure()) if a.model is None else checkpoint.resolve_model_path(a.model)
+            self.model_path = path
+            self.model_name = self.model_name or (default_model.NAME if a.model is None else
+                                                  a.model.rstrip("/").split("/")[-1])
+            opts = {k: v for k, v in dict(max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
+                                          max_batch_tokens=a.max_batch_tokens, max_cache_tokens=a.max_cache_tokens).items()
+                    if v is not None}
+            dtype = getattr(torch, a.dtype) if a.dtype else None
+            self.engine = engine_mod.load(str(path), device=a.device, dtype=dtype, **opts)
+            self.engine_mod = engine_mod
+            self.added_ids = set(self.engine.tokenizer.get_added_tokens_decoder())
+            gen = path / "generation_config.json"
+            gen_cfg = json.loads(gen.read_text()) if gen.is_file() else {}
+            self.defaults = {k: gen_cfg[k] for k in ("temperature", "top_p", "top_k") if k in gen_cfg}
+            self._warm_up()
+        except Exception as e:
+            self.load_error = f"{type(e).__name__}: {e}"
+            raise
+        self.loop = EngineLoop(self.engine)
+        self.loop.thread.start()
+        self.ready.set()
+        print(f"serve: {self.model_name} ready in {time.monotonic() - STARTED:.1f} s on "
+              f"http://{a.host}:{self.port}", flush=True)
+
+    def _warm_up(self) -> None:
+        # Prefill, decode and scoring each run once, so the first request pays no first-call cost.
+        e = self.engine
+        ids = e.tokenizer.encode("Hello, world. This warms up the engine.", add_special_tokens=False).ids
+        e.generate([ids], self.engine_mod.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+        e.score(ids)
+
+    # --- flask ------------------------------------------------------------------------------
+
+    def _make_app(self) -> Flask:
+        app = Flask("glm53")
+        app.config["MAX_CONTENT_LENGTH"] = MAX_BODY_BYTES
+
+        @app.errorhandler(ApiError)
+        def api_error(e: ApiError):
+            return Response(json.dumps(e.body()), e.status, mimetype="application/json")
+
+        @app.errorhandler(HTTPException)
+        def http_error(e: HTTPException):
+            code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(e.code)
+            return api_error(ApiError(e.code or 400, e.description or e.name, None, code))
+
+        @app.errorhandler(Exception)
+        def internal_error(e: Exception):
+            traceback.print_exc()
+            return api_error(ApiError(500, f"internal error: {type(e).__name__}", type="server_error"))
+
+        @app.before_request
+        def gate():
+            if self.args.api_key and request.path != "/health":
+                if request.headers.get("Authorization", "") != f"Bearer {self.args.api_key}":
+                    raise ApiError(401, "missing or wrong API key (send 'Authorization: Bearer KEY')", None,
+                                   "invalid_api_key", "authentication_error")
+            if request.path.startswith("/v1/") and not self.ready.is_set():
+                raise ApiError(503, "the model is still loading; poll /health", None, "loading", "server_error")
+
+        @app.after_request
+        def count(resp: Response):
+            self.metrics.count_request(request.url_rule.rule if request.url_rule else "other", resp.status_code)
+            return resp
+
+        app.add_url_rule("/health", view_func=self.health)
+        app.add_url_rule("/metrics", view_func=self.metrics_text)
+        app.add_url_rule("/v1/models", view_func=self.models)
+        app.add_url_rule("/v1/chat/completions", view_func=self.chat_completions, methods=["POST"])
+        app.add_url_rule("/v1/completions", view_func=self.completions, methods=["POST"])
+        app.add_url_rule("/v1/score", view_func=self.score, methods=["POST"])
+        return app
+
+    def health(self):
+        if self.ready.is_set():
+            return {"status": "ok", "model": self.model_name}
+        status = "failed: " + self.load_error if self.load_error else "loading"
+        return Response(json.dumps({"status": status}), 503, mimetype="application/json")
+
+    def metrics_text(self):
+        stats = self.loop.call(lambda e: e.stats()) if self.ready.is_set() else None
+        return Response(self.metrics.render(stats), mimetype="text/plain; version=0.0.4")
+
+    def models(self):
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
+                                            "owned_by": "glm53", "max_model_len": self.engine.max_model_len}]}
+
+    # --- request parsing --------------------------------------------------------------------
+
+    def _body(self) -> dict:
+        raw = request.get_data(cache=False)
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ApiError(400, f"the request body is not valid JSON: {e}", None, "invalid_json")
+        if not isinstance(body, dict):
+            raise ApiError(400, "the request body must be a JSON object", None, "invalid_json")
+        model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            raise ApiError(400, "'model' must be a string", "model", "invalid_type")
+        if model not in (None, self.model_name, self.args.model):
+            raise ApiError(404, f"the model '{model}' does not exist; this server serves '{self.model_name}'",
+                           "model", "model_not_found")
+        return body
+
+    def _job(self, body: dict, prompt_ids: list[int], logprobs: int | None, skip_special: bool) -> Job:
+        _refuse_unsupported(body)
+        limit = self.engine.max_model_len
+        if len(prompt_ids) >= limit:
+            raise ApiError(400, f"the prompt has {len(prompt_ids)} tokens; this model's context is {limit} tokens "
+                                f"(at most {limit - 1} for the prompt)", "messages" if "messages" in body else "prompt",
+                           "context_length_exceeded")
+        max_tokens = field_of(body, "max_completion_tokens", "int", None, lambda v: v >= 1, "must be >= 1")
+        max_tokens = field_of(body, "max_tokens", "int", max_tokens, lambda v: v >= 1, "must be >= 1")
+        if max_tokens is not None and len(prompt_ids) + max_tokens > limit:
+            raise ApiError(400, f"max_tokens {max_tokens} + {len(prompt_ids)} prompt tokens exceeds the context of "
+                                f"{limit} tokens", "max_tokens", "context_length_exceeded")
+        top_k = field_of(body, "top_k", "int", self.defaults.get("top_k", 0), lambda v: v >= -1,
+                         "must be >= 0 (-1 or 0 is off)")
+        stream_options = field_of(body, "stream_options", "dict", {})
+        try:
+            sampling = self.engine_mod.SamplingParams(
+                max_tokens=max_tokens,
+                temperature=field_of(body, "temperature", "number", self.defaults.get("temperature", 1.0),
+                                     lambda v: 0 <= v <= 2, "must be between 0 and 2"),
+                top_p=field_of(body, "top_p", "number", self.defaults.get("top_p", 1.0), lambda v: 0 < v <= 1,
+                               "must be in (0, 1]"),
+                top_k=max(top_k, 0),
+                min_p=field_of(body, "min_p", "number", 0.0, lambda v: 0 <= v <= 1, "must be in [0, 1]"),
+                presence_penalty=field_of(body, "presence_penalty", "number", 0.0, lambda v: -2 <= v <= 2,
+                                          "must be between -2 and 2"),
+                frequency_penalty=field_of(body, "frequency_penalty", "number", 0.0, lambda v: -2 <= v <= 2,
+                                           "must be between -2 and 2"),
+                repetition_penalty=field_of(body, "repetition_penalty", "number", 1.0, lambda v: v > 0,
+                                            "must be > 0"),
+                seed=field_of(body, "seed", "int"),
+                stop=_stop_strings(body),
+                ignore_eos=field_of(body, "ignore_eos", "bool", False),
+                logprobs=logprobs,
+                skip_special_tokens=skip_special,
+            )
+        except ValueError as e:
+            raise ApiError(400, str(e), None, "invalid_value")
+        return Job(prompt_ids, sampling, field_of(body, "stream", "bool", False),
+                   bool(field_of(stream_options, "include_usage", "bool", False)), logprobs)
+
+    # --- running a job ----------------------------------------------------------------------
+
+    def _outputs(self, job: Job, sock: socket.socket | None) -> Iterator[Any]:
+        """The engine's outputs for one job; cancels it if the client goes away or stops reading."""
+        p = self.loop.submit(job.prompt_ids, job.sampling)
+        arrived = last = time.monotonic()
+        first = True
+        finished = False
+        try:
+            while True:
+                try:
+                    o = p.outputs.get(timeout=POLL_S)
+                except queue.Empty:
+                    if _client_gone(sock):
+                        return
+                    continue
+                if isinstance(o, ApiError):
+                    raise o
+                now = time.monotonic()
+                if o.token_ids:
+                    self.metrics.observe(self.metrics.ttft if first else self.metrics.itl, now - (arrived if first else last))
+                    first, last = False, now
+                finished = o.finished
+                if finished:
+                    self.metrics.observe(self.metrics.e2e, now - arrived)
+                    u = o.usage
+                    if u is not None:
+                        self.metrics.finish(o.finish_reason, u.prompt_tokens, u.completion_tokens, u.cached_tokens)
+                yield o
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.loop.cancel(p.request_id)
+
+    def _logprob_entries(self, lps: list[Any] | None, n: int | None) -> list[dict]:
+        if not lps:
+            return []
+        tok = self.engine.tokenizer
+
+        def entry(tid: int, lp: float) -> dict:
+            b = token_bytes(tok, tid, self.added_ids)
+            return {"token": b.decode("utf-8", errors="replace"), "logprob": lp, "bytes": list(b)}
+
+        return [{**entry(t.token_id, t.logprob), "top_logprobs": [entry(i, v) for i, v in t.top[:n or 0]]}
+                for t in lps]
+
+    # --- /v1/chat/completions ---------------------------------------------------------------
+
+    def chat_completions(self):
+        body = self._body()
+        try:
+            messages = chat.normalize_messages(body.get("messages"))
+            tools = chat.check_tools(body.get("tools"))
+            kwargs = field_of(body, "chat_template_kwargs", "dict", {})
+            thinking = chat.resolve_thinking(body.get("reasoning_effort", kwargs.get("reasoning_effort")),
+                                             body.get("enable_thinking", kwargs.get("enable_thinking")))
+        except chat.ChatError as e:
+            raise ApiError(400, str(e), e.param, "invalid_value")
+        tool_choice = body.get("tool_choice", "auto" if tools else "none")
+        if tool_choice not in ("auto", "none", "required") and not _named_choice(tool_choice):
+            raise ApiError(400, "'tool_choice' must be 'auto', 'none', 'required' or "
+                                "{'type': 'function', 'function': {'name': ...}}", "tool_choice", "invalid_value")
+        if tool_choice != "none" and not tools:
+            raise ApiError(400, f"'tool_choice' {json.dumps(tool_choice)} needs 'tools'", "tool_choice", "invalid_value")
+        forced = ""
+        if tool_choice == "required" or _named_choice(tool_choice):
+            # No constrained decoding here: the answer is started with <tool_call> (and the name), which
+            # closes the think block first, so these turns have no reasoning.
+            name = tool_choice["function"]["name"] if isinstance(tool_choice, dict) else ""
+            if name and name not in [t["function"]["name"] for t in tools]:
+                raise ApiError(400, f"tool_choice names '{name}', which is not in 'tools'", "tool_choice", "invalid_value")
+            thinking = chat.Thinking(enabled=False, effort=thinking.effort)
+            forced = chat.TOOL_START + name
+        logprobs = field_of(body, "logprobs", "bool", False)
+        top = field_of(body, "top_logprobs", "int", 0, lambda v: 0 <= v <= MAX_TOP_LOGPROBS,
+                       f"must be between 0 and {MAX_TOP_LOGPROBS}")
+        if top and not logprobs:
+            raise ApiError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs", "invalid_value")
+        extra = {k: v for k, v in kwargs.items() if k in ("clear_thinking",)}
+        try:
+            text = chat.render(self.engine.chat_template, messages, tools if tool_choice != "none" else None,
+                               thinking, **extra) + forced
+        except chat.ChatError as e:
+            raise ApiError(400, str(e), e.param, "invalid_value")
+        except Exception as e:  # the template itself rejected the conversation
+            raise ApiError(400, f"the chat template could not render these messages: {e}", "messages", "invalid_value")
+        prompt_ids = self.engine.tokenizer.encode(text, add_special_tokens=False).ids
+        job = self._job(body, prompt_ids, top if logprobs else None, skip_special=False)
+        parser = chat.StreamParser(thinking.enabled, tools, parse_tools=tool_choice != "none")
+        head = parser.feed(forced)
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        outputs = self._outputs(job, request.environ.get("werkzeug.socket"))
+        if job.stream:
+            return self._sse(self._chat_chunks(outputs, parser, head, job, rid, created), outputs)
+        return self._chat_response(outputs, parser, head, job, rid, created)
+
+    def _chat_response(self, outputs, parser, head, job: Job, rid: str, created: int) -> dict:
+        deltas, lps, last = list(head), [], None
+        for o in outputs:
+            deltas += parser.feed(o.text)
+            lps += o.logprobs or []
+            last = o
+        if last is None or not last.finished:
+            raise ApiError(499, "the client went away", None, "cancelled")
+        deltas += parser.finish()
+        calls = [d.tool_call.to_openai() for d in deltas if d.kind == "tool_call"]
+        content = "".join(d.text for d in deltas if d.kind == "content").strip() or None
+        reasoning = "".join(d.text for d in deltas if d.kind == "reasoning") or None
+        message = {"role": "assistant", "content": content, "reasoning_content": reasoning}
+        if calls:
+            message["tool_calls"] = calls
+        choice = {"index": 0, "message": message, "finish_reason": "tool_calls" if calls else last.finish_reason,
+                  "logprobs": {"content": self._logprob_entries(lps, job.logprobs)} if job.logprobs is not None else None}
+        return {"id": rid, "object": "chat.completion", "created": created, "model": self.model_name,
+                "choices": [choice], "usage": _usage(last.usage)}
+
+    def _chat_chunks(self, outputs, parser, head, job: Job, rid: str, created: int) -> Iterator[dict]:
+        def chunk(delta: dict, finish: str | None = None, logprobs: list | None = None) -> dict:
+            c = {"index": 0, "delta": delta, "finish_reason": finish}
+            if job.logprobs is not None:
+                c["logprobs"] = {"content": logprobs or []}
+            return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
+                    "choices": [c]}
+
+        n_calls = 0
+
+        def deltas_to_chunks(deltas) -> Iterator[dict]:
+            nonlocal n_calls
+            for d in deltas:
+                if d.kind == "tool_call":
+                    call = {"index": n_calls, **d.tool_call.to_openai()}
+                    n_calls += 1
+                    yield chunk({"tool_calls": [call]})
+                else:
+                    yield chunk({"reasoning_content" if d.kind == "reasoning" else "content": d.text})
+
+        yield chunk({"role": "assistant", "content": ""})
+        yield from deltas_to_chunks(head)
+        last = None
+        for o in outputs:
+            last = o
+            produced = list(deltas_to_chunks(parser.feed(o.text) + (parser.finish() if o.finished else [])))
+            lps = self._logprob_entries(o.logprobs, job.logprobs)
+            if lps and produced:
+                produced[0]["choices"][0]["logprobs"] = {"content": lps}
+            elif lps:
+                produced = [chunk({}, logprobs=lps)]
+            yield from produced
+        if last is None or not last.finished:
+            return
+        yield chunk({}, "tool_calls" if n_calls else last.finish_reason)
+        if job.include_usage:
+            yield {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
+                   "choices": [], "usage": _usage(last.usage)}
+
+    # --- /v1/completions --------------------------------------------------------------------
+
+    def completions(self):
+        body = self._body()
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # a batch of one
+        if isinstance(prompt, str) and prompt:
+            prompt_ids = self.engine.tokenizer.encode(prompt, add_special_tokens=False).ids
+        elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+            bad = [t for t in prompt if not 0 <= t < self.engine.vocab_size]
+            if bad:
+                raise ApiError(400, f"prompt token ids {bad[:5]} are outside the vocabulary [0, "
+                                    f"{self.engine.vocab_size})", "prompt", "invalid_value")
+            prompt_ids = list(prompt)
+        elif isinstance(prompt, list) and len(prompt) > 1:
+            raise ApiError(400, "a batch of several prompts is not supported: send one prompt per request", "prompt",
+                           "unsupported")
+        else:
+            raise ApiError(400, "'prompt' must be a non-empty string or a non-empty array of token ids", "prompt",
+                           "invalid_value")
+        if not prompt_ids:
+            raise ApiError(400, "'prompt' encodes to no tokens", "prompt", "invalid_value")
+        if field_of(body, "echo", "bool", False) or body.get("suffix") is not None:
+            raise ApiError(400, "'echo' and 'suffix' are not supported", "echo", "unsupported")
+        logprobs = field_of(body, "logprobs", "int", None, lambda v: 0 <= v <= MAX_TOP_LOGPROBS,
+                            f"must be between 0 and {MAX_TOP_LOGPROBS}")
+        skip = field_of(body, "skip_special_tokens", "bool", True)
+        job = self._job(body, prompt_ids, logprobs, skip_special=skip)
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        outputs = self._outputs(job, request.environ.get("werkzeug.socket"))
+
+        def legacy_logprobs(lps) -> dict | None:
+            if job.logprobs is None:
+                return None
+            entries = self._logprob_entries(lps, job.logprobs)
+            return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+                    "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries]}
+
+        def choice(text: str, finish: str | None, lps) -> dict:
+            return {"index": 0, "text": text, "finish_reason": finish, "logprobs": legacy_logprobs(lps)}
+
+        if job.stream:
+            def chunks() -> Iterator[dict]:
+                last = None
+                for o in outputs:
+                    last = o
+                    yield {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
+                           "choices": [choice(o.text, o.finish_reason if o.finished else None, o.logprobs)]}
+                if last is not None and last.finished and job.include_usage:
+                    yield {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
+                           "choices": [], "usage": _usage(last.usage)}
+            return self._sse(chunks(), outputs)
+        texts, lps, last = [], [], None
+        for o in outputs:
+            texts.append(o.text)
+            lps += o.logprobs or []
+            last = o
+        if last is None or not last.finished:
+            raise ApiError(499, "the client went away", None, "cancelled")
+        return {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
+                "choices": [choice("".join(texts), last.finish_reason, lps)], "usage": _usage(last.usage)}
+
+    # --- /v1/score --------------------------------------------------------------------------
+
+    def score(self):
+        """Teacher-forced scoring: token ids in (no template, no BOS), log-probabilities out.
+
+        Row t is the model's distribution for position t+1 given tokens 0..t. Each row reports the
+        log-probability of the actual next token, the top_k alternatives and the probability mass
+        outside them; with "full": true, all rows as little-endian float32 [T, vocab], base64.
+        """
+        body = self._body()
+        ids = body.get("token_ids")
+        if not isinstance(ids, list) or not ids or not all(_is_int(t) for t in ids):
+            raise ApiError(400, "'token_ids' must be a non-empty array of integers", "token_ids", "invalid_value")
+        vocab = self.engine.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ApiError(400, f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})", "token_ids",
+                           "invalid_value")
+        if len(ids) > self.engine.max_model_len:
+            raise ApiError(400, f"{len(ids)} tokens exceed the context of {self.engine.max_model_len}", "token_ids",
+                           "context_length_exceeded")
+        top_k = field_of(body, "top_k", "int", 5, lambda v: 0 <= v <= vocab, f"must be between 0 and {vocab}")
+        full = field_of(body, "full", "bool", False)
+        try:
+            logits = self.loop.call(lambda e: e.score(ids))
+        except ValueError as e:
+            raise ApiError(400 if "free cache blocks" not in str(e) else 503, str(e), "token_ids", "invalid_value")
+        lp = torch.log_softmax(logits.float(), -1)
+        top = torch.topk(lp, top_k, -1) if top_k else None
+        nxt = torch.tensor(ids[1:] + [0])
+        actual = lp.gather(1, nxt[:, None])[:, 0].tolist()
+        rows = []
+        for t in range(len(ids)):
+            row = {"token_logprob": actual[t] if t + 1 < len(ids) else None}
+            if top is not None:
+                row["top_ids"] = top.indices[t].tolist()
+                row["top_logprobs"] = top.values[t].tolist()
+                row["rest_mass"] = max(0.0, 1.0 - float(top.values[t].exp().sum()))
+            rows.append(row)
+        out = {"object": "score", "model": self.model_name, "num_tokens": len(ids), "vocab_size": vocab,
+               "positions": rows}
+        if full:
+            out["full_logprobs"] = {"dtype": "float32", "shape": list(lp.shape),
+                                    "data": base64.b64encode(lp.contiguous().numpy().astype("<f4").tobytes()).decode()}
+        return out
+
+    # --- SSE --------------------------------------------------------------------------------
+
+    def _sse(self, events: Iterator[dict], outputs: Iterator[Any]) -> Response:
+        # Request validation happens before this, so bad requests still get a 4xx status; an error
+        # after the first byte (the engine refusing the request) goes out as an error event.
+        def body() -> Iterator[str]:
+            try:
+                for e in events:
+                    yield f"data: {json.dumps(e, ensure_ascii=False)}\n\n"
+                yield "data: [DONE]\n\n"
+            except ApiError as e:
+                yield f"data: {json.dumps(e.body())}\n\n"
+            finally:
+                # A client that disconnects ends up here (GeneratorExit): cancel its request.
+                events.close()
+                outputs.close()
+
+        return Response(body(), mimetype="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    # --- run --------------------------------------------------------------------------------
+
+    def serve_in_thread(self) -> threading.Thread:
+        t = threading.Thread(target=self.http.serve_forever, name="http", daemon=True)
+        t.start()
+        return t
+
+    def shutdown(self) -> None:
+        self.http.shutdown()
+        if self.loop is not None:
+            self.loop.stop()
+
+
+def _named_choice(choice: Any) -> bool:
+    return (isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict)
+            and isinstance(choice["function"].get("name"), str))
+
+
+def _usage(u: Any) -> dict:
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+            "total_tokens": u.prompt_tokens + u.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
+
+
+def _client_gone(sock: socket.socket | None) -> bool:
+    """True when the peer closed the connection (a readable socket with nothing to read)."""
+    if sock is None:
+        return False
+    try:
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
+def _byte_decoder() -> dict[str, int]:
+    """Inverse of the GPT-2 byte-to-unicode map that byte-level BPE vocabularies are written in."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+BYTE_DECODER = _byte_decoder()
+
+
+def token_bytes(tokenizer: Any, token_id: int, added: set[int]) -> bytes:
+    """The raw bytes one token stands for (OpenAI logprobs' `bytes`); `added` are the added-token ids,
+    whose text is stored as is rather than byte-mapped."""
+    piece = tokenizer.id_to_token(token_id)
+    if piece is None:
+        return b""
+    if token_id not in added and all(ch in BYTE_DECODER for ch in piece):
+        return bytes(BYTE_DECODER[ch] for ch in piece)
+    return piece.encode("utf-8")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help="checkpoint folder or Hugging Face id (default: built-in tiny model)")
+    ap.add_argument("--served-model-name", default=None, help="the model id clients send (default: folder name)")
+    ap.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
+    ap.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    ap.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    ap.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda if available)")
+    ap.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"])
+    ap.add_argument("--max-model-len", type=int, default=None, help="context limit in tokens")
+    ap.add_argument("--max-num-seqs", type=int, default=None, help="sequences in one batch")
+    ap.add_argument("--max-batch-tokens", type=int, default=None, help="tokens in one forward")
+    ap.add_argument("--max-cache-tokens", type=int, default=None, help="paged cache size in tokens")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    server = Server(parse_args(argv))
+    print(f"serve: listening on http://{server.args.host}:{server.port} (/health turns ready after load)", flush=True)
+    http = server.serve_in_thread()
+    try:
+        server.load()
+    except Exception as e:
+        print(f"serve: loading failed: {e}", file=sys.stderr, flush=True)
+        server.shutdown()
+        raise SystemExit(1)
+    try:
+        while http.is_alive():
+            http.join(1.0)
+    except KeyboardInterrupt:
+        server.shutdown()
+
+
+if __name__ == "__main__":
+    main()
