@@ -1,0 +1,761 @@
+"""The generate loop: requests -> scheduler and block manager -> model forward -> sampling.
+
+One `Engine.step()` is one scheduler iteration (nano-vllm's split, serving.md §4.1 and §5):
+1. schedule: running sequences first (one decode token, or the next prefill chunk), then admit
+   waiting ones, all under a token budget; when blocks run out the youngest running sequence is
+   preempted (its cache is dropped and recomputed later);
+2. run `GLMModel.forward` on the chunks;
+3. commit: hash the blocks that became full, keep the KDA snapshots the prefix cache wants;
+4. sample a token for every sequence whose chunk reached its last token, detokenize, check stops.
+
+The cache is hybrid (glm53.md §4.3-4.4): paged DSA blocks (latent, indexer keys, gate scores,
+pooled keys) addressed through per-sequence block tables, plus one KDA slot (recurrent state and
+conv window) per running sequence. The prefix cache therefore needs two things for a hit at a block
+boundary: the DSA blocks before it (shared, refcounted, immutable once full, found by chained
+hashes of their token ids) and a snapshot of the KDA slot taken at that boundary.
+"""
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import math
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Sequence as Seq
+
+import numpy as np
+import torch
+from tokenizers import Tokenizer
+
+from cache import CachePool
+from model_glm import GLMConfig, GLMModel, SeqChunk
+
+FINISH_REASONS = ("stop", "length", "cancelled")
+
+
+# ---------------------------------------------------------------------------------------------
+# Requests and results
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling. temperature 0 is greedy; top_k 0, top_p 1, min_p 0 switch a filter off.
+
+    Order (as vLLM): penalties, temperature, top_k, top_p, min_p. `stop_token_ids` are extra stop
+    ids; the checkpoint's eos ids always stop unless `ignore_eos`. A stop string ends the text
+    before it. `logprobs=n` returns the chosen token's log-probability and the n most likely
+    tokens, from the model's distribution before any of the processing above.
+    """
+
+    max_tokens: int | None = None  # None: until a stop or the context limit
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+
+        def bad(name: str, why: str) -> ValueError:
+            return ValueError(f"SamplingParams.{name} = {getattr(self, name)!r}: {why}")
+
+        def is_int(x) -> bool:
+            return isinstance(x, int) and not isinstance(x, bool)
+
+        def is_num(x) -> bool:
+            return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+        if self.max_tokens is not None and not (is_int(self.max_tokens) and self.max_tokens >= 1):
+            raise bad("max_tokens", "must be an integer >= 1 (or None for no limit)")
+        if not (is_num(self.temperature) and self.temperature >= 0):
+            raise bad("temperature", "must be a finite number >= 0 (0 is greedy)")
+        if not (is_int(self.top_k) and self.top_k >= 0):
+            raise bad("top_k", "must be an integer >= 0 (0 keeps every token)")
+        if not (is_num(self.top_p) and 0 < self.top_p <= 1):
+            raise bad("top_p", "must be in (0, 1]")
+        if not (is_num(self.min_p) and 0 <= self.min_p <= 1):
+            raise bad("min_p", "must be in [0, 1]")
+        if not (is_num(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise bad("repetition_penalty", "must be a finite number > 0 (1 is off)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not (is_num(getattr(self, name)) and -2 <= getattr(self, name) <= 2):
+                raise bad(name, "must be in [-2, 2]")
+        if self.seed is not None and not is_int(self.seed):
+            raise bad("seed", "must be an integer or None")
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
+            raise bad("stop", "must be a non-empty string or a list of non-empty strings")
+        if not isinstance(self.stop_token_ids, list) or not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "must be a list of token ids >= 0")
+        if self.logprobs is not None and not (is_int(self.logprobs) and self.logprobs >= 0):
+            raise bad("logprobs", "must be an integer >= 0 (the number of top alternatives) or None")
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, logprob), most likely first
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int  # prompt tokens served by the prefix cache
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request: the new tokens and the new text (a delta)."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finished: bool = False
+    finish_reason: str | None = None
+    usage: Usage | None = None  # set when finished
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass
+class Result:
+    text: str
+    token_ids: list[int]  # completion tokens, including a stop token that ended it
+    finish_reason: str
+    usage: Usage
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass
+class EngineStats:
+    running: int
+    waiting: int
+    blocks_used: int
+    blocks_total: int
+    blocks_cached: int  # free blocks that still hold a reusable full block
+    snapshots: int
+    snapshot_bytes: int
+    prefix_query_tokens: int
+    prefix_hit_tokens: int
+    prompt_tokens_computed: int
+    tokens_generated: int
+    preemptions: int
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampling
+
+
+def process_logits(logits: torch.Tensor, p: SamplingParams, prompt_ids: torch.Tensor,
+                   output_ids: torch.Tensor) -> torch.Tensor:
+    """fp32 [vocab] logits -> the logits sampling draws from (-inf where a filter removed a token)."""
+    x = logits.float().clone()
+    if p.repetition_penalty != 1.0:
+        # CTRL-style: seen tokens (prompt and output) get less likely whatever the logit's sign.
+        seen = torch.cat([prompt_ids, output_ids]).unique()
+        v = x[seen]
+        x[seen] = torch.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
+    if (p.presence_penalty or p.frequency_penalty) and output_ids.numel():
+        counts = torch.bincount(output_ids, minlength=x.numel()).to(x.dtype)
+        x -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(x.dtype)
+    if p.temperature > 0:
+        x /= p.temperature
+    if 0 < p.top_k < x.numel():
+        kth = torch.topk(x, p.top_k).values[-1]
+        x[x < kth] = -math.inf
+    if p.top_p < 1.0:
+        # Keep the smallest set of most likely tokens whose mass reaches top_p.
+        sorted_x, order = torch.sort(x, descending=True)
+        cum = torch.softmax(sorted_x, -1).cumsum(-1)
+        drop = (cum - torch.softmax(sorted_x, -1)) >= p.top_p
+        x[order[drop]] = -math.inf
+    if p.min_p > 0:
+        probs = torch.softmax(x, -1)
+        x[probs < p.min_p * probs.max()] = -math.inf
+    return x
+
+
+def sample(logits: torch.Tensor, p: SamplingParams, prompt_ids: torch.Tensor, output_ids: torch.Tensor,
+           generator: torch.Generator) -> int:
+    x = process_logits(logits, p, prompt_ids, output_ids)
+    if p.temperature == 0:
+        return int(torch.argmax(x))
+    return int(torch.multinomial(torch.softmax(x, -1), 1, generator=generator))
+
+
+def token_logprobs(logits: torch.Tensor, token: int, n: int) -> TokenLogprob:
+    lp = torch.log_softmax(logits.float(), -1)
+    top = torch.topk(lp, min(n, lp.numel())) if n else None
+    pairs = list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else []
+    return TokenLogprob(token, float(lp[token]), pairs)
+
+
+# ---------------------------------------------------------------------------------------------
+# Detokenization
+
+
+class Detokenizer:
+    """Incremental decode that only emits text once its UTF-8 bytes are complete.
+
+    Byte-level BPE can split one character over several tokens; decoding such a prefix gives
+    U+FFFD. Decode a short window (from `prefix` on) and emit the part past the already-emitted
+    window only when it does not end in U+FFFD (the approach of HF TGI and vLLM).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool):
+        self.tokenizer, self.skip = tokenizer, skip_special_tokens
+        self.ids: list[int] = []
+        self.prefix = self.read = 0
+
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        before = self.tokenizer.decode(self.ids[self.prefix:self.read], skip_special_tokens=self.skip)
+        after = self.tokenizer.decode(self.ids[self.prefix:], skip_special_tokens=self.skip)
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return ""
+        self.prefix, self.read = self.read, len(self.ids)
+        return after[len(before):]
+
+
+def held_back(text: str, stops: list[str]) -> int:
+    """Length of the longest tail of `text` that could still grow into a stop string."""
+    return max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Block manager and prefix cache
+
+
+def block_hash(prev: bytes, tokens: Seq[int]) -> bytes:
+    """Chained hash: a block's identity is its tokens and everything before them."""
+    return hashlib.blake2b(prev + np.asarray(tokens, dtype=np.int64).tobytes(), digest_size=16).digest()
+
+
+@dataclass
+class Snapshot:
+    kda_state: torch.Tensor  # [n_kda, H, d_k, d_v] after the boundary's last token
+    conv_state: torch.Tensor  # [n_kda, 3, conv_kernel - 1, H * d]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.kda_state, self.conv_state))
+
+
+class SnapshotStore:
+    """KDA snapshots at block boundaries, keyed by the hash of the boundary's last block.
+
+    LRU within `max_bytes` (the full model's snapshot is ~141 MiB, so the budget bounds them).
+    """
+
+    def __init__(self, max_bytes: int, device: torch.device):
+        self.max_bytes, self.device = max_bytes, device
+        self.items: OrderedDict[bytes, Snapshot] = OrderedDict()
+        self.nbytes = 0
+
+    def __contains__(self, h: bytes) -> bool:
+        return h in self.items
+
+    def put(self, h: bytes, kda_state: torch.Tensor, conv_state: torch.Tensor) -> None:
+        if h in self.items:
+            self.items.move_to_end(h)
+            return
+        snap = Snapshot(kda_state.to(self.device, copy=True), conv_state.to(self.device, copy=True))
+        if snap.nbytes > self.max_bytes:
+            return
+        while self.nbytes + snap.nbytes > self.max_bytes:
+            self.discard(next(iter(self.items)))
+        self.items[h] = snap
+        self.nbytes += snap.nbytes
+
+    def get(self, h: bytes) -> Snapshot:
+        self.items.move_to_end(h)
+        return self.items[h]
+
+    def discard(self, h: bytes) -> None:
+        snap = self.items.pop(h, None)
+        if snap is not None:
+            self.nbytes -= snap.nbytes
+
+
+class BlockManager:
+    """Physical DSA blocks: reference counts, the hash -> block map of full blocks, LRU reuse.
+
+    A free block keeps its hash (and stays findable) until it is handed out again; free blocks are
+    handed out least recently freed first. Evicting a block also drops the snapshot keyed by it,
+    which could never be used again.
+    """
+
+    def __init__(self, num_blocks: int, snapshots: SnapshotStore):
+        self.num_blocks, self.snapshots = num_blocks, snapshots
+        self.ref = [0] * num_blocks
+        self.hash: list[bytes | None] = [None] * num_blocks
+        self.cached: dict[bytes, int] = {}
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+
+    def num_free(self) -> int:
+        return len(self.free)
+
+    def allocate(self) -> int:
+        b, _ = self.free.popitem(last=False)
+        h = self.hash[b]
+        if h is not None:
+            if self.cached.get(h) == b:
+                del self.cached[h]
+                self.snapshots.discard(h)
+            self.hash[b] = None
+        self.ref[b] = 1
+        return b
+
+    def share(self, b: int) -> None:
+        if self.ref[b] == 0:
+            del self.free[b]
+        self.ref[b] += 1
+
+    def release(self, blocks: list[int]) -> None:
+        # Reversed: a sequence's first blocks are the most shareable, so they are evicted last.
+        for b in reversed(blocks):
+            self.ref[b] -= 1
+            if self.ref[b] == 0:
+                self.free[b] = None
+
+    def register(self, b: int, h: bytes) -> None:
+        self.hash[b] = h
+        self.cached[h] = b
+
+    def match(self, hashes: list[bytes], max_blocks: int) -> tuple[int, int]:
+        """(hit, common): blocks restorable (DSA blocks and a KDA snapshot), blocks cached at all."""
+        common = next((i for i, h in enumerate(hashes) if h not in self.cached), len(hashes))
+        hit = next((k for k in range(min(common, max_blocks), 0, -1) if hashes[k - 1] in self.snapshots), 0)
+        return hit, common
+
+
+# ---------------------------------------------------------------------------------------------
+# Sequences
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    token_ids: list[int]  # prompt then output
+    prompt_len: int
+    params: SamplingParams
+    stop_ids: frozenset[int]
+    generator: torch.Generator
+    detok: Detokenizer
+    prompt_tensor: torch.Tensor
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # of the full blocks of token_ids
+    snapshot_at: set[int] = field(default_factory=set)  # boundaries (token counts) to snapshot
+    slot: int = -1
+    num_computed: int = 0  # tokens whose cache entries exist
+    cached_tokens: int = -1  # prefix-cache hit of the first admission
+    text: str = ""
+    emitted: int = 0  # characters of text already returned
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len:]
+
+
+# ---------------------------------------------------------------------------------------------
+# Engine
+
+
+class Engine:
+    """Continuous batching over a paged hybrid cache. Not thread-safe: one thread calls step()."""
+
+    def __init__(self, model: GLMModel, tokenizer: Tokenizer, *, eos_token_ids: Seq[int],
+                 chat_template: str | None = None, num_blocks: int | None = None,
+                 max_cache_tokens: int | None = None, memory_fraction: float = 0.9, max_num_seqs: int = 16,
+                 max_batch_tokens: int = 2048, block_size: int = 64, max_model_len: int | None = None,
+                 snapshot_bytes: int = 4 << 30, snapshot_device: str | torch.device = "cpu"):
+        self.model, self.tokenizer, self.chat_template = model, tokenizer, chat_template
+        self.config: GLMConfig = model.config
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.vocab_size = self.config.vocab_size
+        self.device, self.dtype = model.weights["embed_tokens.weight"].device, model.dtype
+        if block_size <= 0 or block_size % self.config.index_kpool:
+            raise ValueError(f"block_size {block_size} must be a positive multiple of index_kpool "
+                             f"{self.config.index_kpool} so no k-pool straddles a block boundary")
+        if max_batch_tokens < 1 or max_num_seqs < 1:
+            raise ValueError(f"max_batch_tokens ({max_batch_tokens}) and max_num_seqs ({max_num_seqs}) must be >= 1")
+        self.block_size, self.max_num_seqs, self.max_batch_tokens = block_size, max_num_seqs, max_batch_tokens
+        num_slots = max_num_seqs + 1  # the last slot belongs to score(), so scoring never waits
+        # Per-block and per-slot sizes from the pool's own layout, built on the meta device (no memory).
+        probe = CachePool(self.config, 1, 1, block_size=block_size, dtype=self.dtype, device="meta")
+        block_bytes, slot_bytes = probe.bytes_per_token() * block_size, probe.bytes_per_sequence()
+        num_blocks = self._size_pool(num_blocks, max_cache_tokens, memory_fraction, block_bytes,
+                                     slot_bytes * num_slots)
+        self.cache = CachePool(self.config, num_blocks, num_slots, block_size=block_size, dtype=self.dtype,
+                               device=self.device)
+        print(f"engine: cache {num_blocks} blocks x {block_size} tokens, {block_bytes / block_size:.0f} B/token, "
+              f"{slot_bytes / 2**20:.1f} MiB KDA state per sequence, {num_slots} slots, "
+              f"{(num_blocks * block_bytes + num_slots * slot_bytes) / 2**30:.3f} GiB")
+        self.max_model_len = min(max_model_len or num_blocks * block_size, num_blocks * block_size)
+        self.blocks = BlockManager(num_blocks, SnapshotStore(snapshot_bytes, torch.device(snapshot_device)))
+        self.free_slots = list(range(max_num_seqs))
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.requests: dict[str, Sequence] = {}
+        self.cancelled: list[RequestOutput] = []
+        self.ids = itertools.count()
+        self.counters = dict(prefix_query_tokens=0, prefix_hit_tokens=0, prompt_tokens_computed=0,
+                             tokens_generated=0, preemptions=0)
+
+    def _size_pool(self, num_blocks, max_cache_tokens, memory_fraction, block_bytes, state_bytes) -> int:
+        if num_blocks is None and max_cache_tokens is not None:
+            num_blocks = -(-max_cache_tokens // self.block_size)
+        if num_blocks is None and self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            num_blocks = int((free * memory_fraction - state_bytes) // block_bytes)
+        if num_blocks is None:
+            num_blocks = 65536 // self.block_size
+        if num_blocks < 1:
+            raise ValueError(f"the cache gets {num_blocks} blocks: give num_blocks or max_cache_tokens, or free memory")
+        return num_blocks
+
+    # --- requests ---------------------------------------------------------------------------
+
+    def encode(self, prompt: str | list[int] | list[dict], **chat_kwargs) -> list[int]:
+        """Text, token ids, or chat messages (rendered with the checkpoint's template) -> ids."""
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=False).ids
+        if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
+            if self.chat_template is None:
+                raise ValueError("chat messages need a chat template; the checkpoint has no chat_template.jinja")
+            import chat
+            text = chat.render(self.chat_template, chat.normalize_messages(prompt), **chat_kwargs)
+            return self.tokenizer.encode(text, add_special_tokens=False).ids
+        if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return list(prompt)
+        raise ValueError(f"a prompt is a string, a list of token ids or a list of chat messages, got {type(prompt).__name__}")
+
+    def add_request(self, prompt_ids: list[int], sampling: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        p = sampling or SamplingParams()
+        request_id = request_id if request_id is not None else f"req-{next(self.ids)}"
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in the engine")
+        if not prompt_ids:
+            raise ValueError("prompt is empty: the model needs at least one token")
+        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(prompt_ids)} tokens; the limit is {self.max_model_len - 1} "
+                             f"(context {self.max_model_len} = min(max_model_len, cache blocks x block size), "
+                             f"one position left to generate)")
+        if any(t >= self.vocab_size for t in p.stop_token_ids):
+            raise ValueError(f"stop_token_ids {p.stop_token_ids} must be below the vocabulary size {self.vocab_size}")
+        generator = torch.Generator(self.device)
+        if p.seed is None:
+            generator.seed()
+        else:
+            generator.manual_seed(p.seed)
+        seq = Sequence(request_id, list(prompt_ids), len(prompt_ids), p,
+                       frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self.eos_token_ids),
+                       generator, Detokenizer(self.tokenizer, p.skip_special_tokens),
+                       torch.tensor(prompt_ids, dtype=torch.long, device=self.device))
+        self.requests[request_id] = seq
+        self.waiting.append(seq)
+        return request_id
+
+    def cancel(self, request_id: str) -> bool:
+        """Stop a request and free its cache; the next step() reports it. False if unknown/finished."""
+        seq = self.requests.get(request_id)
+        if seq is None:
+            return False
+        self._finish(seq, "cancelled")
+        self.cancelled.append(self._output(seq, [], None))
+        return True
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.cancelled)
+
+    def stats(self) -> EngineStats:
+        b = self.blocks
+        return EngineStats(len(self.running), len(self.waiting), b.num_blocks - b.num_free(), b.num_blocks,
+                           sum(b.hash[i] is not None for i in b.free), len(b.snapshots.items),
+                           b.snapshots.nbytes, **self.counters)
+
+    # --- one iteration ----------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        outputs, self.cancelled = self.cancelled, []
+        batch = self._schedule()
+        if not batch:
+            return outputs
+        chunks = [SeqChunk(torch.tensor(seq.token_ids[seq.num_computed:seq.num_computed + n], device=self.device),
+                           seq.num_computed, torch.tensor(seq.block_table, device=self.device), seq.slot)
+                  for seq, n in batch]
+        want = any(seq.num_computed < b <= seq.num_computed + n for seq, n in batch for b in seq.snapshot_at)
+        out = self.model.forward(chunks, self.cache, want_block_states=want)
+        for i, (seq, n) in enumerate(batch):
+            self._commit(seq, n, out.block_states[i] if want else [])
+            if seq.num_computed == len(seq.token_ids):
+                outputs.append(self._sample(seq, out.logits[i]))
+        return outputs
+
+    def _schedule(self) -> list[tuple[Sequence, int]]:
+        """Pick (sequence, number of new tokens) pairs: running first, then admissions."""
+        budget, batch = self.max_batch_tokens, []
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq not in self.running:  # preempted below for an older sequence
+                continue
+            n = min(len(seq.token_ids) - seq.num_computed, budget)
+            need = self._blocks_needed(seq, seq.num_computed + n)
+            while self.blocks.num_free() < need and seq in self.running:
+                self._preempt(self.running[-1])
+            if seq in self.running:
+                self._grow(seq, need)
+                batch.append((seq, n))
+                budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            n = self._admit(self.waiting[0], budget)
+            if n == 0:
+                break
+            seq = self.waiting.popleft()
+            self.running.append(seq)
+            batch.append((seq, n))
+            budget -= n
+        return batch
+
+    def _blocks_needed(self, seq: Sequence, upto: int) -> int:
+        return max(0, -(-upto // self.block_size) - len(seq.block_table))
+
+    def _grow(self, seq: Sequence, n: int) -> None:
+        seq.block_table += [self.blocks.allocate() for _ in range(n)]
+
+    def _admit(self, seq: Sequence, budget: int) -> int:
+        """Give a waiting sequence its prefix-cache hit, blocks and a slot; returns its chunk length."""
+        bs = self.block_size
+        full = len(seq.token_ids) // bs
+        while len(seq.block_hashes) < full:
+            i = len(seq.block_hashes)
+            seq.block_hashes.append(block_hash(seq.block_hashes[-1] if i else b"", seq.token_ids[i * bs:(i + 1) * bs]))
+        # The last token is always recomputed: its logits pick the next token.
+        hit, common = self.blocks.match(seq.block_hashes, (len(seq.token_ids) - 1) // bs)
+        hit_blocks = [self.blocks.cached[h] for h in seq.block_hashes[:hit]]
+        n = min(len(seq.token_ids) - hit * bs, budget)
+        need = -(-(hit * bs + n) // bs) - hit
+        if self.blocks.num_free() - sum(self.blocks.ref[b] == 0 for b in hit_blocks) < need:
+            return 0
+        for b in hit_blocks:
+            self.blocks.share(b)
+        seq.block_table = hit_blocks
+        self._grow(seq, need)
+        seq.slot = self.free_slots.pop()
+        if hit:  # (a chunk that starts at 0 makes the model reset the slot itself)
+            snap = self.blocks.snapshots.get(seq.block_hashes[hit - 1])
+            self.cache.kda_state[:, seq.slot].copy_(snap.kda_state)
+            self.cache.conv_state[:, seq.slot].copy_(snap.conv_state)
+        seq.num_computed = hit * bs
+        # Snapshot the prompt's last full block (a repeated or extended prompt restores there) and
+        # the point where it leaves the cached blocks (a shared system prompt: later requests hit).
+        seq.snapshot_at = {b * bs for b in (full, common) if hit < b <= full}
+        if seq.cached_tokens < 0:
+            seq.cached_tokens = hit * bs
+        self.counters["prefix_query_tokens"] += seq.prompt_len
+        self.counters["prefix_hit_tokens"] += hit * bs
+        return n
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Drop a running sequence's cache; it waits at the front and recomputes prompt + output."""
+        self._release(seq)
+        self.running.remove(seq)
+        self.waiting.appendleft(seq)
+        self.counters["preemptions"] += 1
+
+    def _release(self, seq: Sequence) -> None:
+        self.blocks.release(seq.block_table)
+        seq.block_table, seq.num_computed, seq.snapshot_at = [], 0, set()
+        if seq.slot >= 0:
+            self.free_slots.append(seq.slot)
+            seq.slot = -1
+
+    def _commit(self, seq: Sequence, n: int, block_states: list) -> None:
+        """Advance past the computed chunk: hash and publish full blocks, keep wanted snapshots."""
+        bs, start = self.block_size, seq.num_computed
+        seq.num_computed += n
+        self.counters["prompt_tokens_computed"] += max(0, min(seq.num_computed, seq.prompt_len) - start)
+        for i in range(start // bs, seq.num_computed // bs):
+            if i == len(seq.block_hashes):
+                seq.block_hashes.append(block_hash(seq.block_hashes[-1] if i else b"", seq.token_ids[i * bs:(i + 1) * bs]))
+            self.blocks.register(seq.block_table[i], seq.block_hashes[i])
+        for pos, kda_state, conv_state in block_states:
+            if pos + 1 in seq.snapshot_at:
+                self.blocks.snapshots.put(seq.block_hashes[(pos + 1) // bs - 1], kda_state, conv_state)
+
+    def _sample(self, seq: Sequence, logits: torch.Tensor) -> RequestOutput:
+        p = seq.params
+        out_ids = torch.tensor(seq.output_ids, dtype=torch.long, device=self.device)
+        token = sample(logits, p, seq.prompt_tensor, out_ids, seq.generator)
+        seq.token_ids.append(token)
+        self.counters["tokens_generated"] += 1
+        new_lp = [token_logprobs(logits, token, p.logprobs)] if p.logprobs is not None else None
+        if new_lp:
+            seq.logprobs += new_lp
+        if token in seq.stop_ids:
+            self._finish(seq, "stop")
+        else:
+            old_len = len(seq.text)
+            seq.text += seq.detok.push(token)
+            # A stop string can only be new if it ends inside the new text.
+            hit = [i for i in (seq.text.find(s, max(0, old_len - len(s) + 1)) for s in p.stop) if i >= 0]
+            if hit:
+                seq.text = seq.text[:min(hit)]
+                self._finish(seq, "stop")
+            elif len(seq.output_ids) == p.max_tokens or len(seq.token_ids) >= self.max_model_len:
+                self._finish(seq, "length")
+        return self._output(seq, [token], new_lp)
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.finish_reason = reason
+        self._release(seq)
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        del self.requests[seq.request_id]
+
+    def _output(self, seq: Sequence, token_ids: list[int], logprobs: list[TokenLogprob] | None) -> RequestOutput:
+        finished = seq.finish_reason is not None
+        end = len(seq.text) if finished else len(seq.text) - held_back(seq.text, seq.params.stop)
+        text, seq.emitted = seq.text[seq.emitted:max(end, seq.emitted)], max(end, seq.emitted)
+        usage = Usage(seq.prompt_len, len(seq.output_ids), max(seq.cached_tokens, 0)) if finished else None
+        return RequestOutput(seq.request_id, token_ids, text, finished, seq.finish_reason, usage, logprobs)
+
+    # --- whole requests ---------------------------------------------------------------------
+
+    def generate(self, prompts, sampling: SamplingParams | list[SamplingParams] | None = None,
+                 **chat_kwargs) -> list[Result]:
+        """Run prompts to completion (a prompt is text, token ids or chat messages)."""
+        single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and
+                                               not isinstance(prompts[0], (str, list)))
+        prompts = [prompts] if single else list(prompts)
+        params = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
+        self._require_idle()
+        ids = [self.encode(pr, **chat_kwargs) for pr in prompts]
+        rids = [self.add_request(x, sp) for x, sp in zip(ids, params)]
+        want_lp = {r: sp is not None and sp.logprobs is not None for r, sp in zip(rids, params)}
+        results: dict[str, Result] = {}
+        tokens: dict[str, list[int]] = {r: [] for r in rids}
+        texts: dict[str, list[str]] = {r: [] for r in rids}
+        logprobs: dict[str, list[TokenLogprob]] = {r: [] for r in rids}
+        while self.has_work():
+            for o in self.step():
+                r = o.request_id
+                tokens[r] += o.token_ids
+                texts[r].append(o.text)
+                logprobs[r] += o.logprobs or []
+                if o.finished:
+                    results[r] = Result("".join(texts[r]), tokens[r], o.finish_reason, o.usage,
+                                        logprobs[r] if want_lp[r] else None)
+        return [results[r] for r in rids]
+
+    def stream(self, prompt, sampling: SamplingParams | None = None, **chat_kwargs) -> Iterator[RequestOutput]:
+        """Yield one RequestOutput (token and text deltas) per step until the request finishes."""
+        self._require_idle()
+        rid = self.add_request(self.encode(prompt, **chat_kwargs), sampling)
+        try:
+            while self.has_work():
+                for o in self.step():
+                    if o.request_id == rid:
+                        yield o
+        finally:
+            if rid in self.requests:  # the consumer stopped early
+                self.cancel(rid)
+                self.cancelled = [o for o in self.cancelled if o.request_id != rid]
+
+    def _require_idle(self) -> None:
+        if self.has_work():
+            raise RuntimeError("generate()/stream() drive the engine themselves; requests added with "
+                               "add_request() are still in flight")
+
+    @torch.no_grad()
+    def score(self, token_ids: list[int], chunk_tokens: int | None = None) -> torch.Tensor:
+        """Teacher-forced fp32 logits [T, vocab]: row t predicts token t+1 (no template, no BOS)."""
+        T, bs = len(token_ids), self.block_size
+        if T == 0 or -(-T // bs) > self.blocks.num_free():
+            raise ValueError(f"score() needs {-(-T // bs)} free cache blocks for {T} tokens; "
+                             f"{self.blocks.num_free()} are free of {self.blocks.num_blocks}")
+        chunk = chunk_tokens or self.max_batch_tokens
+        table = [self.blocks.allocate() for _ in range(-(-T // bs))]
+        slot = self.max_num_seqs
+        try:
+            ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+            bt = torch.tensor(table, device=self.device)
+            rows = [self.model.forward([SeqChunk(ids[s:s + chunk], s, bt, slot)], self.cache, all_logits=True).logits
+                    for s in range(0, T, chunk)]
+        finally:
+            self.blocks.release(table)
+        return torch.cat(rows).float()
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+
+def load(path_or_hf_id: str | Path | None = None, device: str | torch.device | None = None,
+         dtype: torch.dtype | None = None, progress: bool = True, **engine_opts) -> Engine:
+    """A checkpoint folder or Hugging Face id (None: the built-in default model) -> a ready Engine.
+
+    `engine_opts` go to Engine: num_blocks / max_cache_tokens / memory_fraction (pool size),
+    max_num_seqs, max_batch_tokens, block_size, max_model_len, snapshot_bytes, snapshot_device.
+    """
+    import checkpoint
+    if path_or_hf_id is None:
+        import default_model
+        path = Path(default_model.ensure())
+    else:
+        path = checkpoint.resolve_model_path(path_or_hf_id)
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    config = GLMConfig.from_file(path)
+    model = GLMModel(config, checkpoint.load_weights(path, config, dtype, device, progress))
+    if not (path / "tokenizer.json").is_file():
+        raise FileNotFoundError(f"{path / 'tokenizer.json'} is missing: the engine needs the checkpoint's tokenizer")
+    tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+    return Engine(model, tokenizer, eos_token_ids=_eos_ids(path, config), chat_template=_chat_template(path),
+                  **engine_opts)
+
+
+def _eos_ids(path: Path, config: GLMConfig) -> list[int]:
+    """generation_config.json's eos_token_id (GLM lists three stop ids there), else config.json's."""
+    gen = path / "generation_config.json"
+    eos = json.loads(gen.read_text()).get("eos_token_id") if gen.is_file() else None
+    if eos is None:
+        return list(config.eos_token_ids)
+    return eos if isinstance(eos, list) else [eos]
+
+
+def _chat_template(path: Path) -> str | None:
+    if (path / "chat_template.jinja").is_file():
+        return (path / "chat_template.jinja").read_text()
+    cfg = path / "tokenizer_config.json"
+    template = json.loads(cfg.read_text()).get("chat_template") if cfg.is_file() else None
+    return template if isinstance(template, str) else None
+
+
+def generate(model: str | Path | Engine | None, prompts, **sampling) -> list[Result]:
+    """One line: `generate("path/or/hf-id", "Hello", max_tokens=20)[0].text` (loads unless given an Engine)."""
+    engine = model if isinstance(model, Engine) else load(model)
+    return engine.generate(prompts, SamplingParams(**sampling))

@@ -1,0 +1,457 @@
+"""engine.py: sampling, block manager, scheduler, prefix cache and the generate loop.
+
+Engine tests run the tiny real-layout model (tests/tiny.py) in fp32 on CPU. A "solo" reference is
+each prompt alone on an engine whose prefix cache is off (snapshot_bytes=0), so it is always cold.
+"""
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+import engine as E
+import tiny
+from model_glm import GLMConfig, GLMModel
+
+BS = 16  # block size: a multiple of index_kpool (4), small so short prompts span several blocks
+EOS = 1  # tiny config's eos_token_id
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # The tiny model's matmuls are far below threading break-even; on a shared 2-core machine two
+    # threads made a step ~15x slower.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def make_tokenizer(vocab_size: int) -> Tokenizer:
+    """A byte-level BPE with exactly the tiny model's vocabulary: <pad>=0, <eos>=1, then bytes and merges."""
+    rng = random.Random(0)
+    words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 7))) for _ in range(400)]
+    corpus = [" ".join(rng.choice(words) for _ in range(50)) for _ in range(40)] + ["é ü ñ 中文字 😀 ✓"] * 5
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<pad>", "<eos>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    assert tok.get_vocab_size() == vocab_size
+    return tok
+
+
+@pytest.fixture(scope="module")
+def parts():
+    cfg = GLMConfig.from_dict(tiny.tiny_config_dict())
+    model = GLMModel(cfg, tiny.random_weights(cfg))
+    return model, make_tokenizer(cfg.vocab_size)
+
+
+@pytest.fixture(scope="module")
+def make_engine(parts):
+    model, tok = parts
+
+    def make(**opts) -> E.Engine:
+        opts = {"num_blocks": 64, "block_size": BS, "max_num_seqs": 4, "max_batch_tokens": 64,
+                "eos_token_ids": [EOS], **opts}
+        return E.Engine(model, tok, **opts)
+    return make
+
+
+@pytest.fixture(scope="module")
+def cold(make_engine):
+    return make_engine(snapshot_bytes=0)
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(2, 512, (n,), generator=g).tolist()
+
+
+GREEDY = E.SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+
+def solo(engine: E.Engine, ids: list[int], p: E.SamplingParams = GREEDY) -> E.Result:
+    return engine.generate([ids], p)[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampling parameters and logits processing (no model)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("temperature", -0.5), ("temperature", float("nan")), ("top_k", -1), ("top_k", 2.5), ("top_p", 0.0),
+    ("top_p", 1.5), ("min_p", -0.1), ("min_p", 2), ("repetition_penalty", 0), ("presence_penalty", 3),
+    ("frequency_penalty", -2.5), ("max_tokens", 0), ("max_tokens", 1.0), ("seed", "x"), ("stop", [""]),
+    ("stop", [3]), ("stop_token_ids", [-1]), ("logprobs", -1), ("temperature", True)])
+def test_bad_sampling_params_name_the_field(field, value):
+    with pytest.raises(ValueError, match=f"SamplingParams.{field}"):
+        E.SamplingParams(**{field: value})
+
+
+def test_stop_string_becomes_a_list():
+    assert E.SamplingParams(stop="###").stop == ["###"]
+
+
+def probs(logits, **kw) -> torch.Tensor:
+    empty = torch.zeros(0, dtype=torch.long)
+    return torch.softmax(E.process_logits(logits, E.SamplingParams(**kw), empty, empty), -1)
+
+
+def test_top_k_top_p_min_p_filter_as_defined():
+    logits = torch.log(torch.tensor([0.4, 0.3, 0.15, 0.1, 0.05]))
+    assert (probs(logits, top_k=2) > 0).tolist() == [True, True, False, False, False]
+    assert torch.allclose(probs(logits, top_k=2)[:2], torch.tensor([4 / 7, 3 / 7]))
+    # top_p: the smallest head whose mass reaches p (0.4 + 0.3 = 0.7 >= 0.7; 0.85 needs three tokens)
+    assert (probs(logits, top_p=0.7) > 0).sum() == 2
+    assert (probs(logits, top_p=0.71) > 0).sum() == 3
+    assert (probs(logits, top_p=0.3) > 0).sum() == 1
+    # min_p: keep p >= min_p * p_max (0.5 * 0.4 = 0.2)
+    assert (probs(logits, min_p=0.5) > 0).tolist() == [True, True, False, False, False]
+    assert torch.allclose(probs(logits), torch.softmax(logits, -1))
+
+
+def test_temperature_sharpens_and_flattens():
+    logits = torch.tensor([2.0, 1.0, 0.0])
+    cold_, hot = probs(logits, temperature=0.5), probs(logits, temperature=2.0)
+    base = torch.softmax(logits, -1)
+    assert cold_[0] > base[0] > hot[0]
+    assert torch.allclose(cold_, torch.softmax(logits / 0.5, -1))
+
+
+def test_penalties_lower_seen_tokens():
+    logits = torch.tensor([2.0, -1.0, 0.5, 0.5])
+    prompt_ids, out = torch.tensor([0]), torch.tensor([1, 2, 2])
+    rep = E.process_logits(logits, E.SamplingParams(repetition_penalty=2.0), prompt_ids, out)
+    assert rep.tolist() == [1.0, -2.0, 0.25, 0.5]  # positive logits divided, negative multiplied
+    pres = E.process_logits(logits, E.SamplingParams(presence_penalty=1.0), prompt_ids, out)
+    assert pres.tolist() == [2.0, -2.0, -0.5, 0.5]  # output tokens only, once each
+    freq = E.process_logits(logits, E.SamplingParams(frequency_penalty=1.0), prompt_ids, out)
+    assert freq.tolist() == [2.0, -2.0, -1.5, 0.5]  # by count
+
+
+def test_sampling_follows_the_distribution_and_the_seed():
+    logits = torch.log(torch.tensor([0.6, 0.3, 0.1]))
+    empty = torch.zeros(0, dtype=torch.long)
+    p = E.SamplingParams(temperature=1.0)
+    draw = lambda g: E.sample(logits, p, empty, empty, g)
+    g = torch.Generator().manual_seed(0)
+    counts = torch.bincount(torch.tensor([draw(g) for _ in range(3000)]), minlength=3) / 3000
+    assert torch.allclose(counts, torch.tensor([0.6, 0.3, 0.1]), atol=0.03)
+    a, b = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
+    assert [draw(a) for _ in range(50)] == [draw(b) for _ in range(50)]
+    assert E.sample(logits, E.SamplingParams(temperature=0), empty, empty, g) == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Detokenization and stop strings (no model)
+
+
+def test_incremental_detokenization_never_emits_broken_utf8():
+    tok = make_tokenizer(512)
+    text = "abc é 漢 ж 🙂 xyz"  # 漢, ж and 🙂 are not in the training text: split over byte tokens
+    ids = tok.encode(text, add_special_tokens=False).ids
+    d = E.Detokenizer(tok, skip_special_tokens=True)
+    deltas = [d.push(t) for t in ids]
+    assert "".join(deltas) == text
+    assert not any("\ufffd" in x for x in deltas)
+    assert "" in deltas  # a character's first bytes were held back
+
+
+def test_held_back_keeps_possible_stop_prefixes():
+    assert E.held_back("hello ##", ["###"]) == 2
+    assert E.held_back("hello #", ["###", "#!"]) == 1
+    assert E.held_back("hello", ["###"]) == 0
+    assert E.held_back("ab", []) == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Block manager and prefix hashing (no model)
+
+
+def test_block_hash_is_chained():
+    a = E.block_hash(b"", [1, 2, 3])
+    assert a == E.block_hash(b"", [1, 2, 3]) and a != E.block_hash(b"", [1, 2, 4])
+    assert E.block_hash(a, [5]) != E.block_hash(E.block_hash(b"", [9]), [5])
+
+
+def test_block_manager_refcounts_lru_and_eviction():
+    snaps = E.SnapshotStore(1 << 20, torch.device("cpu"))
+    bm = E.BlockManager(4, snaps)
+    h = [E.block_hash(b"", [i]) for i in range(4)]
+    b0, b1 = bm.allocate(), bm.allocate()
+    bm.register(b0, h[0])
+    bm.register(b1, h[1])
+    snaps.put(h[1], torch.zeros(2), torch.zeros(1))
+    assert bm.match(h[:2], max_blocks=2) == (2, 2)
+    assert bm.match(h[:2], max_blocks=1) == (0, 2)  # no snapshot at the first boundary
+    bm.share(b0)
+    assert bm.ref[b0] == 2
+    bm.release([b0, b1])
+    bm.release([b0])
+    assert bm.num_free() == 4 and bm.match(h[:2], 2) == (2, 2)  # free but still cached
+    # handed out least recently freed first: the two never-used blocks, then b1, then b0
+    order = [bm.allocate() for _ in range(3)]
+    assert order[2] == b1 and h[1] not in bm.cached and h[1] not in snaps  # evicting drops its snapshot
+    assert bm.match(h[:2], 2) == (0, 1)
+
+
+def test_snapshot_store_is_lru_within_budget():
+    s = E.SnapshotStore(3 * 40, torch.device("cpu"))  # room for three 40-byte snapshots
+    for i in range(4):
+        s.put(bytes([i]), torch.zeros(8), torch.zeros(2))
+    assert list(s.items) == [b"\x01", b"\x02", b"\x03"] and s.nbytes == 120
+    s.get(b"\x01")
+    s.put(b"\x04", torch.zeros(8), torch.zeros(2))
+    assert list(s.items) == [b"\x03", b"\x01", b"\x04"]
+
+
+# ---------------------------------------------------------------------------------------------
+# The engine on the tiny model
+
+
+def test_batched_greedy_equals_each_prompt_alone(make_engine, cold):
+    prompts = [prompt(1, 5), prompt(2, 37), prompt(3, 16), prompt(4, 70)]
+    alone = [solo(cold, p).token_ids for p in prompts]
+    eng = make_engine(snapshot_bytes=0)
+    batched = eng.generate(prompts, GREEDY)
+    assert [r.token_ids for r in batched] == alone
+    assert all(r.finish_reason == "length" and r.usage.completion_tokens == 6 for r in batched)
+    assert [r.usage.prompt_tokens for r in batched] == [5, 37, 16, 70]
+
+
+def test_chunked_prefill_equals_one_shot(cold):
+    ids = prompt(5, 90)
+    whole = cold.score(ids, chunk_tokens=90)
+    assert whole.shape == (90, 512) and whole.dtype == torch.float32
+    for chunk in (7, 16, 33):
+        assert (cold.score(ids, chunk_tokens=chunk) - whole).abs().max() <= 1e-5, chunk
+    # the generate path with a 7-token budget samples from the same last-position logits
+    eng_small = E.Engine(cold.model, cold.tokenizer, eos_token_ids=[EOS], num_blocks=64, block_size=BS,
+                         max_batch_tokens=7, snapshot_bytes=0)
+    lp = E.SamplingParams(temperature=0, max_tokens=1, logprobs=512)
+    one = eng_small.generate([ids], lp)[0].logprobs[0]
+    ref = torch.log_softmax(whole[-1], -1)
+    assert max(abs(v - ref[t].item()) for t, v in one.top) <= 1e-5
+
+
+def test_score_validates_and_frees(cold):
+    with pytest.raises(ValueError, match="free cache blocks"):
+        cold.score(prompt(0, 64 * BS + 1))
+    assert cold.stats().blocks_used == 0
+
+
+def logits_of(eng: E.Engine, ids: list[int], n: int, monkeypatch) -> tuple[torch.Tensor, E.Result]:
+    """Greedy run of n tokens; returns the raw logits each token was sampled from [n, vocab]."""
+    seen = []
+
+    def spy(logits, *args):
+        seen.append(logits.clone())
+        return real(logits, *args)
+    real = E.sample
+    with monkeypatch.context() as m:
+        m.setattr(E, "sample", spy)
+        r = eng.generate([ids], E.SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))[0]
+    return torch.stack(seen), r
+
+
+def split_at(cold: E.Engine, n: int) -> E.Engine:
+    """A cold engine whose prefill chunks are n tokens."""
+    return E.Engine(cold.model, cold.tokenizer, eos_token_ids=[EOS], num_blocks=64, block_size=BS,
+                    max_batch_tokens=n, snapshot_bytes=0)
+
+
+def test_prefix_cache_hit_equals_cold_run(make_engine, cold, monkeypatch):
+    # Prefill chunks of 3 blocks: the hit resumes exactly where the cold run's second chunk starts,
+    # so a correct restore (shared DSA blocks + KDA snapshot) reproduces the cold logits bit for bit.
+    eng = make_engine(max_batch_tokens=3 * BS)
+    ids = prompt(6, 3 * BS + 5)
+    first, r1 = logits_of(eng, ids, 4, monkeypatch)
+    assert r1.usage.cached_tokens == 0
+    st = eng.stats()
+    assert st.prefix_hit_tokens == 0 and st.snapshots == 1  # at the prompt's last full block
+    second, r2 = logits_of(eng, ids, 4, monkeypatch)
+    assert r2.usage.cached_tokens == 3 * BS and r2.token_ids == r1.token_ids
+    st = eng.stats()
+    assert st.prefix_hit_tokens == 3 * BS and st.prefix_query_tokens == 2 * len(ids)
+    assert st.prompt_tokens_computed == len(ids) + 5
+    ref, _ = logits_of(split_at(cold, 3 * BS), ids, 4, monkeypatch)
+    assert torch.equal(first, ref) and torch.equal(second, ref)
+    one_shot, _ = logits_of(cold, ids, 4, monkeypatch)  # other chunking: equal to rounding
+    assert (second - one_shot).abs().max() <= 1e-5
+
+
+def test_logprobs_report_the_model_distribution(cold, monkeypatch):
+    ids = prompt(14, 9)
+    logits, _ = logits_of(cold, ids, 3, monkeypatch)
+    r = cold.generate([ids], E.SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=5))[0]
+    for row, step, token in zip(logits, r.logprobs, r.token_ids):
+        lp = torch.log_softmax(row, -1)
+        assert step.token_id == token and step.logprob == pytest.approx(lp[token].item(), abs=1e-6)
+        assert [t for t, _ in step.top] == torch.topk(lp, 5).indices.tolist()
+
+
+def test_one_block_shared_prefix_hits(make_engine, cold, monkeypatch):
+    """Short agent turns: a shared prefix of a single block is reused (no large block floor)."""
+    eng = make_engine(max_batch_tokens=BS)
+    system = prompt(7, BS)
+    eng.generate([system + prompt(8, 5)], GREEDY)
+    ids = system + prompt(9, 6)
+    hit, r = logits_of(eng, ids, 6, monkeypatch)
+    assert r.usage.cached_tokens == BS
+    ref, r_cold = logits_of(split_at(cold, BS), ids, 6, monkeypatch)
+    assert r.token_ids == r_cold.token_ids and torch.equal(hit, ref)
+
+
+def test_branch_point_snapshot_lets_the_third_request_hit(make_engine, cold):
+    eng = make_engine()
+    system = prompt(10, BS + 3)  # the common part ends inside block 1: one full shared block
+    eng.generate([system + prompt(11, 40)], GREEDY)  # snapshot at its last full block only
+    second = eng.generate([system + prompt(12, 40)], GREEDY)[0]
+    assert second.usage.cached_tokens == 0  # block 0 is cached, but no KDA snapshot at its end yet
+    ids = system + prompt(13, 40)
+    third = eng.generate([ids], GREEDY)[0]
+    assert third.usage.cached_tokens == BS
+    assert third.token_ids == solo(cold, ids).token_ids
+
+
+def test_pool_exhaustion_preempts_without_changing_outputs(make_engine, cold):
+    prompts = [prompt(20 + i, n) for i, n in enumerate([30, 45, 20, 38])]
+    p = E.SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    alone = [solo(cold, x, p).token_ids for x in prompts]
+    eng = make_engine(num_blocks=10, snapshot_bytes=0)  # 160 tokens for ~200 wanted at the end
+    out = eng.generate(prompts, p)
+    assert eng.stats().preemptions > 0
+    assert [r.token_ids for r in out] == alone
+    assert eng.stats().blocks_used == 0
+
+
+def test_cancel_frees_everything(make_engine):
+    eng = make_engine()
+    rids = [eng.add_request(prompt(30 + i, 20 + 7 * i), GREEDY) for i in range(3)]
+    eng.step()
+    eng.step()
+    assert eng.stats().blocks_used > 0 and eng.stats().running == 3
+    late = eng.add_request(prompt(40, 9), GREEDY)
+    assert all(eng.cancel(r) for r in rids + [late])
+    assert not eng.cancel("nope")
+    outs = eng.step()
+    assert sorted(o.request_id for o in outs) == sorted(rids + [late])
+    assert all(o.finished and o.finish_reason == "cancelled" for o in outs)
+    st = eng.stats()
+    assert (st.blocks_used, st.running, st.waiting) == (0, 0, 0) and not eng.has_work()
+    assert sorted(eng.free_slots) == list(range(eng.max_num_seqs))
+
+
+def test_seed_reproduces_a_sampled_output(make_engine):
+    eng = make_engine(snapshot_bytes=0)
+    p = E.SamplingParams(temperature=1.0, max_tokens=8, seed=1234, ignore_eos=True)
+    ids = prompt(50, 12)
+    a = eng.generate([ids], p)[0].token_ids
+    # the same seed gives the same tokens inside a batch with other requests
+    b = eng.generate([prompt(51, 30), ids, prompt(52, 3)],
+                     [E.SamplingParams(temperature=1.0, max_tokens=5, seed=1), p, GREEDY])[1].token_ids
+    assert a == b
+    others = {tuple(eng.generate([ids], E.SamplingParams(temperature=1.0, max_tokens=8, seed=s, ignore_eos=True))[0].token_ids)
+              for s in range(3)}
+    assert len(others | {tuple(a)}) > 1
+
+
+def test_stop_token_max_tokens_and_stop_strings(make_engine):
+    eng = make_engine(snapshot_bytes=0)
+    ids = prompt(60, 10)
+    free = eng.generate([ids], E.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
+    assert free.finish_reason == "length" and len(free.token_ids) == 12
+    # a stop token: the output ends with it, its text is not included
+    stop_id = free.token_ids[4]
+    r = eng.generate([ids], E.SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop_id]))[0]
+    first = free.token_ids.index(stop_id)
+    assert r.finish_reason == "stop" and r.token_ids == free.token_ids[:first + 1]
+    # a stop string from the middle of the text: the text ends right before it
+    text = free.text
+    assert len(text) > 8
+    stop = text[5:8]
+    r = eng.generate([ids], E.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[stop]))[0]
+    assert r.finish_reason == "stop" and r.text == text[:text.index(stop)]
+    # streaming never leaks a partial stop string: the deltas add up to the final text
+    deltas = list(eng.stream(ids, E.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[stop])))
+    assert "".join(d.text for d in deltas) == r.text and deltas[-1].finished
+    assert [t for d in deltas for t in d.token_ids] == r.token_ids
+
+
+def test_admission_errors_are_clear(make_engine):
+    eng = make_engine(num_blocks=4)
+    with pytest.raises(ValueError, match="prompt has 64 tokens; the limit is 63"):
+        eng.add_request(prompt(0, 4 * BS))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        eng.add_request([5, 512])
+    with pytest.raises(ValueError, match="empty"):
+        eng.add_request([])
+    rid = eng.add_request(prompt(0, 10))
+    with pytest.raises(ValueError, match="already in the engine"):
+        eng.add_request(prompt(0, 10), request_id=rid)
+    eng.cancel(rid)
+    eng.step()
+    # a sequence that fills the whole context ends with "length"
+    r = eng.generate([prompt(1, 4 * BS - 3)], E.SamplingParams(temperature=0, ignore_eos=True))[0]
+    assert r.finish_reason == "length" and r.usage.prompt_tokens + r.usage.completion_tokens == 4 * BS
+
+
+def test_text_and_chat_prompts(make_engine):
+    eng = make_engine(snapshot_bytes=0)
+    r = eng.generate("abc abd", E.SamplingParams(temperature=0, max_tokens=3))
+    assert len(r) == 1 and r[0].usage.prompt_tokens == len(eng.tokenizer.encode("abc abd").ids)
+    with pytest.raises(ValueError, match="chat template"):
+        eng.generate([[{"role": "user", "content": "hi"}]], GREEDY)
+
+
+def test_random_arrivals_cancellations_and_lengths_match_solo_runs(make_engine, cold):
+    rng = random.Random(0)
+    eng = make_engine(num_blocks=24, max_num_seqs=3, max_batch_tokens=24)
+    system = prompt(70, BS + 2)  # some requests share a prefix, so the prefix cache is exercised
+    specs, live, finished, cancelled = {}, set(), {}, set()
+    for step in range(70):
+        if rng.random() < 0.3 and len(specs) < 12:
+            ids = (system if rng.random() < 0.5 else []) + prompt(100 + len(specs), rng.randint(1, 40))
+            rid = eng.add_request(ids, E.SamplingParams(temperature=0, max_tokens=rng.randint(1, 10), ignore_eos=True))
+            specs[rid], finished[rid] = ids, []
+            live.add(rid)
+        if live and rng.random() < 0.06:
+            rid = rng.choice(sorted(live))
+            eng.cancel(rid)
+            cancelled.add(rid)
+        for o in eng.step():
+            finished[o.request_id] += o.token_ids
+            if o.finished:
+                live.discard(o.request_id)
+    while eng.has_work():
+        for o in eng.step():
+            finished[o.request_id] += o.token_ids
+    done = [r for r in specs if r not in cancelled]
+    assert len(done) >= 6 and cancelled
+    for rid in done:
+        p = E.SamplingParams(temperature=0, max_tokens=len(finished[rid]), ignore_eos=True)
+        assert finished[rid] == solo(cold, specs[rid], p).token_ids, rid
+    st = eng.stats()
+    assert st.blocks_used == 0 and st.prefix_hit_tokens > 0
+
+
+def test_load_from_a_tiny_checkpoint(tmp_path):
+    path = tiny.make_tiny_checkpoint(tmp_path / "ckpt")
+    make_tokenizer(512).save(str(path / "tokenizer.json"))
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 7]}))
+    (path / "chat_template.jinja").write_text(
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}{% if add_generation_prompt %}<a>{% endif %}")
+    eng = E.load(path, device="cpu", dtype=torch.float32, progress=False, num_blocks=16, block_size=BS)
+    assert eng.eos_token_ids == {1, 7} and eng.config.vocab_size == 512
+    r = eng.generate([[{"role": "user", "content": "hi"}]], E.SamplingParams(temperature=0, max_tokens=2))[0]
+    assert r.usage.prompt_tokens == len(eng.tokenizer.encode("<user>hi<a>", add_special_tokens=False).ids)
+    with pytest.raises(FileNotFoundError, match="tokenizer.json"):
+        (path / "tokenizer.json").unlink()
+        E.load(path, device="cpu", progress=False, num_blocks=16, block_size=BS)
