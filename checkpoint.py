@@ -21,6 +21,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+import exl3
+
 TEXT_PREFIXES = ("model.language_model.", "model.")
 VISION_PREFIX = "model.visual."
 HEAD_NAME = "lm_head.weight"
@@ -29,8 +31,8 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 FLOAT = frozenset({"BF16", "F16", "F32"})
 LINEAR = FLOAT | {"F8_E4M3"}
 # Trellis last dims exllamav3 can write: 16·K for K = 1..8, and 16·KA + 8 for K = 1.5, 2.5, 3.5.
-EXL3_WIDTHS = frozenset([16 * k for k in range(1, 9)] + [16 * ka + 8 for ka in (1, 2, 3)])
-EXL3_SUFFIXES = ("trellis", "suh", "svh", "su", "sv", "mcg", "mul1", "bias")
+EXL3_WIDTHS = frozenset(exl3.trellis_width(k) for k in exl3.INTEGER_BITS + exl3.HALF_BITS)
+EXL3_SUFFIXES = exl3.TENSOR_KEYS
 
 
 class CheckpointError(ValueError):
@@ -47,7 +49,8 @@ class TensorSpec:
 
 @dataclass(frozen=True)
 class Stored:
-    """Where one expected tensor lives: `format` is "plain" | "fp8" | "exl3"; `keys` maps each
+    """Where one expected tensor lives: `format` is "plain" | "fp8" | "exl3" ("missing" only inside
+    a failed check); `keys` maps each
     role ("weight", "weight_scale_inv", or an EXL3 suffix) to its checkpoint key."""
     format: str
     keys: dict[str, str]
@@ -72,7 +75,7 @@ def _lin(out_features: int, in_features: int) -> TensorSpec:
 
 def is_dsa_layer(config: Any, layer: int) -> bool:
     """The MTP layer (index num_hidden_layers) is always DSA (spec §2.6)."""
-    return layer >= config.num_hidden_layers or config.layer_types[layer] != "linear_attention"
+    return layer >= config.num_hidden_layers or config.layer_types[layer] == "dsa"
 
 
 def _hc_tensors(config: Any) -> dict[str, TensorSpec]:
@@ -89,7 +92,7 @@ def _kda_tensors(config: Any) -> dict[str, TensorSpec]:
     d, h, dh = config.hidden_size, config.linear_num_heads, config.linear_head_dim
     c = h * dh
     out = {f"{x}_proj.weight": _lin(c, d) for x in "qkv"}
-    out |= {f"{x}_conv1d.weight": _t(c, 1, config.linear_conv_kernel_dim) for x in "qkv"}
+    out |= {f"{x}_conv1d.weight": _t(c, 1, config.linear_conv_kernel) for x in "qkv"}
     out |= {
         "f_a_proj.weight": _lin(dh, d), "f_b_proj.weight": _lin(c, dh),
         "g_a_proj.weight": _lin(dh, d), "g_b_proj.weight": _lin(c, dh),
@@ -103,13 +106,14 @@ def _kda_tensors(config: Any) -> dict[str, TensorSpec]:
 def _dsa_tensors(config: Any) -> dict[str, TensorSpec]:
     d, nh = config.hidden_size, config.num_attention_heads
     qr, kvr = config.q_lora_rank, config.kv_lora_rank
-    nope, rope, vd = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
+    # NoPE MLA: GLMConfig rejects qk_rope_head_dim != 0, so there are no RoPE rows or columns.
+    nope, vd = config.qk_nope_head_dim, config.v_head_dim
     ih, idim = config.index_n_heads, config.index_head_dim
     return {
         "q_a_proj.weight": _lin(qr, d),
         "q_a_layernorm.weight": _t(qr),
-        "q_b_proj.weight": _lin(nh * (nope + rope), qr),
-        "kv_a_proj_with_mqa.weight": _lin(kvr + rope, d),
+        "q_b_proj.weight": _lin(nh * nope, qr),
+        "kv_a_proj_with_mqa.weight": _lin(kvr, d),
         "kv_a_layernorm.weight": _t(kvr),
         "kv_b_proj.weight": _lin(nh * (nope + vd), kvr),
         "o_proj.weight": _lin(d, nh * vd),
@@ -151,7 +155,7 @@ def _layer_tensors(config: Any, layer: int) -> dict[str, TensorSpec]:
         out |= _hc_tensors(config)
     attn = _dsa_tensors(config) if is_dsa_layer(config, layer) else _kda_tensors(config)
     out |= {f"self_attn.{k}": v for k, v in attn.items()}
-    dense = not mtp and layer < config.first_k_dense_replace
+    dense = not mtp and config.mlp_layer_types[layer] == "dense"
     out |= {f"mlp.{k}": v for k, v in _mlp_tensors(config, dense).items()}
     return {f"layers.{layer}.{k}": v for k, v in out.items()}
 
@@ -232,33 +236,36 @@ def _check_exl3(base: str, spec: TensorSpec, inventory: Mapping[str, tuple[str, 
     return keys
 
 
-def _claim(name: str, spec: TensorSpec, key: str, inventory: Mapping[str, tuple[str, tuple]],
+def _claim(spec: TensorSpec, key: str, inventory: Mapping[str, tuple[str, tuple]],
            problems: list[str]) -> Stored | None:
-    if key in inventory:
-        dtype, shape = inventory[key]
-        shape = tuple(shape)
-        if shape != spec.shape:
-            problems.append(f"{key}: shape {_fmt(shape)} in the checkpoint, {_fmt(spec.shape)} expected from the config")
-            return None
-        if dtype not in spec.dtypes:
-            problems.append(f"{key}: dtype {dtype}, expected one of {sorted(spec.dtypes)}")
-            return None
-        if dtype != "F8_E4M3":
-            return Stored("plain", {"weight": key})
-        scale_key = key + "_scale_inv"
+    """The keys that hold one expected tensor (None if absent), appending any fault to `problems`.
+    A faulty tensor's keys are still returned, so they are not reported again as unexpected."""
+    base = key.removesuffix(".weight")
+    if key not in inventory:
+        if spec.linear and key.endswith(".weight") and f"{base}.trellis" in inventory:
+            return Stored("exl3", _check_exl3(base, spec, inventory, problems))
+        problems.append(f"{key}: missing (expected {_fmt(spec.shape)})")
+        orphan = key + "_scale_inv"  # reported with its weight, not again as unexpected
+        return Stored("missing", {"weight_scale_inv": orphan}) if orphan in inventory else None
+    dtype, shape = inventory[key]
+    scale_key = key + "_scale_inv"
+    keys = {"weight": key} | ({"weight_scale_inv": scale_key} if scale_key in inventory and spec.linear else {})
+    if tuple(shape) != spec.shape:
+        problems.append(f"{key}: shape {_fmt(shape)} in the checkpoint, {_fmt(spec.shape)} expected from the config")
+    elif dtype not in spec.dtypes:
+        problems.append(f"{key}: dtype {dtype}, expected one of {sorted(spec.dtypes)}")
+    elif dtype == "F8_E4M3":
         if scale_key not in inventory:
             problems.append(f"{scale_key}: missing (FP8 weight {key} needs its block scales)")
-            return None
-        s_dtype, s_shape = inventory[scale_key]
-        if s_dtype != "F32" or tuple(s_shape) != _scale_grid(spec.shape):
-            problems.append(f"{scale_key}: is {s_dtype} {_fmt(s_shape)}, expected F32 {_fmt(_scale_grid(spec.shape))}")
-            return None
-        return Stored("fp8", {"weight": key, "weight_scale_inv": scale_key})
-    base = key.removesuffix(".weight")
-    if spec.linear and key.endswith(".weight") and f"{base}.trellis" in inventory:
-        return Stored("exl3", _check_exl3(base, spec, inventory, problems))
-    problems.append(f"{key}: missing (expected {_fmt(spec.shape)})")
-    return None
+        else:
+            s_dtype, s_shape = inventory[scale_key]
+            if s_dtype != "F32" or tuple(s_shape) != _scale_grid(spec.shape):
+                problems.append(f"{scale_key}: is {s_dtype} {_fmt(s_shape)}, "
+                                f"expected F32 {_fmt(_scale_grid(spec.shape))}")
+        return Stored("fp8", keys)
+    elif "weight_scale_inv" in keys:  # a scale next to an unquantized weight: left unclaimed
+        del keys["weight_scale_inv"]
+    return Stored("plain", keys)
 
 
 def _raise(problems: list[str], what: str) -> None:
@@ -278,18 +285,18 @@ def check_inventory(inventory: Mapping[str, tuple[str, tuple]], config: Any) -> 
     prefix = _text_prefix(keys)
     problems: list[str] = []
     stored: dict[str, Stored] = {}
+    claimed: set[str] = set()
     for name, spec in expected_tensors(config).items():
         key = name if name == HEAD_NAME else prefix + name
-        s = _claim(name, spec, key, inventory, problems)
+        before = len(problems)
+        s = _claim(spec, key, inventory, problems)
         if s is not None:
-            stored[name] = s
-    claimed = {k for s in stored.values() for k in s.keys.values()}
+            claimed.update(s.keys.values())
+            if len(problems) == before:
+                stored[name] = s
     skipped = [k for k in keys if k.startswith(VISION_PREFIX)]
-    unexpected = [k for k in keys if k not in claimed and not k.startswith(VISION_PREFIX)]
-    # A key that a failed claim examined is reported once, by that claim.
-    examined = {p.split(":")[0] for p in problems}
-    problems += [f"{k}: unexpected tensor (not in the layout the config implies)" for k in unexpected
-                 if k not in examined and k.removesuffix("_scale_inv") not in examined]
+    problems += [f"{k}: unexpected tensor (not in the layout the config implies)" for k in keys
+                 if k not in claimed and not k.startswith(VISION_PREFIX)]
     _raise(problems, "checkpoint does not match the config")
     return Inventory(stored, skipped)
 
@@ -378,7 +385,6 @@ def load_weights(path: str | Path, config: Any, dtype: torch.dtype = torch.bfloa
 
         for name, s in tqdm(plan.stored.items(), desc="loading weights", unit="tensor", disable=not progress):
             if s.format == "exl3":
-                import exl3
                 parts = {suffix: get(key) for suffix, key in s.keys.items()}
                 weights[name] = exl3.EXL3Linear.from_tensors(parts, name=name).to(device)
                 continue
@@ -408,18 +414,8 @@ def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _config_object(config_dict: dict) -> Any:
-    # model_glm imports this module, so its config class is imported where it is needed.
-    try:
-        from model_glm import GLMConfig
-    except ImportError:  # interim until model_glm.GLMConfig lands: the text_config fields, flattened
-        from types import SimpleNamespace
-        text = dict(config_dict.get("text_config", config_dict))
-        lin = text.get("linear_attn_config", {})
-        text.setdefault("linear_num_heads", lin.get("num_heads"))
-        text.setdefault("linear_head_dim", lin.get("head_dim"))
-        text.setdefault("linear_conv_kernel_dim", lin.get("short_conv_kernel_size"))
-        text.setdefault("num_nextn_predict_layers", 0)
-        return SimpleNamespace(**text)
+    # Imported here, not at the top: model_glm sits above this module (DESIGN.md).
+    from model_glm import GLMConfig
     return GLMConfig.from_dict(config_dict)
 
 
@@ -432,39 +428,40 @@ def _bits_for(bits: float | Mapping[int, float], name: str) -> float:
     return bits
 
 
-def _exl3_quantization_config(bits: float | Mapping[int, float], codebook: str,
-                              original: dict | None) -> dict:
-    values = list(bits.values()) if isinstance(bits, Mapping) else [bits]
-    qc = {"quant_method": "exl3", "bits": sum(values) / len(values), "head_bits": 16, "codebook": codebook,
-          "scope": "routed_experts_only"}
+def _exl3_quantization_config(linears: dict[str, exl3.EXL3Linear], original: dict | None) -> dict:
+    """exllamav3's keys (exl3.md §1.2): `bits` is the weight-count average K of the EXL3 linears."""
+    sizes = {n: lin.in_features * lin.out_features for n, lin in linears.items()}
+    codebooks = sorted({lin.codebook for lin in linears.values()})
+    qc = {"quant_method": "exl3",
+          "bits": sum(lin.bits * sizes[n] for n, lin in linears.items()) / sum(sizes.values()),
+          "head_bits": linears[HEAD_NAME].bits if HEAD_NAME in linears else 16,
+          "codebook": codebooks[0] if len(codebooks) == 1 else codebooks}
     if original is not None:
         qc["original_quantization_config"] = original
     return qc
 
 
 def _encode(config: Any, weights: Mapping[str, Any], experts: str, core: str, bits, codebook: str,
-            progress: bool) -> dict[str, torch.Tensor]:
-    """In-memory weights -> checkpoint tensors (in-memory names) in the requested formats."""
+            progress: bool) -> tuple[dict[str, torch.Tensor], dict[str, exl3.EXL3Linear]]:
+    """In-memory weights -> checkpoint tensors (in-memory names) in the requested formats, and
+    the EXL3 linears among them."""
     specs = expected_tensors(config)
     out: dict[str, torch.Tensor] = {}
+    linears: dict[str, exl3.EXL3Linear] = {}
     for name, w in tqdm(weights.items(), desc="encoding weights", unit="tensor", disable=not progress):
-        base = name.removesuffix(".weight")
-        if not isinstance(w, torch.Tensor):  # an already quantized exl3.EXL3Linear
-            out |= {f"{base}.{k}": t for k, t in w.tensors().items()}
-            continue
         fmt = experts if is_routed_expert(name) else core
-        if fmt == "exl3":
-            import exl3
-            lin = exl3.quantize(w.float(), _bits_for(bits, name), codebook=codebook,
-                                seed=zlib.crc32(name.encode()))
-            out |= {f"{base}.{k}": t for k, t in lin.tensors().items()}
+        if isinstance(w, exl3.EXL3Linear) or fmt == "exl3":
+            lin = w if isinstance(w, exl3.EXL3Linear) else \
+                exl3.quantize(w.float(), _bits_for(bits, name), codebook=codebook, seed=zlib.crc32(name.encode()))
+            linears[name] = lin
+            out |= {f"{name.removesuffix('.weight')}.{k}": t for k, t in lin.tensors().items()}
         elif fmt == "fp8" and fp8_in_official_release(config, name):
             out[name], out[name + "_scale_inv"] = quantize_fp8(w)
         elif specs[name].fp32:
             out[name] = w.float().contiguous()
         else:
             out[name] = w.to(torch.bfloat16).contiguous()
-    return out
+    return out, linears
 
 
 def write_checkpoint(path: str | Path, config_dict: dict, weights: Mapping[str, Any], experts: str = "bf16",
@@ -486,11 +483,17 @@ def write_checkpoint(path: str | Path, config_dict: dict, weights: Mapping[str, 
     problems = [f"{n}: missing from the weights to write" for n in specs if n not in weights]
     problems += [f"{n}: not a tensor of this model's layout" for n in weights if n not in specs]
     for n, w in weights.items():
-        if n in specs and isinstance(w, torch.Tensor) and tuple(w.shape) != specs[n].shape:
+        if n not in specs:
+            continue
+        if isinstance(w, exl3.EXL3Linear):
+            if not specs[n].linear or (w.out_features, w.in_features) != specs[n].shape:
+                problems.append(f"{n}: an EXL3 linear [out {w.out_features}, in {w.in_features}], "
+                                f"expected {'a linear ' if specs[n].linear else 'a plain tensor '}{_fmt(specs[n].shape)}")
+        elif tuple(w.shape) != specs[n].shape:
             problems.append(f"{n}: shape {_fmt(w.shape)}, expected {_fmt(specs[n].shape)}")
     _raise(problems, "weights do not match the config")
 
-    tensors = _encode(config, weights, experts, core, bits, codebook, progress)
+    tensors, linears = _encode(config, weights, experts, core, bits, codebook, progress)
     prefix = TEXT_PREFIXES[0] if "text_config" in config_dict else TEXT_PREFIXES[1]
     tensors = {(k if k == HEAD_NAME else prefix + k): t for k, t in tensors.items()}
 
@@ -498,8 +501,8 @@ def write_checkpoint(path: str | Path, config_dict: dict, weights: Mapping[str, 
     fp8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
            "weight_block_size": [FP8_BLOCK, FP8_BLOCK]}
     any_fp8 = core == "fp8" or experts == "fp8"
-    if experts == "exl3":
-        cfg["quantization_config"] = _exl3_quantization_config(bits, codebook, fp8 if any_fp8 else None)
+    if linears:
+        cfg["quantization_config"] = _exl3_quantization_config(linears, fp8 if any_fp8 else None)
     elif any_fp8:
         cfg["quantization_config"] = fp8
     else:
