@@ -212,8 +212,10 @@ def _check_exl3(base: str, spec: TensorSpec, inventory: Mapping[str, tuple[str, 
     out_f, in_f = spec.shape
     keys = {s: f"{base}.{s}" for s in EXL3_SUFFIXES if f"{base}.{s}" in inventory}
     dtype, shape = inventory[keys["trellis"]]
-    if dtype != "I16" or len(shape) != 3 or tuple(shape[:2]) != (in_f // 16, out_f // 16) \
-            or shape[2] not in EXL3_WIDTHS or in_f % 16 or out_f % 16:
+    if in_f % exl3.HAD or out_f % exl3.HAD:
+        problems.append(f"{base}: stored as EXL3, but EXL3 needs both dims of [{out_f}, {in_f}] to be multiples of 128")
+    elif dtype != "I16" or len(shape) != 3 or tuple(shape[:2]) != (in_f // 16, out_f // 16) \
+            or shape[2] not in EXL3_WIDTHS:
         problems.append(f"{keys['trellis']}: EXL3 trellis is {dtype} {_fmt(shape)}, expected I16 "
                         f"[{in_f // 16}, {out_f // 16}, 16*K] for a [{out_f}, {in_f}] linear")
     vectors = {"suh": ("F16", in_f), "svh": ("F16", out_f), "su": ("I16", in_f // 16), "sv": ("I16", out_f // 16),

@@ -12,6 +12,7 @@ import checkpoint
 import exl3
 from checkpoint import CheckpointError
 import tiny
+from model_glm import GLMConfig
 
 # ---------------------------------------------------------------------------------------------
 # The real checkpoint's headers (62 shards, no data)
@@ -19,7 +20,7 @@ import tiny
 
 @pytest.fixture(scope="module")
 def real_config(fixtures_dir):
-    return checkpoint._config_object(json.loads((fixtures_dir / "glm53" / "config.json").read_text()))
+    return GLMConfig.from_file(fixtures_dir / "glm53" / "config.json")
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +98,7 @@ def test_real_headers_negative(real_inventory, real_config):
 def test_real_headers_wrong_config(real_inventory, fixtures_dir):
     d = json.loads((fixtures_dir / "glm53" / "config.json").read_text())
     d["text_config"]["index_kpool"] = 16  # the transformers class default (spec §8.1)
-    msg = _error(real_inventory, checkpoint._config_object(d))
+    msg = _error(real_inventory, GLMConfig.from_dict(d))
     assert "index_kpool_compress_ape: shape [4, 128]" in msg and "[16, 128]" in msg
 
 
@@ -154,7 +155,7 @@ def test_exl3_tr3_inventory(fixtures_dir, real_config):
 
 @pytest.fixture(scope="module")
 def tiny_config():
-    return checkpoint._config_object(tiny.tiny_config_dict())
+    return GLMConfig.from_dict(tiny.tiny_config_dict())
 
 
 @pytest.fixture(scope="module")
@@ -312,7 +313,7 @@ def test_transformers_save_pretrained_loads(tmp_path):
     torch.manual_seed(0)
     model = transformers.Glm5NextForConditionalGeneration(cfg).eval()
     model.save_pretrained(tmp_path / "hf")
-    config = checkpoint._config_object(json.loads((tmp_path / "hf" / "config.json").read_text()))
+    config = GLMConfig.from_dict(json.loads((tmp_path / "hf" / "config.json").read_text()))
     w = checkpoint.load_weights(tmp_path / "hf", config, dtype=torch.float32, progress=False)
     sd = model.state_dict()
     lm = "model.language_model."
@@ -328,7 +329,7 @@ def test_transformers_save_pretrained_loads(tmp_path):
     assert torch.equal(w["lm_head.weight"], sd["lm_head.weight"])
 
     # the same files under a config that expects the MTP layer: the missing tensors are named
-    with_mtp = checkpoint._config_object(tiny.tiny_config_dict())
+    with_mtp = GLMConfig.from_dict(tiny.tiny_config_dict())
     with pytest.raises(CheckpointError, match="model.language_model.layers.4.enorm.weight: missing"):
         checkpoint.load_weights(tmp_path / "hf", with_mtp, progress=False)
 

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 import checkpoint
+from model_glm import GLMConfig
 
 _TEXT = dict(
     model_type="glm5_next_text",
@@ -109,6 +110,6 @@ def make_tiny_checkpoint(dir: str | Path, experts: str = "bf16", core: str = "bf
                          bits: float = 4, **overrides: Any) -> Path:
     """Write a tiny random checkpoint to `dir` (see `checkpoint.write_checkpoint`) and return its path."""
     config_dict = tiny_config_dict(**overrides)
-    config = checkpoint._config_object(config_dict)
+    config = GLMConfig.from_dict(config_dict)
     weights = random_weights(config, seed)
     return checkpoint.write_checkpoint(dir, config_dict, weights, experts=experts, core=core, bits=bits)
