@@ -19,6 +19,8 @@ solve amplifies input rounding. The decode kernel has no matrix product: it is e
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -130,15 +132,15 @@ def _kda_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slots_ptr,
 def kda_chunk_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                       beta: torch.Tensor, initial_state: torch.Tensor | None = None, chunk: int = 64,
                       block: int | None = None, block_v: int = 32, num_warps: int = 4,
-                      precision: str = DOT_PRECISION
+                      num_stages: int = 1, precision: str = DOT_PRECISION
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Triton twin of `kda_chunk_prefill_ref` (same arguments and results), in two passes:
 
-    1. `_kda_chunk_intra_kernel`, every (chunk, head) in parallel: the WY factors U, W, the
-       intra-chunk output matrix Aqk and the decayed q and k (§4.3.7).
-    2. `_kda_chunk_state_kernel`, every (head, value tile) in parallel, chunks in order: carries S
-       from chunk to chunk and writes o (and the states at `block` boundaries).
-    g must be <= 0 (a log-decay): the factorizations below keep every exponent <= 0.
+    1. `chunk_factors`: every (chunk, head) in parallel, the WY factors (§4.3.7).
+    2. `chunk_scan`: every (value tile, head) in parallel, chunks in order: carries S from chunk
+       to chunk and writes o (and the states at `block` boundaries).
+    g must be <= 0 (a log-decay): the factorizations keep every exponent <= 0.
+    block_v, num_warps, num_stages tune the scan; precision is the tl.dot input precision.
     """
     T, H, dk, dv = _check_prefill(q, k, v, g, beta, initial_state)
     if chunk not in (16, 32, 64):
@@ -147,39 +149,68 @@ def kda_chunk_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
         raise ValueError(f"block {block} must be a positive multiple of chunk {chunk}")
     _check_pow2("d_k", dk)
     _check_pow2("d_v", dv)
-    bv = min(dv, block_v)
-    if dv % bv:
-        raise ValueError(f"block_v {bv} must divide d_v {dv}")
-    dev = q.device
+    if dv % min(dv, block_v):
+        raise ValueError(f"block_v {block_v} must divide d_v {dv}")
+    f = chunk_factors(q, k, v, g, beta, chunk, precision)
+    return chunk_scan(f, initial_state, block, q.dtype, block_v, num_warps, num_stages, precision)
+
+
+@dataclass
+class ChunkFactors:
+    """Per-chunk quantities of §4.3.7, rows padded to whole chunks (padding: g = k = v = β = 0).
+
+    gamma: Γ, the chunk-local cumulative log-decay [rows, H, d_k]; w = Tm (K_β ⊙ exp(Γ)) and
+    u = Tm V_β [rows, H, d_k | d_v]; qg = Q ⊙ exp(Γ); kd = K ⊙ exp(Γ_last - Γ);
+    aqk [rows, H, chunk] = (Q K^T ⊙ D) on and below the diagonal, zero above.
+    """
+    T: int
+    chunk: int
+    gamma: torch.Tensor
+    w: torch.Tensor
+    u: torch.Tensor
+    qg: torch.Tensor
+    kd: torch.Tensor
+    aqk: torch.Tensor
+
+
+def chunk_factors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                  beta: torch.Tensor, chunk: int, precision: str = DOT_PRECISION) -> ChunkFactors:
+    T, H, dk = q.shape
+    dv = v.shape[-1]
     q, k, v, beta = (x.contiguous() for x in (q, k, v, beta))
     n_chunks = triton.cdiv(T, chunk)
     rows = n_chunks * chunk
-    f32 = dict(dtype=torch.float32, device=dev)
-
-    # Γ: chunk-local cumulative log-decay; zero-padded rows decay by exp(0) = 1 and carry k = v = 0.
+    f32 = dict(dtype=torch.float32, device=q.device)
     gamma = torch.zeros(rows, H, dk, **f32)
     gamma[:T] = g
     gamma = gamma.view(n_chunks, chunk, H, dk).cumsum(1).view(rows, H, dk)
-
-    w = torch.empty(rows, H, dk, **f32)
-    u = torch.empty(rows, H, dv, **f32)
-    qg = torch.empty(rows, H, dk, **f32)
-    kd = torch.empty(rows, H, dk, **f32)
-    aqk = torch.empty(rows, H, chunk, **f32)
+    f = ChunkFactors(T, chunk, gamma, w=torch.empty(rows, H, dk, **f32), u=torch.empty(rows, H, dv, **f32),
+                     qg=torch.empty(rows, H, dk, **f32), kd=torch.empty(rows, H, dk, **f32),
+                     aqk=torch.empty(rows, H, chunk, **f32))
     _kda_chunk_intra_kernel[(n_chunks, H)](
-        q, k, v, beta, gamma, w, u, qg, kd, aqk, T,
+        q, k, v, beta, gamma, f.w, f.u, f.qg, f.kd, f.aqk, T,
         H=H, DK=dk, DV=dv, BT=chunk, BC=SUB_CHUNK, BK3=16, DOT=precision, num_warps=4)
+    return f
 
-    o = torch.empty(T, H, dv, dtype=q.dtype, device=dev)
+
+def chunk_scan(f: ChunkFactors, initial_state: torch.Tensor | None, block: int | None,
+               out_dtype: torch.dtype, block_v: int = 32, num_warps: int = 4, num_stages: int = 1,
+               precision: str = DOT_PRECISION
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    rows, H, dk = f.w.shape
+    dv = f.u.shape[-1]
+    bv = min(dv, block_v)
+    f32 = dict(dtype=torch.float32, device=f.w.device)
+    o = torch.empty(f.T, H, dv, dtype=out_dtype, device=f.w.device)
     final = torch.empty(H, dk, dv, **f32)
-    boundary = torch.empty(T // block, H, dk, dv, **f32) if block is not None else None
+    boundary = torch.empty(f.T // block, H, dk, dv, **f32) if block is not None else None
     init = initial_state.contiguous() if initial_state is not None else final
     _kda_chunk_state_kernel[(dv // bv, H)](
-        w, u, qg, kd, aqk, gamma, init, o, final, boundary if boundary is not None else final,
-        T, n_chunks,
-        H=H, DK=dk, DV=dv, BT=chunk, BV=bv, BLOCK=block or chunk,
+        f.w, f.u, f.qg, f.kd, f.aqk, f.gamma, init, o, final,
+        boundary if boundary is not None else final, f.T, rows // f.chunk,
+        H=H, DK=dk, DV=dv, BT=f.chunk, BV=bv, BLOCK=block or f.chunk,
         HAS_INIT=initial_state is not None, SAVE=block is not None, DOT=precision,
-        num_warps=num_warps)
+        num_warps=num_warps, num_stages=num_stages)
     return o, final, boundary
 
 
