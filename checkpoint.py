@@ -30,8 +30,6 @@ FP8_BLOCK = 128
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 FLOAT = frozenset({"BF16", "F16", "F32"})
 LINEAR = FLOAT | {"F8_E4M3"}
-# Trellis last dims exllamav3 can write: 16·K for K = 1..8, and 16·KA + 8 for K = 1.5, 2.5, 3.5.
-EXL3_WIDTHS = frozenset(exl3.trellis_width(k) for k in exl3.INTEGER_BITS + exl3.HALF_BITS)
 EXL3_SUFFIXES = exl3.TENSOR_KEYS
 
 
@@ -49,9 +47,8 @@ class TensorSpec:
 
 @dataclass(frozen=True)
 class Stored:
-    """Where one expected tensor lives: `format` is "plain" | "fp8" | "exl3" ("missing" only inside
-    a failed check); `keys` maps each
-    role ("weight", "weight_scale_inv", or an EXL3 suffix) to its checkpoint key."""
+    """Where one expected tensor lives. `format`: "plain" | "fp8" | "exl3" ("missing" only inside a
+    failed check); `keys`: role ("weight", "weight_scale_inv" or an EXL3 suffix) -> checkpoint key."""
     format: str
     keys: dict[str, str]
 
@@ -207,34 +204,40 @@ def _fmt(shape) -> str:
     return "[" + ", ".join(str(x) for x in shape) + "]"
 
 
-def _check_exl3(base: str, spec: TensorSpec, inventory: Mapping[str, tuple[str, tuple]], problems: list[str]) -> dict[str, str]:
-    """Claim `<base>.{trellis, suh|su, svh|sv, mcg|mul1, bias}` for a linear of shape [out, in]."""
+def _check_exl3(base: str, spec: TensorSpec, inventory: Mapping[str, tuple[str, tuple]],
+                problems: list[str]) -> dict[str, str]:
+    """Claim `<base>.{trellis, suh|su, svh|sv, mcg|mul1, bias}` for a linear of shape [out, in]
+    (exl3.md §1.1: the trellis is (in/16, out/16, words); the codebook is the marker's presence)."""
     out_f, in_f = spec.shape
     keys = {s: f"{base}.{s}" for s in EXL3_SUFFIXES if f"{base}.{s}" in inventory}
+    markers = [m for m in ("mcg", "mul1") if m in keys]
+    if len(markers) > 1:
+        problems.append(f"{base}: has both .mcg and .mul1 codebook markers")
+    for m in markers:
+        dtype, shape = inventory[keys[m]]
+        if not dtype.startswith(("I", "U")) or math.prod(shape) != 1:
+            problems.append(f"{keys[m]}: codebook marker is {dtype} {_fmt(shape)}, expected one integer")
     dtype, shape = inventory[keys["trellis"]]
     if in_f % exl3.HAD or out_f % exl3.HAD:
         problems.append(f"{base}: stored as EXL3, but EXL3 needs both dims of [{out_f}, {in_f}] to be multiples of 128")
-    elif dtype != "I16" or len(shape) != 3 or tuple(shape[:2]) != (in_f // 16, out_f // 16) \
-            or shape[2] not in EXL3_WIDTHS:
+    elif dtype != "I16" or len(shape) != 3 or tuple(shape[:2]) != (in_f // 16, out_f // 16):
         problems.append(f"{keys['trellis']}: EXL3 trellis is {dtype} {_fmt(shape)}, expected I16 "
                         f"[{in_f // 16}, {out_f // 16}, 16*K] for a [{out_f}, {in_f}] linear")
-    vectors = {"suh": ("F16", in_f), "svh": ("F16", out_f), "su": ("I16", in_f // 16), "sv": ("I16", out_f // 16),
-               "bias": ("F16", out_f)}
-    for suffix, (want_dtype, n) in vectors.items():
+    else:
+        try:
+            exl3.bits_from_width(shape[2], markers[0] if markers else "3inst", keys["trellis"])
+        except ValueError as e:
+            problems.append(str(e))
+    vectors = {"suh": (FLOAT, in_f), "svh": (FLOAT, out_f), "bias": (FLOAT, out_f),
+               "su": ({"I16"}, in_f // 16), "sv": ({"I16"}, out_f // 16)}
+    for suffix, (dtypes, n) in vectors.items():
         if suffix in keys:
             dtype, shape = inventory[keys[suffix]]
-            if dtype != want_dtype or tuple(shape) != (n,):
-                problems.append(f"{keys[suffix]}: is {dtype} {_fmt(shape)}, expected {want_dtype} [{n}]")
+            if dtype not in dtypes or tuple(shape) != (n,):
+                problems.append(f"{keys[suffix]}: is {dtype} {_fmt(shape)}, expected {'/'.join(sorted(dtypes))} [{n}]")
     for one, legacy in (("suh", "su"), ("svh", "sv")):
         if one not in keys and legacy not in keys:
             problems.append(f"{base}.{one}: missing (EXL3 linear {base} has a trellis but neither {one} nor {legacy})")
-    if "mcg" in keys and "mul1" in keys:
-        problems.append(f"{base}: has both .mcg and .mul1 codebook markers")
-    for marker in ("mcg", "mul1"):
-        if marker in keys:
-            dtype, shape = inventory[keys[marker]]
-            if not dtype.startswith(("I", "U")) or math.prod(shape) != 1:
-                problems.append(f"{keys[marker]}: codebook marker is {dtype} {_fmt(shape)}, expected one integer")
     return keys
 
 

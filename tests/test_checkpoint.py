@@ -142,11 +142,15 @@ def test_exl3_tr3_inventory(fixtures_dir, real_config):
     del bad["model.language_model.layers.9.mlp.experts.6.up_proj.suh"]
     width_key = "model.language_model.layers.10.mlp.experts.7.down_proj.trellis"
     bad[width_key] = ("I16", (128, 256, 20))
+    mul1_key = "model.language_model.layers.11.mlp.experts.8.up_proj"
+    del bad[mul1_key + ".mcg"]
+    bad[mul1_key + ".trellis"] = ("I16", (256, 128, 24))  # K = 1.5: legal for MUL1 only, here 3INST
     msg = _error(bad, real_config)
-    assert "3 problem" in msg
+    assert "4 problem" in msg
     assert f"{key}: EXL3 trellis is I16 [128, 256, 64], expected I16 [256, 128, 16*K]" in msg
     assert "layers.9.mlp.experts.6.up_proj.suh: missing" in msg
-    assert f"{width_key}: EXL3 trellis is I16 [128, 256, 20]" in msg
+    assert f"{width_key}: last dim 20 is neither 16*K nor 16*KA+8" in msg
+    assert f"{mul1_key}.trellis (last dim 24): half-integer K = 1.5 exists only for the mul1 codebook" in msg
 
 
 # ---------------------------------------------------------------------------------------------
