@@ -5,14 +5,17 @@ One `Engine.step()` is one scheduler iteration (nano-vllm's split, serving.md §
    waiting ones, all under a token budget; when blocks run out the youngest running sequence is
    preempted (its cache is dropped and recomputed later);
 2. run `GLMModel.forward` on the chunks;
-3. commit: hash the blocks that became full, keep the KDA snapshots the prefix cache wants;
+3. commit: hash the blocks that became full, snapshot the KDA slot where the prefix cache wants;
 4. sample a token for every sequence whose chunk reached its last token, detokenize, check stops.
 
 The cache is hybrid (glm53.md §4.3-4.4): paged DSA blocks (latent, indexer keys, gate scores,
 pooled keys) addressed through per-sequence block tables, plus one KDA slot (recurrent state and
 conv window) per running sequence. The prefix cache therefore needs two things for a hit at a block
 boundary: the DSA blocks before it (shared, refcounted, immutable once full, found by chained
-hashes of their token ids) and a snapshot of the KDA slot taken at that boundary.
+hashes of their token ids) and a snapshot of the KDA slot taken at that boundary. A prefill chunk
+is cut to end at each boundary the cache wants, so the snapshot is a copy of the slot after the
+forward (no per-boundary state copies inside the model, which would be ~141 MiB each on the full
+model), and a later hit resumes with exactly the arithmetic of the run that stored it.
 """
 from __future__ import annotations
 
@@ -502,10 +505,9 @@ class Engine:
         chunks = [SeqChunk(torch.tensor(seq.token_ids[seq.num_computed:seq.num_computed + n], device=self.device),
                            seq.num_computed, torch.tensor(seq.block_table, device=self.device), seq.slot)
                   for seq, n in batch]
-        want = any(seq.num_computed < b <= seq.num_computed + n for seq, n in batch for b in seq.snapshot_at)
-        out = self.model.forward(chunks, self.cache, want_block_states=want)
+        out = self.model.forward(chunks, self.cache)
         for i, (seq, n) in enumerate(batch):
-            self._commit(seq, n, out.block_states[i] if want else [])
+            self._commit(seq, n)
             if seq.num_computed == len(seq.token_ids):
                 outputs.append(self._sample(seq, out.logits[i]))
         return outputs
@@ -518,7 +520,7 @@ class Engine:
                 break
             if seq not in self.running:  # preempted below for an older sequence
                 continue
-            n = min(len(seq.token_ids) - seq.num_computed, budget)
+            n = self._chunk(seq, budget)
             need = self._blocks_needed(seq, seq.num_computed + n)
             while self.blocks.num_free() < need and seq in self.running:
                 self._preempt(self.running[-1])
@@ -536,6 +538,11 @@ class Engine:
             budget -= n
         return batch
 
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        """Tokens to compute next: all that are left, within the budget, stopping at a wanted snapshot."""
+        end = min([len(seq.token_ids), seq.num_computed + budget] + [b for b in seq.snapshot_at if b > seq.num_computed])
+        return end - seq.num_computed
+
     def _blocks_needed(self, seq: Sequence, upto: int) -> int:
         return max(0, -(-upto // self.block_size) - len(seq.block_table))
 
@@ -552,9 +559,17 @@ class Engine:
         # The last token is always recomputed: its logits pick the next token.
         hit, common = self.blocks.match(seq.block_hashes, (len(seq.token_ids) - 1) // bs)
         hit_blocks = [self.blocks.cached[h] for h in seq.block_hashes[:hit]]
-        n = min(len(seq.token_ids) - hit * bs, budget)
+        # Snapshot the prompt's last full block (an extended prompt restores there), the last one
+        # before its last token (the same prompt again restores there) and the point where it leaves
+        # the cached blocks (a shared system prompt: later requests hit).
+        snaps = self.blocks.snapshots
+        seq.snapshot_at = {b * bs for b in (full, (len(seq.token_ids) - 1) // bs, common)
+                           if hit < b <= full and snaps.max_bytes > 0 and seq.block_hashes[b - 1] not in snaps}
+        seq.num_computed = hit * bs
+        n = self._chunk(seq, budget)
         need = -(-(hit * bs + n) // bs) - hit
         if self.blocks.num_free() - sum(self.blocks.ref[b] == 0 for b in hit_blocks) < need:
+            seq.num_computed, seq.snapshot_at = 0, set()
             return 0
         for b in hit_blocks:
             self.blocks.share(b)
@@ -565,10 +580,6 @@ class Engine:
             snap = self.blocks.snapshots.get(seq.block_hashes[hit - 1])
             self.cache.kda_state[:, seq.slot].copy_(snap.kda_state)
             self.cache.conv_state[:, seq.slot].copy_(snap.conv_state)
-        seq.num_computed = hit * bs
-        # Snapshot the prompt's last full block (a repeated or extended prompt restores there) and
-        # the point where it leaves the cached blocks (a shared system prompt: later requests hit).
-        seq.snapshot_at = {b * bs for b in (full, common) if hit < b <= full}
         if seq.cached_tokens < 0:
             seq.cached_tokens = hit * bs
         self.counters["prefix_query_tokens"] += seq.prompt_len
@@ -589,7 +600,7 @@ class Engine:
             self.free_slots.append(seq.slot)
             seq.slot = -1
 
-    def _commit(self, seq: Sequence, n: int, block_states: list) -> None:
+    def _commit(self, seq: Sequence, n: int) -> None:
         """Advance past the computed chunk: hash and publish full blocks, keep wanted snapshots."""
         bs, start = self.block_size, seq.num_computed
         seq.num_computed += n
@@ -598,9 +609,9 @@ class Engine:
             if i == len(seq.block_hashes):
                 seq.block_hashes.append(block_hash(seq.block_hashes[-1] if i else b"", seq.token_ids[i * bs:(i + 1) * bs]))
             self.blocks.register(seq.block_table[i], seq.block_hashes[i])
-        for pos, kda_state, conv_state in block_states:
-            if pos + 1 in seq.snapshot_at:
-                self.blocks.snapshots.put(seq.block_hashes[(pos + 1) // bs - 1], kda_state, conv_state)
+        if seq.num_computed in seq.snapshot_at:
+            self.blocks.snapshots.put(seq.block_hashes[seq.num_computed // bs - 1],
+                                      self.cache.kda_state[:, seq.slot], self.cache.conv_state[:, seq.slot])
 
     def _sample(self, seq: Sequence, logits: torch.Tensor) -> RequestOutput:
         p = seq.params
@@ -654,7 +665,15 @@ class Engine:
             raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
         self._require_idle()
         ids = [self.encode(pr, **chat_kwargs) for pr in prompts]
-        rids = [self.add_request(x, sp) for x, sp in zip(ids, params)]
+        rids: list[str] = []
+        try:
+            for x, sp in zip(ids, params):
+                rids.append(self.add_request(x, sp))
+        except ValueError:  # leave the engine idle: none of the prompts run
+            for r in rids:
+                self.cancel(r)
+            self.cancelled = []
+            raise
         want_lp = {r: sp is not None and sp.logprobs is not None for r, sp in zip(rids, params)}
         results: dict[str, Result] = {}
         tokens: dict[str, list[int]] = {r: [] for r in rids}
@@ -715,11 +734,15 @@ class Engine:
 
 
 def load(path_or_hf_id: str | Path | None = None, device: str | torch.device | None = None,
-         dtype: torch.dtype | None = None, progress: bool = True, **engine_opts) -> Engine:
+         dtype: torch.dtype | None = None, *, num_blocks: int | None = None, max_cache_tokens: int | None = None,
+         memory_fraction: float = 0.9, max_num_seqs: int = 16, max_batch_tokens: int = 2048, block_size: int = 64,
+         max_model_len: int | None = None, snapshot_bytes: int = 4 << 30,
+         snapshot_device: str | torch.device = "cpu", progress: bool = True) -> Engine:
     """A checkpoint folder or Hugging Face id (None: the built-in default model) -> a ready Engine.
 
-    `engine_opts` go to Engine: num_blocks / max_cache_tokens / memory_fraction (pool size),
-    max_num_seqs, max_batch_tokens, block_size, max_model_len, snapshot_bytes, snapshot_device.
+    The cache pool holds `num_blocks` blocks, or enough for `max_cache_tokens`, or (on CUDA)
+    `memory_fraction` of the memory left free after the weights, or 64K tokens on CPU. Prefix-cache
+    KDA snapshots live on `snapshot_device` within `snapshot_bytes` (0 turns the prefix cache off).
     """
     import checkpoint
     if path_or_hf_id is None:
@@ -735,7 +758,9 @@ def load(path_or_hf_id: str | Path | None = None, device: str | torch.device | N
         raise FileNotFoundError(f"{path / 'tokenizer.json'} is missing: the engine needs the checkpoint's tokenizer")
     tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
     return Engine(model, tokenizer, eos_token_ids=_eos_ids(path, config), chat_template=_chat_template(path),
-                  **engine_opts)
+                  num_blocks=num_blocks, max_cache_tokens=max_cache_tokens, memory_fraction=memory_fraction,
+                  max_num_seqs=max_num_seqs, max_batch_tokens=max_batch_tokens, block_size=block_size,
+                  max_model_len=max_model_len, snapshot_bytes=snapshot_bytes, snapshot_device=snapshot_device)
 
 
 def _eos_ids(path: Path, config: GLMConfig) -> list[int]:

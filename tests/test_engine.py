@@ -261,16 +261,8 @@ def logits_of(eng: E.Engine, ids: list[int], n: int, monkeypatch) -> tuple[torch
     return torch.stack(seen), r
 
 
-def split_at(cold: E.Engine, n: int) -> E.Engine:
-    """A cold engine whose prefill chunks are n tokens."""
-    return E.Engine(cold.model, cold.tokenizer, eos_token_ids=[EOS], num_blocks=64, block_size=BS,
-                    max_batch_tokens=n, snapshot_bytes=0)
-
-
 def test_prefix_cache_hit_equals_cold_run(make_engine, cold, monkeypatch):
-    # Prefill chunks of 3 blocks: the hit resumes exactly where the cold run's second chunk starts,
-    # so a correct restore (shared DSA blocks + KDA snapshot) reproduces the cold logits bit for bit.
-    eng = make_engine(max_batch_tokens=3 * BS)
+    eng = make_engine()
     ids = prompt(6, 3 * BS + 5)
     first, r1 = logits_of(eng, ids, 4, monkeypatch)
     assert r1.usage.cached_tokens == 0
@@ -281,10 +273,23 @@ def test_prefix_cache_hit_equals_cold_run(make_engine, cold, monkeypatch):
     st = eng.stats()
     assert st.prefix_hit_tokens == 3 * BS and st.prefix_query_tokens == 2 * len(ids)
     assert st.prompt_tokens_computed == len(ids) + 5
-    ref, _ = logits_of(split_at(cold, 3 * BS), ids, 4, monkeypatch)
-    assert torch.equal(first, ref) and torch.equal(second, ref)
-    one_shot, _ = logits_of(cold, ids, 4, monkeypatch)  # other chunking: equal to rounding
+    # The cold run cut its prefill at the snapshot, so the hit resumes with the same arithmetic:
+    # a correct restore (shared DSA blocks + KDA state + conv window) reproduces it bit for bit.
+    assert torch.equal(first, second)
+    one_shot, _ = logits_of(cold, ids, 4, monkeypatch)  # prefill in one chunk: equal up to rounding
     assert (second - one_shot).abs().max() <= 1e-5
+
+
+def test_a_prompt_of_whole_blocks_still_recomputes_its_last_token(make_engine, cold):
+    eng = make_engine()
+    ids = prompt(15, 2 * BS)
+    eng.generate([ids], GREEDY)
+    again = eng.generate([ids], GREEDY)[0]
+    assert again.usage.cached_tokens == BS  # not 2 * BS: the last token's logits are needed
+    longer = ids + prompt(16, 5)
+    r = eng.generate([longer], GREEDY)[0]
+    assert r.usage.cached_tokens == 2 * BS
+    assert again.token_ids == solo(cold, ids).token_ids and r.token_ids == solo(cold, longer).token_ids
 
 
 def test_logprobs_report_the_model_distribution(cold, monkeypatch):
@@ -299,13 +304,16 @@ def test_logprobs_report_the_model_distribution(cold, monkeypatch):
 
 def test_one_block_shared_prefix_hits(make_engine, cold, monkeypatch):
     """Short agent turns: a shared prefix of a single block is reused (no large block floor)."""
-    eng = make_engine(max_batch_tokens=BS)
+    eng = make_engine()
     system = prompt(7, BS)
     eng.generate([system + prompt(8, 5)], GREEDY)
     ids = system + prompt(9, 6)
     hit, r = logits_of(eng, ids, 6, monkeypatch)
     assert r.usage.cached_tokens == BS
-    ref, r_cold = logits_of(split_at(cold, BS), ids, 6, monkeypatch)
+    # the cold reference cuts its prefill after the first block, as the caching run did
+    split = E.Engine(cold.model, cold.tokenizer, eos_token_ids=[EOS], num_blocks=64, block_size=BS,
+                     max_batch_tokens=BS, snapshot_bytes=0)
+    ref, r_cold = logits_of(split, ids, 6, monkeypatch)
     assert r.token_ids == r_cold.token_ids and torch.equal(hit, ref)
 
 
@@ -347,6 +355,16 @@ def test_cancel_frees_everything(make_engine):
     st = eng.stats()
     assert (st.blocks_used, st.running, st.waiting) == (0, 0, 0) and not eng.has_work()
     assert sorted(eng.free_slots) == list(range(eng.max_num_seqs))
+    # a stream the consumer abandons is cancelled and leaves nothing behind
+    for delta in eng.stream(prompt(41, 20), GREEDY):
+        assert delta.token_ids and not delta.finished
+        break
+    st = eng.stats()
+    assert (st.blocks_used, st.running, st.waiting) == (0, 0, 0) and not eng.has_work()
+    # a bad prompt in a batch: an error, and none of the batch stays queued
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        eng.generate([prompt(42, 5), [600]], GREEDY)
+    assert not eng.has_work()
 
 
 def test_seed_reproduces_a_sampled_output(make_engine):
