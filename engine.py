@@ -405,10 +405,10 @@ class Engine:
                                      slot_bytes * num_slots)
         self.cache = CachePool(self.config, num_blocks, num_slots, block_size=block_size, dtype=self.dtype,
                                device=self.device)
+        self.max_model_len = min(max_model_len or num_blocks * block_size, num_blocks * block_size)
         print(f"engine: cache {num_blocks} blocks x {block_size} tokens, {block_bytes / block_size:.0f} B/token, "
               f"{slot_bytes / 2**20:.1f} MiB KDA state per sequence, {num_slots} slots, "
-              f"{(num_blocks * block_bytes + num_slots * slot_bytes) / 2**30:.3f} GiB")
-        self.max_model_len = min(max_model_len or num_blocks * block_size, num_blocks * block_size)
+              f"{(num_blocks * block_bytes + num_slots * slot_bytes) / 2**30:.3f} GiB; context {self.max_model_len}")
         self.blocks = BlockManager(num_blocks, SnapshotStore(snapshot_bytes, torch.device(snapshot_device)))
         self.free_slots = list(range(max_num_seqs))
         self.waiting: deque[Sequence] = deque()
@@ -505,11 +505,12 @@ class Engine:
         chunks = [SeqChunk(torch.tensor(seq.token_ids[seq.num_computed:seq.num_computed + n], device=self.device),
                            seq.num_computed, torch.tensor(seq.block_table, device=self.device), seq.slot)
                   for seq, n in batch]
-        out = self.model.forward(chunks, self.cache)
+        logits = self.model.forward(chunks, self.cache).logits
+        argmax = logits.argmax(-1).tolist()  # one device sync serves every plain-greedy sequence
         for i, (seq, n) in enumerate(batch):
             self._commit(seq, n)
             if seq.num_computed == len(seq.token_ids):
-                outputs.append(self._sample(seq, out.logits[i]))
+                outputs.append(self._sample(seq, logits[i], argmax[i]))
         return outputs
 
     def _schedule(self) -> list[tuple[Sequence, int]]:
@@ -553,9 +554,7 @@ class Engine:
         """Give a waiting sequence its prefix-cache hit, blocks and a slot; returns its chunk length."""
         bs = self.block_size
         full = len(seq.token_ids) // bs
-        while len(seq.block_hashes) < full:
-            i = len(seq.block_hashes)
-            seq.block_hashes.append(block_hash(seq.block_hashes[-1] if i else b"", seq.token_ids[i * bs:(i + 1) * bs]))
+        self._hash_blocks(seq, full)
         # The last token is always recomputed: its logits pick the next token.
         hit, common = self.blocks.match(seq.block_hashes, (len(seq.token_ids) - 1) // bs)
         hit_blocks = [self.blocks.cached[h] for h in seq.block_hashes[:hit]]
@@ -605,18 +604,25 @@ class Engine:
         bs, start = self.block_size, seq.num_computed
         seq.num_computed += n
         self.counters["prompt_tokens_computed"] += max(0, min(seq.num_computed, seq.prompt_len) - start)
+        self._hash_blocks(seq, seq.num_computed // bs)
         for i in range(start // bs, seq.num_computed // bs):
-            if i == len(seq.block_hashes):
-                seq.block_hashes.append(block_hash(seq.block_hashes[-1] if i else b"", seq.token_ids[i * bs:(i + 1) * bs]))
             self.blocks.register(seq.block_table[i], seq.block_hashes[i])
         if seq.num_computed in seq.snapshot_at:
             self.blocks.snapshots.put(seq.block_hashes[seq.num_computed // bs - 1],
                                       self.cache.kda_state[:, seq.slot], self.cache.conv_state[:, seq.slot])
 
-    def _sample(self, seq: Sequence, logits: torch.Tensor) -> RequestOutput:
+    def _hash_blocks(self, seq: Sequence, n: int) -> None:
+        bs = self.block_size
+        for i in range(len(seq.block_hashes), n):
+            seq.block_hashes.append(block_hash(seq.block_hashes[-1] if i else b"", seq.token_ids[i * bs:(i + 1) * bs]))
+
+    def _sample(self, seq: Sequence, logits: torch.Tensor, argmax: int) -> RequestOutput:
         p = seq.params
-        out_ids = torch.tensor(seq.output_ids, dtype=torch.long, device=self.device)
-        token = sample(logits, p, seq.prompt_tensor, out_ids, seq.generator)
+        if p.temperature == 0 and p.repetition_penalty == 1 and not (p.presence_penalty or p.frequency_penalty):
+            token = argmax  # what sample() returns: no filter removes the most likely token
+        else:
+            out_ids = torch.tensor(seq.output_ids, dtype=torch.long, device=self.device)
+            token = sample(logits, p, seq.prompt_tensor, out_ids, seq.generator)
         seq.token_ids.append(token)
         self.counters["tokens_generated"] += 1
         new_lp = [token_logprobs(logits, token, p.logprobs)] if p.logprobs is not None else None

@@ -248,7 +248,7 @@ def test_score_validates_and_frees(cold):
 
 
 def logits_of(eng: E.Engine, ids: list[int], n: int, monkeypatch) -> tuple[torch.Tensor, E.Result]:
-    """Greedy run of n tokens; returns the raw logits each token was sampled from [n, vocab]."""
+    """Greedy run of n tokens (top_k=1, so through sample()); returns the logits sampled from [n, vocab]."""
     seen = []
 
     def spy(logits, *args):
@@ -257,7 +257,7 @@ def logits_of(eng: E.Engine, ids: list[int], n: int, monkeypatch) -> tuple[torch
     real = E.sample
     with monkeypatch.context() as m:
         m.setattr(E, "sample", spy)
-        r = eng.generate([ids], E.SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))[0]
+        r = eng.generate([ids], E.SamplingParams(top_k=1, max_tokens=n, ignore_eos=True))[0]
     return torch.stack(seen), r
 
 
@@ -294,8 +294,9 @@ def test_a_prompt_of_whole_blocks_still_recomputes_its_last_token(make_engine, c
 
 def test_logprobs_report_the_model_distribution(cold, monkeypatch):
     ids = prompt(14, 9)
-    logits, _ = logits_of(cold, ids, 3, monkeypatch)
+    logits, r_top1 = logits_of(cold, ids, 3, monkeypatch)
     r = cold.generate([ids], E.SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=5))[0]
+    assert r.token_ids == r_top1.token_ids  # the batched argmax path agrees with sample()
     for row, step, token in zip(logits, r.logprobs, r.token_ids):
         lp = torch.log_softmax(row, -1)
         assert step.token_id == token and step.logprob == pytest.approx(lp[token].item(), abs=1e-6)
