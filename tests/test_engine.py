@@ -332,9 +332,9 @@ def test_branch_point_snapshot_lets_the_third_request_hit(make_engine, cold):
 
 def test_pool_exhaustion_preempts_without_changing_outputs(make_engine, cold):
     prompts = [prompt(20 + i, n) for i, n in enumerate([30, 45, 20, 38])]
-    p = E.SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    p = E.SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
     alone = [solo(cold, x, p).token_ids for x in prompts]
-    eng = make_engine(num_blocks=10, snapshot_bytes=0)  # 160 tokens for ~200 wanted at the end
+    eng = make_engine(num_blocks=10, snapshot_bytes=0)  # 160 tokens for 189 wanted at the end
     out = eng.generate(prompts, p)
     assert eng.stats().preemptions > 0
     assert [r.token_ids for r in out] == alone
@@ -432,33 +432,36 @@ def test_text_and_chat_prompts(make_engine):
 
 def test_random_arrivals_cancellations_and_lengths_match_solo_runs(make_engine, cold):
     rng = random.Random(0)
-    eng = make_engine(num_blocks=24, max_num_seqs=3, max_batch_tokens=24)
+    # 8 blocks (128 tokens) for up to 4 sequences of up to 74 tokens: preemption happens.
+    eng = make_engine(num_blocks=8, max_num_seqs=4, max_batch_tokens=24)
     system = prompt(70, BS + 2)  # some requests share a prefix, so the prefix cache is exercised
-    specs, live, finished, cancelled = {}, set(), {}, set()
-    for step in range(70):
-        if rng.random() < 0.3 and len(specs) < 12:
+    specs, outputs, live, cancelled = {}, {}, set(), set()
+    for step in range(90):
+        if rng.random() < 0.35 and len(specs) < 16:
             ids = (system if rng.random() < 0.5 else []) + prompt(100 + len(specs), rng.randint(1, 40))
-            rid = eng.add_request(ids, E.SamplingParams(temperature=0, max_tokens=rng.randint(1, 10), ignore_eos=True))
-            specs[rid], finished[rid] = ids, []
+            p = E.SamplingParams(temperature=0, max_tokens=rng.randint(1, 16), ignore_eos=True)
+            rid = eng.add_request(ids, p)
+            specs[rid], outputs[rid] = ids, []
             live.add(rid)
-        if live and rng.random() < 0.06:
+        if live and rng.random() < 0.08:
             rid = rng.choice(sorted(live))
-            eng.cancel(rid)
+            assert eng.cancel(rid)
+            live.discard(rid)
             cancelled.add(rid)
         for o in eng.step():
-            finished[o.request_id] += o.token_ids
+            outputs[o.request_id] += o.token_ids
             if o.finished:
                 live.discard(o.request_id)
     while eng.has_work():
         for o in eng.step():
-            finished[o.request_id] += o.token_ids
-    done = [r for r in specs if r not in cancelled]
-    assert len(done) >= 6 and cancelled
-    for rid in done:
-        p = E.SamplingParams(temperature=0, max_tokens=len(finished[rid]), ignore_eos=True)
-        assert finished[rid] == solo(cold, specs[rid], p).token_ids, rid
+            outputs[o.request_id] += o.token_ids
     st = eng.stats()
-    assert st.blocks_used == 0 and st.prefix_hit_tokens > 0
+    done = [r for r in specs if r not in cancelled]
+    assert len(done) >= 10 and len(cancelled) >= 2 and st.preemptions > 0 and st.prefix_hit_tokens > 0
+    assert st.blocks_used == 0 and st.tokens_generated >= sum(len(outputs[r]) for r in done)
+    for rid in done:
+        p = E.SamplingParams(temperature=0, max_tokens=len(outputs[rid]), ignore_eos=True)
+        assert outputs[rid] == solo(cold, specs[rid], p).token_ids, rid
 
 
 def test_load_from_a_tiny_checkpoint(tmp_path):
