@@ -35,8 +35,6 @@ from tokenizers import Tokenizer
 from cache import CachePool
 from model_glm import GLMConfig, GLMModel, SeqChunk
 
-FINISH_REASONS = ("stop", "length", "cancelled")
-
 
 # ---------------------------------------------------------------------------------------------
 # Requests and results

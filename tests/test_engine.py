@@ -6,7 +6,6 @@ each prompt alone on an engine whose prefix cache is off (snapshot_bytes=0), so 
 from __future__ import annotations
 
 import json
-import math
 import random
 
 import pytest
