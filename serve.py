@@ -154,8 +154,8 @@ class Pending:
 class EngineLoop:
     """Owns the engine. Handlers talk to it only through `submit`, `cancel` and `call`."""
 
-    def __init__(self, engine: Any):
-        self.engine = engine
+    def __init__(self, engine: Any, metrics: Metrics):
+        self.engine, self.metrics = engine, metrics
         self.inbox: queue.Queue = queue.Queue()
         self.pending: dict[str, Pending] = {}
         self.thread = threading.Thread(target=self.run, name="engine", daemon=True)
@@ -173,7 +173,13 @@ class EngineLoop:
         """Run fn(engine) on the engine thread between steps; return its result or raise its error."""
         done: queue.Queue = queue.Queue()
         self.inbox.put(("call", fn, done))
-        ok, value = done.get()
+        while True:
+            try:
+                ok, value = done.get(timeout=1.0)
+                break
+            except queue.Empty:
+                if not self.thread.is_alive():
+                    raise ApiError(503, "the engine thread has stopped; see the server log", None, None, "server_error")
         if not ok:
             raise value
         return value
@@ -199,6 +205,12 @@ class EngineLoop:
                 self._step()
 
     def _do(self, cmd: tuple) -> None:
+        try:
+            self._do_one(cmd)
+        except Exception:  # an engine bug in add/cancel must not stop the loop every request depends on
+            traceback.print_exc()
+
+    def _do_one(self, cmd: tuple) -> None:
         kind = cmd[0]
         if kind == "add":
             _, p, prompt_ids, sampling = cmd
@@ -206,7 +218,10 @@ class EngineLoop:
                 self.engine.add_request(prompt_ids, sampling, p.request_id)
                 self.pending[p.request_id] = p
             except ValueError as e:
-                p.outputs.put(ApiError(400, str(e)))
+                p.outputs.put(ApiError(400, str(e), None, "invalid_value"))
+            except Exception as e:
+                p.outputs.put(ApiError(500, f"the engine failed to add this request: {e}", type="server_error"))
+                raise
         elif kind == "cancel":
             self.engine.cancel(cmd[1])
         elif kind == "call":
@@ -233,12 +248,12 @@ class EngineLoop:
                 traceback.print_exc()
             return
         for o in outputs:
-            p = self.pending.get(o.request_id)
-            if p is None:
-                continue
-            p.outputs.put(o)
-            if o.finished:
-                del self.pending[o.request_id]
+            if o.finished and o.usage is not None:
+                u = o.usage
+                self.metrics.finish(o.finish_reason, u.prompt_tokens, u.completion_tokens, u.cached_tokens)
+            p = self.pending.pop(o.request_id, None) if o.finished else self.pending.get(o.request_id)
+            if p is not None:
+                p.outputs.put(o)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -360,7 +375,7 @@ class Server:
         except Exception as e:
             self.load_error = f"{type(e).__name__}: {e}"
             raise
-        self.loop = EngineLoop(self.engine)
+        self.loop = EngineLoop(self.engine, self.metrics)
         self.loop.thread.start()
         self.ready.set()
         print(f"serve: {self.model_name} ready in {time.monotonic() - STARTED:.1f} s on "
@@ -416,6 +431,9 @@ class Server:
         return app
 
     def health(self):
+        if self.ready.is_set() and not self.loop.thread.is_alive():
+            return Response(json.dumps({"status": "failed: the engine thread stopped"}), 503,
+                            mimetype="application/json")
         if self.ready.is_set():
             return {"status": "ok", "model": self.model_name}
         status = "failed: " + self.load_error if self.load_error else "loading"
@@ -493,7 +511,7 @@ class Server:
     def _outputs(self, job: Job, sock: socket.socket | None) -> Iterator[Any]:
         """The engine's outputs for one job; cancels it if the client goes away or stops reading."""
         p = self.loop.submit(job.prompt_ids, job.sampling)
-        arrived = last = time.monotonic()
+        arrived = last = checked = time.monotonic()
         first = True
         finished = False
         try:
@@ -501,21 +519,25 @@ class Server:
                 try:
                     o = p.outputs.get(timeout=POLL_S)
                 except queue.Empty:
+                    o = None
+                now = time.monotonic()
+                if now - checked >= POLL_S:
                     if _client_gone(sock):
                         return
+                    checked = now
+                if o is None:
+                    if not self.loop.thread.is_alive():
+                        raise ApiError(503, "the engine thread has stopped; see the server log", None, None,
+                                       "server_error")
                     continue
                 if isinstance(o, ApiError):
                     raise o
-                now = time.monotonic()
                 if o.token_ids:
                     self.metrics.observe(self.metrics.ttft if first else self.metrics.itl, now - (arrived if first else last))
                     first, last = False, now
                 finished = o.finished
                 if finished:
                     self.metrics.observe(self.metrics.e2e, now - arrived)
-                    u = o.usage
-                    if u is not None:
-                        self.metrics.finish(o.finish_reason, u.prompt_tokens, u.completion_tokens, u.cached_tokens)
                 yield o
                 if finished:
                     return

@@ -1,0 +1,429 @@
+"""serve.py end to end: the real server on loopback (in a thread), the built-in default model,
+the openai client, a table of malformed requests, client disconnects and a concurrent load test."""
+import base64
+import hashlib
+import json
+import os
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+import requests
+
+import chat
+import default_model
+import engine as engine_mod
+import serve
+
+MAX_MODEL_LEN = 1024
+
+
+def _digest(path) -> dict:
+    return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(path.iterdir())}
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("glm53-cache")
+
+
+def test_default_model_is_deterministic_and_in_the_real_layout(cache_dir, tmp_path, fixtures_dir):
+    a = default_model.ensure(cache_dir)
+    b = default_model.ensure(tmp_path)
+    assert a.name == b.name and _digest(a) == _digest(b)
+    assert {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+            "chat_template.jinja", "model.safetensors"} <= set(_digest(a))
+    assert (a / "chat_template.jinja").read_bytes() == (fixtures_dir / "glm53" / "chat_template.jinja").read_bytes()
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(str(a / "tokenizer.json"))
+    config = json.loads((a / "config.json").read_text())["text_config"]
+    assert config["vocab_size"] == tok.get_vocab_size()
+    eos = [tok.token_to_id(t) for t in ("<|endoftext|>", "<|user|>", "<|observation|>")]
+    assert json.loads((a / "generation_config.json").read_text())["eos_token_id"] == eos
+    base = tok.token_to_id("<|endoftext|>")
+    # the offsets glm53.md §5.1 confirms: [gMASK] +2, <sop> +4, <|user|> +7, <|observation|> +9, <|image|> +34
+    assert [tok.token_to_id(t) - base for t in ("[gMASK]", "<sop>", "<|user|>", "<|observation|>", "<|image|>")] == \
+        [2, 4, 7, 9, 34]
+    for t in ("<think>", "</think>", "<tool_call>", "</tool_call>", "<arg_key>", "<arg_value>", "<tool_response>"):
+        assert len(tok.encode(t, add_special_tokens=False).ids) == 1
+    text = "Hello, wörld! ✓ def f(x): return x"
+    assert tok.decode(tok.encode(text, add_special_tokens=False).ids) == text
+
+
+@pytest.fixture(scope="module")
+def server(cache_dir):
+    old = os.environ.get("GLM53_CACHE")
+    os.environ["GLM53_CACHE"] = str(cache_dir)
+    t0 = time.monotonic()
+    srv = serve.Server(serve.parse_args(["--port", "0", "--max-model-len", str(MAX_MODEL_LEN)]))
+    srv.serve_in_thread()
+    loader = threading.Thread(target=srv.load, daemon=True)
+    loader.start()
+    srv.loading_health = requests.get(f"http://127.0.0.1:{srv.port}/health", timeout=10)
+    loader.join(timeout=120)
+    assert srv.ready.is_set(), srv.load_error
+    print(f"\nserver ready {time.monotonic() - t0:.2f} s after start (model already built)")
+    yield srv
+    srv.shutdown()
+    if old is None:
+        os.environ.pop("GLM53_CACHE")
+    else:
+        os.environ["GLM53_CACHE"] = old
+
+
+@pytest.fixture(scope="module")
+def url(server):
+    return f"http://127.0.0.1:{server.port}"
+
+
+@pytest.fixture(scope="module")
+def client(url):
+    import openai
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def metrics(url) -> dict[str, float]:
+    out = {}
+    for line in requests.get(url + "/metrics", timeout=30).text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def prompt_len(server, messages, tools=None, effort=None) -> int:
+    text = chat.render(server.engine.chat_template, chat.normalize_messages(messages), tools,
+                       chat.resolve_thinking(effort))
+    return len(server.engine.tokenizer.encode(text, add_special_tokens=False).ids)
+
+
+HI = [{"role": "user", "content": "Hi, who are you?"}]
+
+
+def test_health_loading_then_ready_and_models(server, url, client):
+    assert server.loading_health.status_code == 503 and server.loading_health.json()["status"] == "loading"
+    assert requests.get(url + "/health", timeout=10).json()["status"] == "ok"
+    assert [m.id for m in client.models.list().data] == [default_model.NAME]
+
+
+def test_chat_thinking_on_greedy_stream_matches_nonstream(server, client):
+    r = client.chat.completions.create(model=default_model.NAME, messages=HI, max_tokens=12, temperature=0)
+    c = r.choices[0]
+    assert r.usage.prompt_tokens == prompt_len(server, HI) and r.usage.completion_tokens <= 12
+    assert c.finish_reason in ("stop", "length")
+    reasoning = c.message.model_extra.get("reasoning_content")
+    if c.finish_reason == "length" and c.message.content is None:
+        assert reasoning  # the answer starts inside <think>: text before </think> is reasoning
+    chunks = list(client.chat.completions.create(model=default_model.NAME, messages=HI, max_tokens=12, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    streamed_reasoning = "".join(ch.choices[0].delta.model_extra.get("reasoning_content") or ""
+                                 for ch in chunks if ch.choices)
+    streamed_content = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices).strip()
+    assert streamed_reasoning == (reasoning or "") and streamed_content == (c.message.content or "")
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == c.finish_reason
+    assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+
+
+def test_chat_thinking_off_closes_think_and_answers_in_content(server, client):
+    r = client.chat.completions.create(model=default_model.NAME, messages=HI, max_tokens=10, temperature=0,
+                                       logprobs=True, extra_body={"reasoning_effort": "none"})
+    c = r.choices[0]
+    assert r.usage.prompt_tokens == prompt_len(server, HI, effort="none") == prompt_len(server, HI, effort="low") + 1
+    assert c.message.model_extra.get("reasoning_content") is None
+    tokens = "".join(t.token for t in c.logprobs.content)
+    if c.finish_reason == "length":
+        assert (c.message.content or "") == tokens.strip()
+
+
+def test_chat_logprobs_are_the_models_distribution(server, url, client):
+    r = client.chat.completions.create(model=default_model.NAME, messages=HI, max_tokens=6, temperature=0,
+                                       logprobs=True, top_logprobs=3)
+    lps = r.choices[0].logprobs.content
+    assert len(lps) == r.usage.completion_tokens
+    for t in lps:
+        assert len(t.top_logprobs) == 3
+        assert t.logprob == pytest.approx(t.top_logprobs[0].logprob, abs=1e-5)  # greedy takes the argmax
+        assert bytes(t.bytes).decode("utf-8", "replace") == t.token
+    # the first token's distribution is the scoring endpoint's last row for the same prompt
+    ids = server.engine.tokenizer.encode(chat.render(server.engine.chat_template, chat.normalize_messages(HI)),
+                                         add_special_tokens=False).ids
+    s = requests.post(url + "/v1/score", json={"token_ids": ids, "top_k": 3}, timeout=60).json()
+    assert s["positions"][-1]["top_logprobs"] == pytest.approx([x.logprob for x in lps[0].top_logprobs], abs=1e-4)
+
+
+def test_completions_stream_and_logprobs(server, client):
+    r = client.completions.create(model=default_model.NAME, prompt="def parse(args):", max_tokens=6, temperature=0,
+                                  logprobs=2)
+    c = r.choices[0]
+    assert len(c.logprobs.tokens) == r.usage.completion_tokens == len(c.logprobs.top_logprobs)
+    assert all(len(t) == 2 for t in c.logprobs.top_logprobs)
+    streamed = list(client.completions.create(model=default_model.NAME, prompt="def parse(args):", max_tokens=6,
+                                              temperature=0, stream=True))
+    assert "".join(ch.choices[0].text for ch in streamed) == c.text
+    ids = server.engine.tokenizer.encode("def parse(args):", add_special_tokens=False).ids
+    by_ids = client.completions.create(model=default_model.NAME, prompt=ids, max_tokens=6, temperature=0)
+    assert by_ids.choices[0].text == c.text
+
+
+def test_score_full_vocabulary(server, url):
+    ids = server.engine.tokenizer.encode("The quick brown fox jumps.", add_special_tokens=False).ids
+    s = requests.post(url + "/v1/score", json={"token_ids": ids, "top_k": 4, "full": True}, timeout=60).json()
+    full = np.frombuffer(base64.b64decode(s["full_logprobs"]["data"]), "<f4").reshape(s["full_logprobs"]["shape"])
+    assert full.shape == (len(ids), server.engine.vocab_size)
+    assert np.allclose(np.log(np.exp(full.astype(np.float64)).sum(-1)), 0, atol=1e-4)
+    for t, row in enumerate(s["positions"]):
+        order = np.argsort(-full[t])[:4]
+        assert row["top_ids"] == order.tolist()
+        assert row["rest_mass"] == pytest.approx(1 - np.exp(full[t, order].astype(np.float64)).sum(), abs=1e-5)
+        if t + 1 < len(ids):
+            assert row["token_logprob"] == pytest.approx(float(full[t, ids[t + 1]]), abs=1e-5)
+
+
+# --- tool calls: the model is random, so its sampled tokens are forced to a script --------------
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
+    "city": {"type": "string"}, "days": {"type": "integer"}}}}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+SCRIPT = ("Need the weather.</think>\nLet me check.<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris"
+          "</arg_value><arg_key>days</arg_key><arg_value>3</arg_value></tool_call>")
+
+
+@pytest.fixture
+def scripted(server, monkeypatch):
+    """Replace only the sampler's choice: the forward, cache, detokenizer, stops and parser are real."""
+    tok = server.engine.tokenizer
+
+    def use(text: str):
+        ids = tok.encode(text, add_special_tokens=False).ids + [tok.token_to_id("<|observation|>")]
+        monkeypatch.setattr(engine_mod, "sample", lambda logits, p, prompt, out, g: ids[min(len(out), len(ids) - 1)])
+    return use
+
+
+def test_tool_call_nonstream_and_stream(server, client, scripted):
+    scripted(SCRIPT)
+    q = [{"role": "user", "content": "Weather in Paris for 3 days?"}]
+    r = client.chat.completions.create(model=default_model.NAME, messages=q, tools=[WEATHER, CLOCK], max_tokens=200)
+    c = r.choices[0]
+    assert r.usage.prompt_tokens == prompt_len(server, q, tools=[WEATHER, CLOCK])
+    assert c.finish_reason == "tool_calls"
+    assert c.message.model_extra["reasoning_content"] == "Need the weather."
+    assert c.message.content == "Let me check."
+    (call,) = c.message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris", "days": 3}
+
+    chunks = list(client.chat.completions.create(model=default_model.NAME, messages=q, tools=[WEATHER, CLOCK],
+                                                 max_tokens=200, stream=True))
+    calls = [tc for ch in chunks for tc in (ch.choices[0].delta.tool_calls or [])]
+    assert [(tc.index, tc.function.name, json.loads(tc.function.arguments)) for tc in calls] == \
+        [(0, "get_weather", {"city": "Paris", "days": 3})]
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks)
+    assert text == "Let me check." and "<" not in text
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_tool_choice_none_and_named(server, client, scripted):
+    q = [{"role": "user", "content": "What time is it?"}]
+    scripted(SCRIPT)
+    r = client.chat.completions.create(model=default_model.NAME, messages=q, tools=[WEATHER], tool_choice="none",
+                                       max_tokens=200)
+    assert r.usage.prompt_tokens == prompt_len(server, q)  # no tools block in the prompt
+    assert r.choices[0].message.tool_calls is None and "<tool_call>get_weather" in r.choices[0].message.content
+    # a named choice starts the answer with "<tool_call>get_time"; the (scripted) model closes it
+    scripted("</tool_call>")
+    r = client.chat.completions.create(model=default_model.NAME, messages=q, tools=[WEATHER, CLOCK],
+                                       tool_choice={"type": "function", "function": {"name": "get_time"}}, max_tokens=20)
+    forced = len(server.engine.tokenizer.encode("<tool_call>get_time", add_special_tokens=False).ids)
+    assert r.usage.prompt_tokens == prompt_len(server, q, tools=[WEATHER, CLOCK], effort="none") + forced
+    (call,) = r.choices[0].message.tool_calls
+    assert (call.function.name, call.function.arguments, r.choices[0].finish_reason) == ("get_time", "{}", "tool_calls")
+
+
+# --- bad input ------------------------------------------------------------------------------------
+
+LONG = "word " * (MAX_MODEL_LEN + 10)
+M = [{"role": "user", "content": "hi"}]
+BAD = [  # (path, body: dict or raw str, status, param, code)
+    ("/v1/chat/completions", "not json", 400, None, "invalid_json"),
+    ("/v1/chat/completions", "[1, 2]", 400, None, "invalid_json"),
+    ("/v1/chat/completions", "", 400, None, "invalid_json"),
+    ("/v1/chat/completions", {}, 400, "messages", None),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages", None),
+    ("/v1/chat/completions", {"messages": "hi"}, 400, "messages", None),
+    ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages[0].role", None),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content", None),
+    ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "messages[0].content", None),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"text": "x"}]}]}, 400,
+     "messages[0].content[0]", None),
+    ("/v1/chat/completions", {"messages": [{"role": "assistant", "content": None, "tool_calls": [
+        {"type": "function", "function": {"name": "f", "arguments": "{oops"}}]}, *M]}, 400,
+     "messages[0].tool_calls[0].function.arguments", None),
+    ("/v1/chat/completions", {"model": "gpt-9", "messages": M}, 404, "model", "model_not_found"),
+    ("/v1/chat/completions", {"model": 5, "messages": M}, 400, "model", "invalid_type"),
+    ("/v1/chat/completions", {"messages": M, "temperature": "hot"}, 400, "temperature", "invalid_type"),
+    ("/v1/chat/completions", {"messages": M, "temperature": -1}, 400, "temperature", "invalid_value"),
+    ("/v1/chat/completions", {"messages": M, "temperature": 3}, 400, "temperature", "invalid_value"),
+    ("/v1/chat/completions", {"messages": M, "top_p": 0}, 400, "top_p", "invalid_value"),
+    ("/v1/chat/completions", {"messages": M, "top_p": 1.5}, 400, "top_p", "invalid_value"),
+    ("/v1/chat/completions", {"messages": M, "top_k": -5}, 400, "top_k", "invalid_value"),
+    ("/v1/chat/completions", {"messages": M, "presence_penalty": 5}, 400, "presence_penalty", "invalid_value"),
+    ("/v1/chat/completions", {"messages": M, "seed": 1.5}, 400, "seed", "invalid_type"),
+    ("/v1/chat/completions", {"messages": M, "max_tokens": 0}, 400, "max_tokens", "invalid_value"),
+    ("/v1/chat/completions", {"messages": M, "max_tokens": "10"}, 400, "max_tokens", "invalid_type"),
+    ("/v1/chat/completions", {"messages": M, "max_tokens": 10 ** 9}, 400, "max_tokens", "context_length_exceeded"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": LONG}]}, 400, "messages",
+     "context_length_exceeded"),
+    ("/v1/chat/completions", {"messages": M, "n": 2}, 400, "n", "unsupported"),
+    ("/v1/chat/completions", {"messages": M, "logit_bias": {"1": 5}}, 400, "logit_bias", "unsupported"),
+    ("/v1/chat/completions", {"messages": M, "response_format": {"type": "json_object"}}, 400, "response_format",
+     "unsupported"),
+    ("/v1/chat/completions", {"messages": M, "stream": "yes"}, 400, "stream", "invalid_type"),
+    ("/v1/chat/completions", {"messages": M, "stream": True, "stream_options": "x"}, 400, "stream_options",
+     "invalid_type"),
+    ("/v1/chat/completions", {"messages": M, "stop": 5}, 400, "stop", "invalid_value"),
+    ("/v1/chat/completions", {"messages": M, "stop": [""]}, 400, "stop", "invalid_value"),
+    ("/v1/chat/completions", {"messages": M, "logprobs": "true"}, 400, "logprobs", "invalid_type"),
+    ("/v1/chat/completions", {"messages": M, "logprobs": True, "top_logprobs": 50}, 400, "top_logprobs",
+     "invalid_value"),
+    ("/v1/chat/completions", {"messages": M, "top_logprobs": 2}, 400, "top_logprobs", "invalid_value"),
+    ("/v1/chat/completions", {"messages": M, "reasoning_effort": "medium"}, 400, "reasoning_effort", None),
+    ("/v1/chat/completions", {"messages": M, "enable_thinking": False, "reasoning_effort": "high"}, 400,
+     "reasoning_effort", None),
+    ("/v1/chat/completions", {"messages": M, "chat_template_kwargs": "x"}, 400, "chat_template_kwargs", None),
+    ("/v1/chat/completions", {"messages": M, "tools": "x"}, 400, "tools", None),
+    ("/v1/chat/completions", {"messages": M, "tools": [{"type": "function"}]}, 400, "tools[0]", None),
+    ("/v1/chat/completions", {"messages": M, "tool_choice": "required"}, 400, "tool_choice", None),
+    ("/v1/chat/completions", {"messages": M, "tools": [CLOCK], "tool_choice": "sometimes"}, 400, "tool_choice", None),
+    ("/v1/chat/completions", {"messages": M, "tools": [CLOCK], "tool_choice": {
+        "type": "function", "function": {"name": "nope"}}}, 400, "tool_choice", None),
+    ("/v1/completions", {}, 400, "prompt", None),
+    ("/v1/completions", {"prompt": []}, 400, "prompt", None),
+    ("/v1/completions", {"prompt": [10 ** 9]}, 400, "prompt", None),
+    ("/v1/completions", {"prompt": [-1, 2]}, 400, "prompt", None),
+    ("/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt", "unsupported"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 100}, 400, "logprobs", "invalid_value"),
+    ("/v1/completions", {"prompt": "x", "echo": True}, 400, "echo", "unsupported"),
+    ("/v1/completions", {"prompt": LONG}, 400, "prompt", "context_length_exceeded"),
+    ("/v1/score", {}, 400, "token_ids", None),
+    ("/v1/score", {"token_ids": ["a"]}, 400, "token_ids", None),
+    ("/v1/score", {"token_ids": [10 ** 9]}, 400, "token_ids", None),
+    ("/v1/score", {"token_ids": [1, 2], "top_k": -1}, 400, "top_k", "invalid_value"),
+    ("/v1/nothing", {}, 404, None, "not_found"),
+]
+
+
+def test_malformed_requests_get_openai_errors_and_never_5xx(url, client):
+    assert len(BAD) >= 30
+    for path, body, status, param, code in BAD:
+        raw = body if isinstance(body, str) else json.dumps(body)
+        r = requests.post(url + path, data=raw, headers={"Content-Type": "application/json"}, timeout=30)
+        assert r.status_code == status, (path, body if len(raw) < 200 else raw[:200], r.text)
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["message"], (body, err)
+        assert err["param"] == param and (code is None or err["code"] == code), (body, err)
+    assert requests.get(url + "/v1/chat/completions", timeout=10).status_code == 405
+    # the engine is unharmed
+    r = client.chat.completions.create(model=default_model.NAME, messages=M, max_tokens=2)
+    assert r.usage.completion_tokens >= 1
+
+
+def test_body_too_large_is_413(server, url):
+    limit = server.app.config["MAX_CONTENT_LENGTH"]
+    server.app.config["MAX_CONTENT_LENGTH"] = 1000
+    try:
+        r = requests.post(url + "/v1/chat/completions", data=json.dumps({"messages": M, "x": "a" * 2000}),
+                          headers={"Content-Type": "application/json"}, timeout=30)
+    finally:
+        server.app.config["MAX_CONTENT_LENGTH"] = limit
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+
+def test_api_key(server, url):
+    server.args.api_key = "sekrit"
+    try:
+        body = {"messages": M, "max_tokens": 1}
+        assert requests.post(url + "/v1/chat/completions", json=body, timeout=30).status_code == 401
+        wrong = requests.post(url + "/v1/chat/completions", json=body, timeout=30,
+                              headers={"Authorization": "Bearer nope"})
+        assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
+        assert requests.get(url + "/health", timeout=10).status_code == 200
+        ok = requests.post(url + "/v1/chat/completions", json=body, timeout=60,
+                           headers={"Authorization": "Bearer sekrit"})
+        assert ok.status_code == 200
+    finally:
+        server.args.api_key = None
+
+
+# --- disconnects and load ---------------------------------------------------------------------------
+
+
+def wait_idle(url, timeout=60.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        m = metrics(url)
+        if m["glm53_num_requests_running"] == 0 and m["glm53_num_requests_waiting"] == 0 \
+                and m["glm53_cache_blocks_used"] == 0:
+            return m
+        time.sleep(0.2)
+    raise AssertionError(f"engine not idle after {timeout} s: {m}")
+
+
+def test_nonstream_client_disconnect_cancels(url):
+    before = metrics(url).get('glm53_requests_finished_total{reason="cancelled"}', 0)
+    body = json.dumps({"messages": M, "max_tokens": 800, "ignore_eos": True}).encode()
+    s = socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])))
+    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    time.sleep(1.0)
+    s.close()
+    m = wait_idle(url)
+    assert m['glm53_requests_finished_total{reason="cancelled"}'] == before + 1
+
+
+def test_load_32_streaming_clients_a_third_disconnect(url):
+    before = metrics(url)
+    results: dict[int, str] = {}
+
+    def client(i: int) -> None:
+        quitter = i % 3 == 0
+        body = {"messages": [{"role": "user", "content": f"Request {i}: tell me a story."}], "stream": True,
+                "max_tokens": 400 if quitter else 8, "ignore_eos": True, "temperature": 0.8, "seed": i}
+        try:
+            with requests.post(url + "/v1/chat/completions", json=body, stream=True, timeout=120) as r:
+                if r.status_code != 200:
+                    results[i] = f"status {r.status_code}"
+                    return
+                events = 0
+                finish = None
+                for line in r.iter_lines():
+                    if not line:
+                        continue
+                    events += 1
+                    if quitter and events == 3:
+                        results[i] = "quit"
+                        return  # leaving the with-block closes the connection mid-stream
+                    if line == b"data: [DONE]":
+                        results[i] = f"done {finish}"
+                        return
+                    data = json.loads(line[len(b"data: "):])
+                    if data["choices"] and data["choices"][0]["finish_reason"]:
+                        finish = data["choices"][0]["finish_reason"]
+                results[i] = "eof without [DONE]"
+        except Exception as e:  # recorded, then asserted below
+            results[i] = f"error {e!r}"
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(32)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=180)
+    quitters = [i for i in range(32) if i % 3 == 0]
+    assert {i: results.get(i) for i in range(32)} == {i: "quit" if i in quitters else "done length" for i in range(32)}
+    after = wait_idle(url)
+    cancelled = 'glm53_requests_finished_total{reason="cancelled"}'
+    length = 'glm53_requests_finished_total{reason="length"}'
+    assert after[cancelled] - before.get(cancelled, 0) == len(quitters)
+    assert after[length] - before.get(length, 0) == 32 - len(quitters)
+    assert not [k for k, v in after.items()
+                if k.startswith("glm53_requests_total") and 'status="5' in k and v != before.get(k, 0)]
