@@ -448,6 +448,8 @@ class Engine:
     def add_request(self, prompt_ids: list[int], sampling: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
         p = sampling or SamplingParams()
+        if not isinstance(p, SamplingParams):
+            raise TypeError(f"sampling must be a SamplingParams, got {type(p).__name__}")
         request_id = request_id if request_id is not None else f"req-{next(self.ids)}"
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in the engine")

@@ -427,6 +427,10 @@ def test_text_and_chat_prompts(make_engine):
     assert len(r) == 1 and r[0].usage.prompt_tokens == len(eng.tokenizer.encode("abc abd").ids)
     with pytest.raises(ValueError, match="chat template"):
         eng.generate([[{"role": "user", "content": "hi"}]], GREEDY)
+    with pytest.raises(TypeError, match="SamplingParams"):
+        eng.add_request([5], {"temperature": 0})
+    one_liner = E.generate(eng, "abc abd", temperature=0, max_tokens=3)
+    assert one_liner[0].token_ids == r[0].token_ids
 
 
 def test_random_arrivals_cancellations_and_lengths_match_solo_runs(make_engine, cold):
@@ -463,7 +467,7 @@ def test_random_arrivals_cancellations_and_lengths_match_solo_runs(make_engine, 
         assert outputs[rid] == solo(cold, specs[rid], p).token_ids, rid
 
 
-def test_load_from_a_tiny_checkpoint(tmp_path):
+def test_load_from_a_tiny_checkpoint(tmp_path, monkeypatch):
     path = tiny.make_tiny_checkpoint(tmp_path / "ckpt")
     make_tokenizer(512).save(str(path / "tokenizer.json"))
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 7]}))
@@ -473,6 +477,9 @@ def test_load_from_a_tiny_checkpoint(tmp_path):
     assert eng.eos_token_ids == {1, 7} and eng.config.vocab_size == 512
     r = eng.generate([[{"role": "user", "content": "hi"}]], E.SamplingParams(temperature=0, max_tokens=2))[0]
     assert r.usage.prompt_tokens == len(eng.tokenizer.encode("<user>hi<a>", add_special_tokens=False).ids)
+    monkeypatch.setenv("GLM53_CACHE", str(tmp_path / "cache"))
+    default = E.load(device="cpu", progress=False, num_blocks=16)  # the built-in default model
+    assert default.generate("Hello", E.SamplingParams(max_tokens=2))[0].usage.completion_tokens <= 2
     with pytest.raises(FileNotFoundError, match="tokenizer.json"):
         (path / "tokenizer.json").unlink()
         E.load(path, device="cpu", progress=False, num_blocks=16, block_size=BS)
