@@ -12,10 +12,12 @@ Per head h the state S[h] is fp32 [d_k, d_v], indexed [key i, value j]. One toke
 `kda_chunk_prefill` runs a whole sequence in the chunked WY form (§4.3.7). The `_ref` twins are the
 per-token recurrence written plainly in fp32; tests hold the kernels to them.
 
-Matrix products inside the prefill kernels use `tl.dot` with DOT_PRECISION. fp32 `tl.dot` on the GPU
-defaults to tf32 (10-bit mantissa); "tf32x3" splits each fp32 operand into two tf32 parts and keeps
-near-fp32 accuracy on the tensor cores, which is the choice here because the chunk-local triangular
-solve amplifies input rounding. The decode kernel has no matrix product: it is exact fp32.
+Matrix products inside the prefill kernels use `tl.dot` with DOT_PRECISION = "tf32": operands are
+rounded to a 10-bit mantissa on the tensor cores (about 1e-3 relative error per product), while
+everything else (the carried state, Γ, the exact solve of the 16-row diagonal blocks) stays fp32. "tf32x3"
+(near fp32 on the tensor cores) and "ieee" (plain fp32 FMA) both spill registers in these kernels
+when compiled for sm_90; kda_gpu_check.py measures the error and time of all three. Under the CPU
+interpreter tl.dot is exact fp32 whatever the setting. The decode kernel has no matrix product.
 """
 from __future__ import annotations
 
@@ -25,8 +27,10 @@ import torch
 import triton
 import triton.language as tl
 
-DOT_PRECISION = "tf32x3"
+DOT_PRECISION = "tf32"
 SUB_CHUNK = 16  # rows of the diagonal blocks solved exactly inside a chunk; tl.dot needs >= 16
+INTRA_WARPS = 8  # 4 warps spill registers (ptxas, sm_90, tf32)
+OUT_BLOCK_V, OUT_BLOCK_K = 64, 32
 
 
 # ---------------------------------------------------------------- torch twins (the spec as code)
@@ -134,13 +138,15 @@ def kda_chunk_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
                       block: int | None = None, block_v: int = 32, num_warps: int = 4,
                       num_stages: int = 1, precision: str = DOT_PRECISION
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Triton twin of `kda_chunk_prefill_ref` (same arguments and results), in two passes:
+    """Triton twin of `kda_chunk_prefill_ref` (same arguments and results), in three passes:
 
-    1. `chunk_factors`: every (chunk, head) in parallel, the WY factors (§4.3.7).
-    2. `chunk_scan`: every (value tile, head) in parallel, chunks in order: carries S from chunk
-       to chunk and writes o (and the states at `block` boundaries).
+    1. `chunk_factors`: every (chunk, head) in parallel, the WY factors of §4.3.7.
+    2. `chunk_states`: every (value tile, head) in parallel, chunks in order: the state entering
+       each chunk (kept for pass 3; `block` boundaries are among them) and U' = U - W S.
+    3. `chunk_output`: every (chunk, head, value tile) in parallel: O = (Q ⊙ exp(Γ)) S + Aqk U'.
     g must be <= 0 (a log-decay): the factorizations keep every exponent <= 0.
-    block_v, num_warps, num_stages tune the scan; precision is the tl.dot input precision.
+    block_v, num_warps, num_stages tune pass 2; precision is the tl.dot input precision.
+    Transient memory: one fp32 state per chunk (4 MiB per 64 tokens at H = 64, d = 128).
     """
     T, H, dk, dv = _check_prefill(q, k, v, g, beta, initial_state)
     if chunk not in (16, 32, 64):
@@ -152,7 +158,12 @@ def kda_chunk_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     if dv % min(dv, block_v):
         raise ValueError(f"block_v {block_v} must divide d_v {dv}")
     f = chunk_factors(q, k, v, g, beta, chunk, precision)
-    return chunk_scan(f, initial_state, block, q.dtype, block_v, num_warps, num_stages, precision)
+    states = chunk_states(f, initial_state, block_v, num_warps, num_stages, precision)
+    o = chunk_output(f, states, q.dtype, precision)
+    boundary = None
+    if block is not None:
+        boundary = states[[(i + 1) * block // chunk for i in range(T // block)]]
+    return o, states[-1].clone(), boundary
 
 
 @dataclass
@@ -160,8 +171,9 @@ class ChunkFactors:
     """Per-chunk quantities of §4.3.7, rows padded to whole chunks (padding: g = k = v = β = 0).
 
     gamma: Γ, the chunk-local cumulative log-decay [rows, H, d_k]; w = Tm (K_β ⊙ exp(Γ)) and
-    u = Tm V_β [rows, H, d_k | d_v]; qg = Q ⊙ exp(Γ); kd = K ⊙ exp(Γ_last - Γ);
-    aqk [rows, H, chunk] = (Q K^T ⊙ D) on and below the diagonal, zero above.
+    u = Tm V_β [rows, H, d_k | d_v] (`chunk_states` overwrites u with U' = U - W S);
+    qg = Q ⊙ exp(Γ); kd = K ⊙ exp(Γ_last - Γ); aqk [rows, H, chunk] = (Q K^T ⊙ D) on and below
+    the diagonal, zero above.
     """
     T: int
     chunk: int
@@ -189,36 +201,49 @@ def chunk_factors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
                      aqk=torch.empty(rows, H, chunk, **f32))
     _kda_chunk_intra_kernel[(n_chunks, H)](
         q, k, v, beta, gamma, f.w, f.u, f.qg, f.kd, f.aqk, T,
-        H=H, DK=dk, DV=dv, BT=chunk, BC=SUB_CHUNK, BK3=16, DOT=precision, num_warps=4)
+        H=H, DK=dk, DV=dv, BT=chunk, BC=SUB_CHUNK, BK3=16, BKD=min(dk, 32), DOT=precision, num_warps=INTRA_WARPS)
     return f
 
 
-def chunk_scan(f: ChunkFactors, initial_state: torch.Tensor | None, block: int | None,
-               out_dtype: torch.dtype, block_v: int = 32, num_warps: int = 4, num_stages: int = 1,
-               precision: str = DOT_PRECISION
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def chunk_states(f: ChunkFactors, initial_state: torch.Tensor | None, block_v: int = 32,
+                 num_warps: int = 4, num_stages: int = 1, precision: str = DOT_PRECISION) -> torch.Tensor:
+    """States [n_chunks + 1, H, d_k, d_v] fp32: entry c is the state before chunk c, the last one
+    the final state. Overwrites f.u with U'.
+
+    The default tiles keep every program resident at once (sm_90, d = 128: 234 registers, 57 KB
+    shared memory); a 2-stage pipeline needs 172 KB (BV = 32), one program per SM, two waves."""
     rows, H, dk = f.w.shape
     dv = f.u.shape[-1]
+    n_chunks = rows // f.chunk
     bv = min(dv, block_v)
-    f32 = dict(dtype=torch.float32, device=f.w.device)
-    o = torch.empty(f.T, H, dv, dtype=out_dtype, device=f.w.device)
-    final = torch.empty(H, dk, dv, **f32)
-    boundary = torch.empty(f.T // block, H, dk, dv, **f32) if block is not None else None
-    init = initial_state.contiguous() if initial_state is not None else final
+    states = torch.empty(n_chunks + 1, H, dk, dv, dtype=torch.float32, device=f.w.device)
+    init = initial_state.contiguous() if initial_state is not None else states
     _kda_chunk_state_kernel[(dv // bv, H)](
-        f.w, f.u, f.qg, f.kd, f.aqk, f.gamma, init, o, final,
-        boundary if boundary is not None else final, f.T, rows // f.chunk,
-        H=H, DK=dk, DV=dv, BT=f.chunk, BV=bv, BLOCK=block or f.chunk,
-        HAS_INIT=initial_state is not None, SAVE=block is not None, DOT=precision,
+        f.w, f.u, f.kd, f.gamma, init, states, n_chunks,
+        H=H, DK=dk, DV=dv, BT=f.chunk, BV=bv, HAS_INIT=initial_state is not None, DOT=precision,
         num_warps=num_warps, num_stages=num_stages)
-    return o, final, boundary
+    return states
+
+
+def chunk_output(f: ChunkFactors, states: torch.Tensor, out_dtype: torch.dtype,
+                 precision: str = DOT_PRECISION) -> torch.Tensor:
+    """o [T, H, d_v] after `chunk_states` (f.u holds U')."""
+    rows, H, dk = f.w.shape
+    dv = f.u.shape[-1]
+    bv = min(dv, OUT_BLOCK_V)
+    o = torch.empty(f.T, H, dv, dtype=out_dtype, device=f.w.device)
+    _kda_chunk_output_kernel[(rows // f.chunk, H, dv // bv)](
+        f.qg, f.aqk, f.u, states, o, f.T,
+        H=H, DK=dk, DV=dv, BT=f.chunk, BV=bv, BK=min(dk, OUT_BLOCK_K), DOT=precision,
+        num_warps=4, num_stages=2)
+    return o
 
 
 @triton.jit
 def _kda_chunk_intra_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, gamma_ptr,
                             w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, T,
                             H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr,
-                            BC: tl.constexpr, BK3: tl.constexpr, DOT: tl.constexpr):
+                            BC: tl.constexpr, BK3: tl.constexpr, BKD: tl.constexpr, DOT: tl.constexpr):
     """One (chunk, head): rows are taken BC at a time (sub-block R), in order, because row block R
     of U = Tm V_β needs the finished U of the blocks before it (block forward substitution):
 
@@ -235,6 +260,7 @@ def _kda_chunk_intra_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, gamma_ptr,
     ik = tl.arange(0, DK)
     iv = tl.arange(0, DV)
     ic = tl.arange(0, BK3)
+    id_ = tl.arange(0, BKD)
     lower = rc[:, None] > rc[None, :]
     lower_incl = rc[:, None] >= rc[None, :]
     chunk0 = c * BT
@@ -242,19 +268,25 @@ def _kda_chunk_intra_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, gamma_ptr,
     for R in range(NC):
         rows = (chunk0 + R * BC + rc).to(tl.int64)
         valid = rows < T
-        kx = tl.load(k_ptr + (rows[:, None] * H + h) * DK + ik[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
-        qx = tl.load(q_ptr + (rows[:, None] * H + h) * DK + ik[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
-        vx = tl.load(v_ptr + (rows[:, None] * H + h) * DV + iv[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+        key_off = (rows[:, None] * H + h) * DK + ik[None, :]
+        gam = tl.load(gamma_ptr + key_off)
+        kx = tl.load(k_ptr + key_off, mask=valid[:, None], other=0.0).to(tl.float32)
+        qx = tl.load(q_ptr + key_off, mask=valid[:, None], other=0.0).to(tl.float32)
+        tl.store(qg_ptr + key_off, qx * tl.exp(gam))
+        tl.store(kd_ptr + key_off, kx * tl.exp(gamma_last[None, :] - gam))
         bx = tl.load(beta_ptr + rows * H + h, mask=valid, other=0.0).to(tl.float32)
-        gam = tl.load(gamma_ptr + (rows[:, None] * H + h) * DK + ik[None, :])
+        rhs_w = kx * bx[:, None] * tl.exp(gam)
+        val_off = (rows[:, None] * H + h) * DV + iv[None, :]
+        rhs_u = tl.load(v_ptr + val_off, mask=valid[:, None], other=0.0).to(tl.float32) * bx[:, None]
 
         # Diagonal block, per key channel: A[r, s] = -β_r Σ_i k_r,i k_s,i exp(Γ_r,i - Γ_s,i), s < r.
         a_diag = tl.zeros([BC, BC], dtype=tl.float32)
         aqk_diag = tl.zeros([BC, BC], dtype=tl.float32)
         for i0 in tl.static_range(0, DK, BK3):
-            kc = tl.load(k_ptr + (rows[:, None] * H + h) * DK + i0 + ic[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
-            qc = tl.load(q_ptr + (rows[:, None] * H + h) * DK + i0 + ic[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
-            gc = tl.load(gamma_ptr + (rows[:, None] * H + h) * DK + i0 + ic[None, :])
+            col_off = (rows[:, None] * H + h) * DK + i0 + ic[None, :]
+            kc = tl.load(k_ptr + col_off, mask=valid[:, None], other=0.0).to(tl.float32)
+            qc = tl.load(q_ptr + col_off, mask=valid[:, None], other=0.0).to(tl.float32)
+            gc = tl.load(gamma_ptr + col_off)
             decay = tl.exp(tl.where(lower_incl[:, :, None], gc[:, None, :] - gc[None, :, :], float("-inf")))
             ks = kc[None, :, :] * decay
             a_diag += tl.sum(kc[:, None, :] * ks, axis=2)
@@ -262,20 +294,25 @@ def _kda_chunk_intra_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, gamma_ptr,
         a_diag = tl.where(lower, -bx[:, None] * a_diag, 0.0)
         aqk_diag = tl.where(lower_incl, aqk_diag, 0.0)
 
-        # Earlier blocks, decayed to the reference row just before block R.
-        rhs_u = vx * bx[:, None]
-        rhs_w = kx * bx[:, None] * tl.exp(gam)
+        # Earlier blocks, both factors decayed to the reference row just before block R. The key
+        # dim is taken BKD at a time: a 16-row tl.dot holds its whole A operand in every warp.
         ref_row = (chunk0 + tl.maximum(R * BC - 1, 0)).to(tl.int64)
-        gamma_ref = tl.load(gamma_ptr + (ref_row * H + h) * DK + ik)
-        kb_ref = kx * bx[:, None] * tl.exp(gam - gamma_ref[None, :])
-        q_ref = qx * tl.exp(gam - gamma_ref[None, :])
         for Q in range(R):
             rows_q = (chunk0 + Q * BC + rc).to(tl.int64)
-            k_q = tl.load(k_ptr + (rows_q[:, None] * H + h) * DK + ik[None, :], mask=(rows_q < T)[:, None], other=0.0).to(tl.float32)
-            gam_q = tl.load(gamma_ptr + (rows_q[:, None] * H + h) * DK + ik[None, :])
-            k_q = k_q * tl.exp(gamma_ref[None, :] - gam_q)
-            a_rq = -tl.dot(kb_ref, tl.trans(k_q), input_precision=DOT)
-            aqk_rq = tl.dot(q_ref, tl.trans(k_q), input_precision=DOT)
+            a_rq = tl.zeros([BC, BC], dtype=tl.float32)
+            aqk_rq = tl.zeros([BC, BC], dtype=tl.float32)
+            for i0 in tl.static_range(0, DK, BKD):
+                col_r = (rows[:, None] * H + h) * DK + i0 + id_[None, :]
+                col_q = (rows_q[:, None] * H + h) * DK + i0 + id_[None, :]
+                gamma_ref = tl.load(gamma_ptr + (ref_row * H + h) * DK + i0 + id_)
+                to_ref = tl.exp(tl.load(gamma_ptr + col_r) - gamma_ref[None, :])
+                from_ref = tl.exp(gamma_ref[None, :] - tl.load(gamma_ptr + col_q))
+                k_r = tl.load(k_ptr + col_r, mask=valid[:, None], other=0.0).to(tl.float32) * to_ref
+                q_r = tl.load(q_ptr + col_r, mask=valid[:, None], other=0.0).to(tl.float32) * to_ref
+                k_q = tl.load(k_ptr + col_q, mask=(rows_q < T)[:, None], other=0.0).to(tl.float32) * from_ref
+                a_rq += tl.dot(k_r, tl.trans(k_q), input_precision=DOT)
+                aqk_rq += tl.dot(q_r, tl.trans(k_q), input_precision=DOT)
+            a_rq = -bx[:, None] * a_rq
             tl.store(aqk_ptr + (rows[:, None] * H + h) * BT + Q * BC + rc[None, :], aqk_rq)
             u_q = tl.load(u_ptr + (rows_q[:, None] * H + h) * DV + iv[None, :], cache_modifier=".cg")
             w_q = tl.load(w_ptr + (rows_q[:, None] * H + h) * DK + ik[None, :], cache_modifier=".cg")
@@ -291,25 +328,19 @@ def _kda_chunk_intra_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, gamma_ptr,
         for r in tl.static_range(1, BC):
             a_r = tl.sum(tl.where(rc[:, None] == r, a_diag, 0.0), axis=0)
             tm = tl.where(rc[:, None] == r, tm + tl.sum(a_r[:, None] * tm, axis=0)[None, :], tm)
-        u_r = tl.dot(tm, rhs_u, input_precision=DOT)
-        w_r = tl.dot(tm, rhs_w, input_precision=DOT)
-        tl.store(u_ptr + (rows[:, None] * H + h) * DV + iv[None, :], u_r)
-        tl.store(w_ptr + (rows[:, None] * H + h) * DK + ik[None, :], w_r)
-        tl.store(qg_ptr + (rows[:, None] * H + h) * DK + ik[None, :], qx * tl.exp(gam))
-        tl.store(kd_ptr + (rows[:, None] * H + h) * DK + ik[None, :], kx * tl.exp(gamma_last[None, :] - gam))
+        tl.store(u_ptr + val_off, tl.dot(tm, rhs_u, input_precision=DOT))
+        tl.store(w_ptr + key_off, tl.dot(tm, rhs_w, input_precision=DOT))
         # The next block reads this block's U and W back.
         tl.debug_barrier()
 
 
 @triton.jit
-def _kda_chunk_state_kernel(w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, gamma_ptr, init_ptr,
-                            o_ptr, final_ptr, boundary_ptr, T, n_chunks,
+def _kda_chunk_state_kernel(w_ptr, u_ptr, kd_ptr, gamma_ptr, init_ptr, states_ptr, n_chunks,
                             H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr,
-                            BV: tl.constexpr, BLOCK: tl.constexpr, HAS_INIT: tl.constexpr,
-                            SAVE: tl.constexpr, DOT: tl.constexpr):
+                            BV: tl.constexpr, HAS_INIT: tl.constexpr, DOT: tl.constexpr):
     """One (value tile, head), chunk after chunk, with S [d_k, BV] in registers:
 
-        U' = U - W S;   O = (Q ⊙ exp(Γ)) S + Aqk U';   S <- diag(exp(Γ_last)) S + (K ⊙ exp(Γ_last - Γ))^T U'
+        states[c] = S;   U' = U - W S;   S <- diag(exp(Γ_last)) S + (K ⊙ exp(Γ_last - Γ))^T U'
     """
     h = tl.program_id(1)
     ik = tl.arange(0, DK)
@@ -321,27 +352,41 @@ def _kda_chunk_state_kernel(w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, gamma_ptr, in
     else:
         S = tl.zeros([DK, BV], dtype=tl.float32)
     for c in range(n_chunks):
-        if SAVE:
-            if (c > 0) & ((c * BT) % BLOCK == 0):
-                tl.store(boundary_ptr + tl.cast((c * BT) // BLOCK - 1, tl.int64) * (H * DK * DV) + s_off, S)
+        tl.store(states_ptr + tl.cast(c, tl.int64) * (H * DK * DV) + s_off, S)
         rows = (c * BT + it).to(tl.int64)
         wc = tl.load(w_ptr + (rows[:, None] * H + h) * DK + ik[None, :])
-        qg = tl.load(qg_ptr + (rows[:, None] * H + h) * DK + ik[None, :])
         kd = tl.load(kd_ptr + (rows[:, None] * H + h) * DK + ik[None, :])
-        uc = tl.load(u_ptr + (rows[:, None] * H + h) * DV + jv[None, :])
-        aqk = tl.load(aqk_ptr + (rows[:, None] * H + h) * BT + it[None, :])
+        u_off = (rows[:, None] * H + h) * DV + jv[None, :]
+        u_new = tl.load(u_ptr + u_off) - tl.dot(wc, S, input_precision=DOT)
+        tl.store(u_ptr + u_off, u_new)
         last = tl.cast(c * BT + BT - 1, tl.int64)
         decay_last = tl.exp(tl.load(gamma_ptr + (last * H + h) * DK + ik))
-        u_new = uc - tl.dot(wc, S, input_precision=DOT)
-        o = tl.dot(qg, S, input_precision=DOT) + tl.dot(aqk, u_new, input_precision=DOT)
-        tl.store(o_ptr + (rows[:, None] * H + h) * DV + jv[None, :], o.to(o_ptr.dtype.element_ty),
-                 mask=(rows < T)[:, None])
         S = S * decay_last[:, None] + tl.dot(tl.trans(kd), u_new, input_precision=DOT)
-    if SAVE:
-        if T % BLOCK == 0:
-            n_saved = T // BLOCK
-            tl.store(boundary_ptr + tl.cast(n_saved - 1, tl.int64) * (H * DK * DV) + s_off, S)
-    tl.store(final_ptr + s_off, S)
+    tl.store(states_ptr + tl.cast(n_chunks, tl.int64) * (H * DK * DV) + s_off, S)
+
+
+@triton.jit
+def _kda_chunk_output_kernel(qg_ptr, aqk_ptr, u_ptr, states_ptr, o_ptr, T,
+                             H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr,
+                             BV: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr):
+    """One (chunk, head, value tile): O = (Q ⊙ exp(Γ)) S_c + Aqk U'."""
+    c = tl.program_id(0)
+    h = tl.program_id(1)
+    jv = tl.program_id(2) * BV + tl.arange(0, BV)
+    it = tl.arange(0, BT)
+    ib = tl.arange(0, BK)
+    rows = (c * BT + it).to(tl.int64)
+    state0 = states_ptr + (c.to(tl.int64) * H + h) * DK * DV
+    o = tl.zeros([BT, BV], dtype=tl.float32)
+    for i0 in range(0, DK, BK):
+        qg = tl.load(qg_ptr + (rows[:, None] * H + h) * DK + i0 + ib[None, :])
+        s = tl.load(state0 + (i0 + ib[:, None]) * DV + jv[None, :])
+        o += tl.dot(qg, s, input_precision=DOT)
+    aqk = tl.load(aqk_ptr + (rows[:, None] * H + h) * BT + it[None, :])
+    u_new = tl.load(u_ptr + (rows[:, None] * H + h) * DV + jv[None, :])
+    o += tl.dot(aqk, u_new, input_precision=DOT)
+    tl.store(o_ptr + (rows[:, None] * H + h) * DV + jv[None, :], o.to(o_ptr.dtype.element_ty),
+             mask=(rows < T)[:, None])
 
 
 # ---------------------------------------------------------------- argument checks
