@@ -403,6 +403,9 @@ class Engine:
                                      slot_bytes * num_slots)
         self.cache = CachePool(self.config, num_blocks, num_slots, block_size=block_size, dtype=self.dtype,
                                device=self.device)
+        if 0 < snapshot_bytes < slot_bytes:
+            raise ValueError(f"snapshot_bytes={snapshot_bytes} cannot hold one KDA snapshot ({slot_bytes} bytes); "
+                             f"0 turns the prefix cache off")
         self.max_model_len = min(max_model_len or num_blocks * block_size, num_blocks * block_size)
         print(f"engine: cache {num_blocks} blocks x {block_size} tokens, {block_bytes / block_size:.0f} B/token, "
               f"{slot_bytes / 2**20:.1f} MiB KDA state per sequence, {num_slots} slots, "
@@ -421,6 +424,8 @@ class Engine:
         if num_blocks is None and max_cache_tokens is not None:
             num_blocks = -(-max_cache_tokens // self.block_size)
         if num_blocks is None and self.device.type == "cuda":
+            if not 0 < memory_fraction <= 1:
+                raise ValueError(f"memory_fraction={memory_fraction} must be in (0, 1]")
             free, _ = torch.cuda.mem_get_info(self.device)
             num_blocks = int((free * memory_fraction - state_bytes) // block_bytes)
         if num_blocks is None:

@@ -340,6 +340,29 @@ def test_pool_exhaustion_preempts_without_changing_outputs(make_engine, cold):
     assert eng.stats().blocks_used == 0
 
 
+def test_one_step_mixes_decodes_and_prefill_chunks_under_the_budget(make_engine, monkeypatch):
+    eng = make_engine(max_batch_tokens=8, snapshot_bytes=0)
+    sizes = []
+    real = eng.model.forward
+
+    def spy(batch, cache, **kw):
+        sizes.append([len(c.tokens) for c in batch])
+        return real(batch, cache, **kw)
+    monkeypatch.setattr(eng.model, "forward", spy)
+    eng.add_request(prompt(80, 3), GREEDY)
+    eng.add_request(prompt(81, 4), GREEDY)
+    eng.step()  # both prompts fit: 3 + 4 tokens
+    eng.add_request(prompt(82, 20), GREEDY)
+    eng.step()  # two decode tokens, then 6 of the 20 prompt tokens
+    eng.step()
+    eng.step()
+    assert sizes == [[3, 4], [1, 1, 6], [1, 1, 6], [1, 1, 6]]
+    out = eng.step()  # the last 2 prompt tokens: the third request samples its first token
+    assert sizes[-1] == [1, 1, 2] and len(out) == 3
+    with pytest.raises(ValueError, match="cannot hold one KDA snapshot"):
+        make_engine(snapshot_bytes=1)
+
+
 def test_cancel_frees_everything(make_engine):
     eng = make_engine()
     rids = [eng.add_request(prompt(30 + i, 20 + 7 * i), GREEDY) for i in range(3)]
