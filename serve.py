@@ -11,16 +11,18 @@ OpenAI-style error body {"error": {"message", "type", "param", "code"}} with a 4
 """
 from __future__ import annotations
 
+import time
+
+STARTED = time.monotonic()  # before the heavy imports: "ready in" counts from (nearly) process start
+
 import argparse
 import base64
-import itertools
 import json
 import math
 import queue
 import socket
 import sys
 import threading
-import time
 import traceback
 import uuid
 from dataclasses import dataclass, field
@@ -34,7 +36,6 @@ from werkzeug.serving import make_server
 
 import chat
 
-STARTED = time.monotonic()  # import time of this module, close to process start: "ready in" counts from here
 MAX_BODY_BYTES = 32 << 20
 MAX_TOP_LOGPROBS = 20
 POLL_S = 0.2  # how often a waiting handler checks whether its client is still connected
@@ -342,7 +343,6 @@ class Server:
         self.model_path: Path | None = None
         self.defaults: dict[str, float] = {}
         self.metrics = Metrics()
-        self.ids = itertools.count()
         self.app = self._make_app()
         self.http = make_server(args.host, args.port, self.app, threaded=True)
         self.port = self.http.server_port
@@ -787,6 +787,10 @@ class Server:
                 yield "data: [DONE]\n\n"
             except ApiError as e:
                 yield f"data: {json.dumps(e.body())}\n\n"
+            except Exception as e:  # a server bug after the 200 went out: say so in the stream
+                traceback.print_exc()
+                err = ApiError(500, f"internal error: {type(e).__name__}", type="server_error")
+                yield f"data: {json.dumps(err.body())}\n\n"
             finally:
                 # A client that disconnects ends up here (GeneratorExit): cancel its request.
                 events.close()

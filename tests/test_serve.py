@@ -238,6 +238,24 @@ def test_tool_choice_none_and_named(server, client, scripted):
     assert r.usage.prompt_tokens == prompt_len(server, q, tools=[WEATHER, CLOCK], effort="none") + forced
     (call,) = r.choices[0].message.tool_calls
     assert (call.function.name, call.function.arguments, r.choices[0].finish_reason) == ("get_time", "{}", "tool_calls")
+    # "required" starts the answer with "<tool_call>"; the model picks the function
+    scripted("get_weather<arg_key>city</arg_key><arg_value>Oslo</arg_value></tool_call>")
+    r = client.chat.completions.create(model=default_model.NAME, messages=q, tools=[WEATHER, CLOCK],
+                                       tool_choice="required", max_tokens=40)
+    (call,) = r.choices[0].message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Oslo"})
+    assert r.choices[0].message.content is None and r.choices[0].message.model_extra["reasoning_content"] is None
+
+
+def test_prefix_cache_hits_are_reported(url, client):
+    q = [{"role": "user", "content": "Summarize: " + "the cat sat on the mat and looked around. " * 30}]
+    before = metrics(url)["glm53_prefix_cache_hit_tokens_total"]
+    first = client.chat.completions.create(model=default_model.NAME, messages=q, max_tokens=1)
+    again = client.chat.completions.create(model=default_model.NAME, messages=q, max_tokens=1)
+    assert first.usage.prompt_tokens >= 128
+    hit = again.usage.prompt_tokens_details.cached_tokens
+    assert hit >= 64 and hit % 64 == 0  # whole cache blocks
+    assert metrics(url)["glm53_prefix_cache_hit_tokens_total"] - before >= hit
 
 
 # --- bad input ------------------------------------------------------------------------------------
