@@ -179,9 +179,8 @@ def process_logits(logits: torch.Tensor, p: SamplingParams, prompt_ids: torch.Te
     if p.top_p < 1.0:
         # Keep the smallest set of most likely tokens whose mass reaches top_p.
         sorted_x, order = torch.sort(x, descending=True)
-        cum = torch.softmax(sorted_x, -1).cumsum(-1)
-        drop = (cum - torch.softmax(sorted_x, -1)) >= p.top_p
-        x[order[drop]] = -math.inf
+        probs = torch.softmax(sorted_x, -1)
+        x[order[probs.cumsum(-1) - probs >= p.top_p]] = -math.inf  # the mass before them already reaches top_p
     if p.min_p > 0:
         probs = torch.softmax(x, -1)
         x[probs < p.min_p * probs.max()] = -math.inf
@@ -198,9 +197,8 @@ def sample(logits: torch.Tensor, p: SamplingParams, prompt_ids: torch.Tensor, ou
 
 def token_logprobs(logits: torch.Tensor, token: int, n: int) -> TokenLogprob:
     lp = torch.log_softmax(logits.float(), -1)
-    top = torch.topk(lp, min(n, lp.numel())) if n else None
-    pairs = list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else []
-    return TokenLogprob(token, float(lp[token]), pairs)
+    top = torch.topk(lp, min(n, lp.numel()))
+    return TokenLogprob(token, float(lp[token]), list(zip(top.indices.tolist(), top.values.tolist())))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -272,13 +270,13 @@ class SnapshotStore:
         if h in self.items:
             self.items.move_to_end(h)
             return
-        snap = Snapshot(kda_state.to(self.device, copy=True), conv_state.to(self.device, copy=True))
-        if snap.nbytes > self.max_bytes:
+        size = Snapshot(kda_state, conv_state).nbytes
+        if size > self.max_bytes:
             return
-        while self.nbytes + snap.nbytes > self.max_bytes:
+        while self.nbytes + size > self.max_bytes:
             self.discard(next(iter(self.items)))
-        self.items[h] = snap
-        self.nbytes += snap.nbytes
+        self.items[h] = Snapshot(kda_state.to(self.device, copy=True), conv_state.to(self.device, copy=True))
+        self.nbytes += size
 
     def get(self, h: bytes) -> Snapshot:
         self.items.move_to_end(h)
@@ -364,7 +362,6 @@ class Sequence:
     cached_tokens: int = -1  # prefix-cache hit of the first admission
     text: str = ""
     emitted: int = 0  # characters of text already returned
-    logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
 
     @property
@@ -631,8 +628,6 @@ class Engine:
         seq.token_ids.append(token)
         self.counters["tokens_generated"] += 1
         new_lp = [token_logprobs(logits, token, p.logprobs)] if p.logprobs is not None else None
-        if new_lp:
-            seq.logprobs += new_lp
         if token in seq.stop_ids:
             self._finish(seq, "stop")
         else:
