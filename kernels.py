@@ -88,78 +88,129 @@ def _decode_kernel(words_ptr, out_ptr, tiles_k, tiles_n,
 
 
 @triton.jit
-def _hadamard_signs(i, j):
-    # 128 * H128[i, j] = (-1)^popcount(i & j) (Sylvester order, spec §4), as fp16 ±1.
-    v = i & j
-    v = v ^ (v >> 4)
-    v = v ^ (v >> 2)
-    v = v ^ (v >> 1)
-    return (1 - 2 * (v & 1)).to(tl.float16)
+def _times_hadamard(z, ROWS: tl.constexpr):
+    # z [ROWS, 128] times sqrt(128) * H128 (Sylvester order, spec §4): 7 butterfly stages
+    # (a, b) -> (a + b, a - b) over index bit s, in fp32.
+    for s in tl.static_range(7):
+        z = tl.reshape(z, [ROWS, 64 >> s, 2, 1 << s])
+        a, b = tl.split(tl.permute(z, (0, 1, 3, 2)))
+        z = tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2))
+    return tl.reshape(z, [ROWS, 128])
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, suh_ptr, svh_ptr, words_ptr, partial_ptr, arrivals_ptr, y_ptr,
-                 m, k, n, blocks_per_split,
-                 K2: tl.constexpr, CB: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr):
-    # Program (pid_n, pid_k): output columns [BN * pid_n, BN * (pid_n + 1)), input rows of
-    # 128-blocks [blocks_per_split * pid_k, blocks_per_split * (pid_k + 1)).
-    # y = ((((x ⊙ suh) · H) · Ŵ) · H) ⊙ svh, rows padded to 16 for tl.dot.
-    BM: tl.constexpr = 16
+def _rotate_input_kernel(x_ptr, suh_ptr, xh_ptr, m, k):
+    # xh = (x ⊙ suh) · H128 for one 128-block of k, in fp32, stored in the gemv's row order:
+    # inside every 16-row tile, row r = 8 * j1 + 2 * ll + j0 goes to slot 4 * ll + 2 * j1 + j0, so
+    # that the rows one mma lane needs (spec §3) are 4 neighbours.
+    rows = tl.arange(0, 16)[:, None]
+    i = tl.arange(0, 128)
+    x = tl.load(x_ptr + rows * k + tl.program_id(0) * 128 + i[None, :], mask=rows < m, other=0.0)
+    suh = tl.load(suh_ptr + tl.program_id(0) * 128 + i)
+    xh = _times_hadamard(x.to(tl.float32) * suh.to(tl.float32)[None, :], 16) * 0.08838834764831845
+    r = i % 16
+    slot = i - r + 4 * ((r >> 1) & 3) + 2 * (r >> 3) + (r & 1)
+    tl.store(xh_ptr + rows * k + tl.program_id(0) * 128 + slot[None, :], xh, mask=rows < m)
+
+
+@triton.jit
+def _pick(v0, v1, v2, v3, q: tl.constexpr):
+    if q == 0:
+        v = v0
+    elif q == 1:
+        v = v1
+    elif q == 2:
+        v = v2
+    else:
+        v = v3
+    return v
+
+
+@triton.jit
+def _gemv_kernel(xh_ptr, svh_ptr, words_ptr, partial_ptr, arrivals_ptr, y_ptr,
+                 m, k, n, steps, arrivals,
+                 K2: tl.constexpr, CB: tl.constexpr, MP: tl.constexpr, RT: tl.constexpr, CT: tl.constexpr):
+    # Program (pid_n, pid_k): output tiles [CT * pid_n, CT * (pid_n + 1)), `steps` steps of RT row
+    # tiles from row tile RT * steps * pid_k. One thread element = one mma lane L of one tile, which
+    # owns stream positions 8L .. 8L + 7 (spec §3): rows 2(L%4) + {0, 1, 8, 9} of columns L/4 and
+    # L/4 + 8. Its bits lie in 4 consecutive words of the tile ring, loaded once for all 8.
+    # Products accumulate elementwise; rows and lanes are summed once at the end. `arrivals`
+    # programs add into each 128-column block; the last one applies H128 and svh.
     NW: tl.constexpr = 4 * K2
-    ARRIVALS: tl.constexpr = SPLIT * (128 // BN)
+    RING: tl.constexpr = 128 * K2
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     tiles_n = n // 16
-    rows = tl.arange(0, BM)
-    i128 = tl.arange(0, 128)
-    signs = _hadamard_signs(i128[:, None], i128[None, :])
-    row_ok = rows[:, None] < m
+    lane = tl.arange(0, 32)[None, None, :]
+    first = (((((8 * lane + 1) * K2) >> 1) + RING - 16) % RING) >> 5
+    tile_word0 = (tl.arange(0, RT)[:, None, None] * tiles_n + pid_n * CT + tl.arange(0, CT)[None, :, None]) * NW
+    off0 = tile_word0 + first
+    off1 = tile_word0 + (first + 1) % NW
+    off2 = tile_word0 + (first + 2) % NW
+    off3 = tile_word0 + (first + 3) % NW
+    rows = tl.arange(0, MP)[:, None, None, None]
+    row_ok = rows < m
+    x_slot = rows * k + tl.arange(0, RT)[None, :, None, None] * 16 + 4 * (lane[None] & 3)
 
-    # Loop-invariant part of the weight-block addressing (spec §2.2, §3).
-    i = i128[:, None]
-    j = tl.arange(0, BN)[None, :]
-    w, o = _window(_stream_position(i % 16, j % 16), K2)
-    tile_word0 = ((i // 16) * tiles_n + pid_n * (BN // 16) + j // 16) * NW
+    acc_left = tl.zeros([MP, RT, CT, 32], tl.float32)   # column L/4 of each tile
+    acc_right = tl.zeros([MP, RT, CT, 32], tl.float32)  # column L/4 + 8
+    tile0 = pid_k * steps * RT
+    words_ptr += tile0 * tiles_n * NW
+    xh_ptr += tile0 * 16
+    for _ in range(steps):
+        w0 = tl.load(words_ptr + off0).to(tl.uint32, bitcast=True)
+        w1 = tl.load(words_ptr + off1).to(tl.uint32, bitcast=True)
+        w2 = tl.load(words_ptr + off2).to(tl.uint32, bitcast=True)
+        w3 = tl.load(words_ptr + off3).to(tl.uint32, bitcast=True)
+        x0 = tl.load(xh_ptr + x_slot, mask=row_ok, other=0.0)
+        x1 = tl.load(xh_ptr + x_slot + 1, mask=row_ok, other=0.0)
+        x2 = tl.load(xh_ptr + x_slot + 2, mask=row_ok, other=0.0)
+        x3 = tl.load(xh_ptr + x_slot + 3, mask=row_ok, other=0.0)
+        for j in tl.static_range(8):
+            start = ((((8 * lane + j + 1) * K2) >> 1) + RING - 16) % RING
+            step = ((start >> 5) - first + NW) % NW  # 0, 1 or 2 words past the lane's first
+            o = (start & 31).to(tl.uint32)
+            hi = tl.where(step == 0, w0, tl.where(step == 1, w1, w2))
+            lo = tl.where(step == 0, w1, tl.where(step == 1, w2, w3))
+            window = (hi << o) | ((lo >> 1) >> (31 - o))
+            value = _codebook(window >> 16, CB).to(tl.float32)
+            x = _pick(x0, x1, x2, x3, 2 * ((j >> 1) & 1) + (j & 1))
+            if j < 4:
+                acc_left += x * value[None]
+            else:
+                acc_right += x * value[None]
+        words_ptr += RT * tiles_n * NW
+        xh_ptr += RT * 16
 
-    acc = tl.zeros([BM, BN], tl.float32)
-    blk0 = pid_k * blocks_per_split
-    x_ptr += blk0 * 128
-    suh_ptr += blk0 * 128
-    words_ptr += blk0 * (8 * tiles_n * NW)  # a 128-row block is 8 rows of tiles
-    for _ in range(blocks_per_split):
-        x = tl.load(x_ptr + rows[:, None] * k + i128[None, :], mask=row_ok, other=0.0)
-        suh = tl.load(suh_ptr + i128)
-        xh = (tl.dot(x * suh[None, :], signs) * 0.08838834764831845).to(tl.float16)
-        w_hat = _codebook(_state(words_ptr, tile_word0, w, o, K2), CB)
-        acc = tl.dot(xh, w_hat, acc)
-        x_ptr += 128
-        suh_ptr += 128
-        words_ptr += 8 * tiles_n * NW
-
-    cols = pid_n * BN // 128 * 128 + i128
-    if ARRIVALS == 1:
-        _gemv_output(acc, signs, svh_ptr, y_ptr, rows, cols, row_ok, n)
-    else:
-        # Split-k: sum the partials in a zeroed fp32 buffer; the last program to arrive at this
-        # 128-column block applies the output Hadamard and leaves buffer and counter zeroed again.
-        tl.atomic_add(partial_ptr + rows[:, None] * n + pid_n * BN + j, acc, sem="relaxed")
-        tl.debug_barrier()
-        arrived = tl.atomic_add(arrivals_ptr + pid_n * BN // 128, 1, sem="acq_rel")
-        if arrived == ARRIVALS - 1:
-            block = partial_ptr + rows[:, None] * n + cols[None, :]
-            z = tl.atomic_add(block, tl.zeros([BM, 128], tl.float32), sem="acq_rel")  # read at L2
-            tl.store(block, tl.zeros([BM, 128], tl.float32))
-            tl.store(arrivals_ptr + pid_n * BN // 128, 0)
-            _gemv_output(z, signs, svh_ptr, y_ptr, rows, cols, row_ok, n)
+    # Sum the row tiles and the 4 lanes that share a column; columns are c = L/4 (left), L/4 + 8.
+    left = tl.sum(tl.reshape(tl.sum(acc_left, axis=1), [MP, CT, 8, 4]), axis=3)
+    right = tl.sum(tl.reshape(tl.sum(acc_right, axis=1), [MP, CT, 8, 4]), axis=3)
+    z = tl.reshape(tl.permute(tl.join(left, right), (0, 1, 3, 2)), [MP, CT * 16])
+    cols = pid_n * CT * 16 + tl.arange(0, CT * 16)[None, :]
+    tl.atomic_add(partial_ptr + tl.arange(0, MP)[:, None] * n + cols, z,
+                  mask=tl.arange(0, MP)[:, None] < m, sem="relaxed")
+    tl.debug_barrier()
+    block = pid_n * CT * 16 // 128
+    arrived = tl.atomic_add(arrivals_ptr + block, 1, sem="acq_rel")
+    if arrived == arrivals - 1:
+        _gemv_output(partial_ptr, arrivals_ptr, svh_ptr, y_ptr, m, n, block)
 
 
 @triton.jit
-def _gemv_output(z, signs, svh_ptr, y_ptr, rows, cols, row_ok, n):
-    # y[:, cols] = (z · H128) ⊙ svh for one 128-column block, in fp32, rounded once to fp16.
-    y = tl.dot(z, signs.to(tl.float32), input_precision="ieee")
+def _gemv_output(partial_ptr, arrivals_ptr, svh_ptr, y_ptr, m, n, block):
+    # y[:, block] = (z · H128) ⊙ svh in fp32, rounded once to fp16; z is read at L2 and zeroed.
+    rows = tl.arange(0, 16)[:, None]
+    i = tl.arange(0, 128)
+    cols = block * 128 + i
+    z_ptr = partial_ptr + rows * n + cols[None, :]
+    z = tl.atomic_add(z_ptr, tl.zeros([16, 128], tl.float32), mask=rows < m, sem="acq_rel")
+    z = tl.where(rows < m, z, 0.0)
+    tl.store(z_ptr, tl.zeros([16, 128], tl.float32), mask=rows < m)
+    tl.store(arrivals_ptr + block, 0)
+    y = _times_hadamard(z, 16)
     svh = tl.load(svh_ptr + cols).to(tl.float32)
     y = (y * (0.08838834764831845 * svh)[None, :]).to(tl.float16)
-    tl.store(y_ptr + rows[:, None] * n + cols[None, :], y, mask=row_ok)
+    tl.store(y_ptr + rows * n + cols[None, :], y, mask=rows < m)
 
 
 def trellis_k2(trellis: torch.Tensor, codebook: str) -> int:
@@ -208,22 +259,26 @@ def _split_buffers(device: torch.device, n: int) -> tuple[torch.Tensor, torch.Te
     return partial, arrivals
 
 
-def _default_split(device: torch.device, n: int, blocks: int, block_n: int) -> int:
-    # Enough programs to cover every SM a few times; the split must divide the 128-row blocks.
+def _default_split(device: torch.device, n: int, steps: int, block_n: int) -> int:
+    # Enough programs to cover every SM a few times; the split must divide the loop steps.
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
     split = 1
-    while blocks % (2 * split) == 0 and (n // block_n) * split * 2 <= 4 * sms:
+    while steps % (2 * split) == 0 and (n // block_n) * split * 2 <= 4 * sms:
         split *= 2
     return split
 
 
+GEMV_ROWS = 8  # rows per launch: the elementwise accumulators grow with the row count
+
+
 def exl3_gemv(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor,
-              codebook: str, out: torch.Tensor | None = None, *, block_n: int = 64,
-              split_k: int | None = None, num_warps: int = 4) -> torch.Tensor:
+              codebook: str, out: torch.Tensor | None = None, *, block_n: int = 128, row_tiles: int = 2,
+              split_k: int | None = None, num_warps: int = 4, num_stages: int = 1) -> torch.Tensor:
     """y = x · diag(suh) · H · Ŵ · H · diag(svh) for small m, decoding Ŵ in registers.
 
     x [m, k] fp16 -> y [m, n] fp16. Twin: x @ exl3.dequantize(trellis, suh, svh, codebook).
-    block_n / split_k / num_warps are launch tuning (split_k None = pick by SM count).
+    block_n (output columns per program), row_tiles (16-row tiles per loop step), split_k,
+    num_warps and num_stages are launch tuning; split_k None picks one by SM count.
     """
     k2 = trellis_k2(trellis, codebook)
     tiles_k, tiles_n, _ = trellis.shape
@@ -243,16 +298,18 @@ def exl3_gemv(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: to
         out = torch.empty((m, n), dtype=torch.float16, device=x.device)
     elif out.shape != (m, n) or out.dtype != torch.float16 or not out.is_contiguous():
         raise ValueError(f"out must be contiguous fp16 ({m}, {n}), got {out.dtype} {tuple(out.shape)}")
-    blocks = k // 128
-    split = split_k or _default_split(x.device, n, blocks, block_n)
-    if blocks % split:
-        raise ValueError(f"split_k {split} must divide the {blocks} input blocks of 128")
+    split = split_k or _default_split(x.device, n, tiles_k // row_tiles, block_n)
+    if tiles_k % (split * row_tiles):
+        raise ValueError(f"split_k {split} x row_tiles {row_tiles} must divide the {tiles_k} row tiles of 16")
     x = x.contiguous()
     words = trellis.contiguous().view(torch.int32)
-    partial, arrivals = _split_buffers(x.device, n)
-    for row in range(0, m, 16):  # one launch per 16 rows: the kernel pads rows to one mma tile
-        rows = min(16, m - row)
+    partial, counters = _split_buffers(x.device, n)
+    for row in range(0, m, GEMV_ROWS):
+        rows = min(GEMV_ROWS, m - row)
+        xh = torch.empty((rows, k), dtype=torch.float32, device=x.device)
+        _rotate_input_kernel[(k // 128,)](x[row:], suh, xh, rows, k)
         _gemv_kernel[(n // block_n, split)](
-            x[row:], suh, svh, words, partial, arrivals, out[row:], rows, k, n, blocks // split,
-            K2=k2, CB=CODEBOOKS.index(codebook), BN=block_n, SPLIT=split, num_warps=num_warps)
+            xh, svh, words, partial, counters, out[row:], rows, k, n, tiles_k // (split * row_tiles),
+            split * 128 // block_n, K2=k2, CB=CODEBOOKS.index(codebook), MP=triton.next_power_of_2(rows),
+            RT=row_tiles, CT=block_n // 16, num_warps=num_warps, num_stages=num_stages)
     return out

@@ -22,11 +22,12 @@ needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="large shap
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CONFIGS = [f"K{k}_{cb}" for k in range(1, 9) for cb in kernels.CODEBOOKS] + [
     "K1p5_mul1", "K2p5_mul1", "K3p5_mul1"]
-# Every K and every codebook at least once; launch shapes vary to cover split-k and block widths.
-GEMV_CASES = [("K1_3inst", 128, 1), ("K2_mcg", 64, None), ("K3_mul1", 32, 2), ("K4_3inst", 64, 2),
-              ("K5_mcg", 128, 2), ("K6_mul1", 16, 1), ("K7_3inst", 64, 1), ("K8_mcg", 32, None),
-              ("K1p5_mul1", 64, 2), ("K2p5_mul1", 128, 1), ("K3p5_mul1", 64, None), ("K4_mul1", 64, None)]
-
+# Every K and every codebook at least once. Launch shapes (block_n, row_tiles, split_k) vary to cover
+# one and several programs per 128-column block; large row_tiles keep the interpreter's loop short.
+GEMV_CASES = [("K1_3inst", 128, 16, None), ("K2_mcg", 64, 16, None), ("K3_mul1", 128, 8, 2),
+              ("K4_3inst", 128, 16, None), ("K5_mcg", 128, 8, 2), ("K6_mul1", 64, 16, None),
+              ("K7_3inst", 128, 16, None), ("K8_mcg", 128, 8, 2), ("K1p5_mul1", 128, 16, None),
+              ("K2p5_mul1", 128, 16, None), ("K3p5_mul1", 128, 8, 2), ("K4_mul1", 32, 16, None)]
 
 @pytest.fixture(scope="module")
 def golden(fixtures_dir):
@@ -64,13 +65,13 @@ def test_decode_is_bit_exact_against_exllamav3(golden, config):
     assert mismatches == 0, f"{config}: {mismatches} of 65536 values differ from exllamav3's reconstruct"
 
 
-@pytest.mark.parametrize("config,block_n,split_k", GEMV_CASES)
-def test_gemv_matches_exllamav3_batch4(golden, config, block_n, split_k):
+@pytest.mark.parametrize("config,block_n,row_tiles,split_k", GEMV_CASES)
+def test_gemv_matches_exllamav3_batch4(golden, config, block_n, row_tiles, split_k):
     x = _golden(golden, config, "x4")
     out = torch.full((4, 256), float("nan"), dtype=torch.float16, device=DEVICE)
     kernels.exl3_gemv(x, _golden(golden, config, "trellis"), _golden(golden, config, "suh"),
                       _golden(golden, config, "svh"), config.split("_")[1], out=out,
-                      block_n=block_n, split_k=split_k)
+                      block_n=block_n, row_tiles=row_tiles, split_k=split_k)
     assert torch.isfinite(out).all(), "some outputs were not written"
     err = _rel_err(out, _golden(golden, config, "y4"))
     assert err <= 1e-3, f"{config}: relative error {err:.2e} against exllamav3's y4"
@@ -81,8 +82,8 @@ def test_gemv_split_buffers_are_left_clean(golden):
     config = "K3_mcg"
     args = [_golden(golden, config, name) for name in ("trellis", "suh", "svh")]
     x = _random_x(2, 256, seed=1)
-    first = kernels.exl3_gemv(x, *args, "mcg", block_n=32, split_k=2)
-    second = kernels.exl3_gemv(x, *args, "mcg", block_n=32, split_k=2)
+    first = kernels.exl3_gemv(x, *args, "mcg", block_n=64, row_tiles=8, split_k=2)
+    second = kernels.exl3_gemv(x, *args, "mcg", block_n=64, row_tiles=8, split_k=2)
     assert _rel_err(second, first) <= 1e-6
 
 
@@ -96,13 +97,13 @@ def test_decode_matches_torch_twin(width, codebook):
 
 
 @needs_exl3
-@pytest.mark.parametrize("m,width,codebook,split_k", [(3, 64, "mcg", 2), (1, 40, "mul1", None),
+@pytest.mark.parametrize("m,width,codebook,split_k", [(3, 64, "mcg", 2), (1, 40, "mul1", 1),
                                                       (8, 48, "3inst", 1)])
 def test_gemv_matches_torch_twin(m, width, codebook, split_k):
     trellis, suh, svh = _random_linear(256, 384, width, seed=m)
     x = _random_x(m, 256, seed=m + 10)
     out = torch.full((m, 384), float("nan"), dtype=torch.float16, device=DEVICE)
-    kernels.exl3_gemv(x, trellis, suh, svh, codebook, out=out, split_k=split_k)
+    kernels.exl3_gemv(x, trellis, suh, svh, codebook, out=out, row_tiles=16 // split_k, split_k=split_k)
     assert torch.isfinite(out).all(), "some outputs were not written"
     ref = x.float() @ exl3.dequantize(trellis, suh, svh, codebook).float()
     err = _rel_err(out, ref)
@@ -110,10 +111,10 @@ def test_gemv_matches_torch_twin(m, width, codebook, split_k):
 
 
 @needs_exl3
-def test_gemv_more_than_16_rows():
+def test_gemv_more_rows_than_one_launch_takes():
     trellis, suh, svh = _random_linear(128, 128, 32, seed=5)
-    x = _random_x(17, 128, seed=6)
-    y = kernels.exl3_gemv(x, trellis, suh, svh, "mul1")
+    x = _random_x(2 * kernels.GEMV_ROWS + 1, 128, seed=6)
+    y = kernels.exl3_gemv(x, trellis, suh, svh, "mul1", row_tiles=8)
     ref = x.float() @ exl3.dequantize(trellis, suh, svh, "mul1").float()
     assert _rel_err(y, ref) <= 1e-3
 
