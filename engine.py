@@ -287,6 +287,10 @@ class SnapshotStore:
         if snap is not None:
             self.nbytes -= snap.nbytes
 
+    def clear(self) -> None:
+        self.items.clear()
+        self.nbytes = 0
+
 
 class BlockManager:
     """Physical DSA blocks: reference counts, the hash -> block map of full blocks, LRU reuse.
@@ -490,6 +494,10 @@ class Engine:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.cancelled)
+
+    def reset_prefix_cache(self) -> None:
+        """Make every following request cold (benchmarks): a hit needs a KDA snapshot, so drop them all."""
+        self.blocks.snapshots.clear()
 
     def stats(self) -> EngineStats:
         b = self.blocks

@@ -289,6 +289,8 @@ def test_a_prompt_of_whole_blocks_still_recomputes_its_last_token(make_engine, c
     r = eng.generate([longer], GREEDY)[0]
     assert r.usage.cached_tokens == 2 * BS
     assert again.token_ids == solo(cold, ids).token_ids and r.token_ids == solo(cold, longer).token_ids
+    eng.reset_prefix_cache()
+    assert eng.generate([longer], GREEDY)[0].usage.cached_tokens == 0 and eng.stats().snapshots > 0
 
 
 def test_logprobs_report_the_model_distribution(cold, monkeypatch):
