@@ -561,15 +561,21 @@ class Server:
 
     def chat_completions(self):
         body = self._body()
+        if not self.engine.chat_template:
+            raise ApiError(400, "this checkpoint has no chat template; use /v1/completions", "messages", "unsupported")
         try:
             messages = chat.normalize_messages(body.get("messages"))
             tools = chat.check_tools(body.get("tools"))
             kwargs = field_of(body, "chat_template_kwargs", "dict", {})
+            unknown = sorted(set(kwargs) - {"enable_thinking", "reasoning_effort", "clear_thinking"})
+            if unknown:
+                raise ApiError(400, f"chat_template_kwargs {unknown} are not supported (enable_thinking, "
+                                    f"reasoning_effort, clear_thinking are)", "chat_template_kwargs", "unsupported")
             thinking = chat.resolve_thinking(body.get("reasoning_effort", kwargs.get("reasoning_effort")),
                                              body.get("enable_thinking", kwargs.get("enable_thinking")))
         except chat.ChatError as e:
             raise ApiError(400, str(e), e.param, "invalid_value")
-        tool_choice = body.get("tool_choice", "auto" if tools else "none")
+        tool_choice = body.get("tool_choice") or ("auto" if tools else "none")
         if tool_choice not in ("auto", "none", "required") and not _named_choice(tool_choice):
             raise ApiError(400, "'tool_choice' must be 'auto', 'none', 'required' or "
                                 "{'type': 'function', 'function': {'name': ...}}", "tool_choice", "invalid_value")
@@ -589,7 +595,7 @@ class Server:
                        f"must be between 0 and {MAX_TOP_LOGPROBS}")
         if top and not logprobs:
             raise ApiError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs", "invalid_value")
-        extra = {k: v for k, v in kwargs.items() if k in ("clear_thinking",)}
+        extra = {"clear_thinking": kwargs["clear_thinking"]} if "clear_thinking" in kwargs else {}
         try:
             text = chat.render(self.engine.chat_template, messages, tools if tool_choice != "none" else None,
                                thinking, **extra) + forced

@@ -11,6 +11,7 @@ import time
 import numpy as np
 import pytest
 import requests
+import torch
 
 import chat
 import default_model
@@ -56,6 +57,8 @@ def test_default_model_is_deterministic_and_in_the_real_layout(cache_dir, tmp_pa
 def server(cache_dir):
     old = os.environ.get("GLM53_CACHE")
     os.environ["GLM53_CACHE"] = str(cache_dir)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny ops: one thread is much faster than two on a shared 2-core machine
     t0 = time.monotonic()
     srv = serve.Server(serve.parse_args(["--port", "0", "--max-model-len", str(MAX_MODEL_LEN)]))
     srv.serve_in_thread()
@@ -67,6 +70,7 @@ def server(cache_dir):
     print(f"\nserver ready {time.monotonic() - t0:.2f} s after start (model already built)")
     yield srv
     srv.shutdown()
+    torch.set_num_threads(threads)
     if old is None:
         os.environ.pop("GLM53_CACHE")
     else:
@@ -309,6 +313,10 @@ BAD = [  # (path, body: dict or raw str, status, param, code)
     ("/v1/chat/completions", {"messages": M, "enable_thinking": False, "reasoning_effort": "high"}, 400,
      "reasoning_effort", None),
     ("/v1/chat/completions", {"messages": M, "chat_template_kwargs": "x"}, 400, "chat_template_kwargs", None),
+    ("/v1/chat/completions", {"messages": M, "chat_template_kwargs": {"foo": 1}}, 400, "chat_template_kwargs",
+     "unsupported"),
+    ("/v1/chat/completions", {"messages": M, "tools": [CLOCK], "tool_choice": None, "max_tokens": 0}, 400,
+     "max_tokens", "invalid_value"),
     ("/v1/chat/completions", {"messages": M, "tools": "x"}, 400, "tools", None),
     ("/v1/chat/completions", {"messages": M, "tools": [{"type": "function"}]}, 400, "tools[0]", None),
     ("/v1/chat/completions", {"messages": M, "tool_choice": "required"}, 400, "tool_choice", None),
