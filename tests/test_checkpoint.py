@@ -338,23 +338,12 @@ def test_transformers_save_pretrained_loads(tmp_path):
         checkpoint.load_weights(tmp_path / "hf", with_mtp, progress=False)
 
 
-def _random_exl3(out_f: int, in_f: int, bits: int, codebook: str, g: torch.Generator):
-    """Any int16 trellis is a valid EXL3 tensor (exl3.md §8.2), so no quantizer is needed."""
-    trellis = torch.randint(-(1 << 15), 1 << 15, (in_f // 16, out_f // 16, 16 * bits), generator=g,
-                            dtype=torch.int32).to(torch.int16)
-    suh = (torch.randn(in_f, generator=g) * 0.05).half()
-    svh = (torch.randn(out_f, generator=g) * 0.05).half()
-    return exl3.EXL3Linear(trellis, suh, svh, codebook)
-
-
 def test_roundtrip_exl3_experts_fp8_core(tmp_path, tiny_config, tiny_ref):
-    g = torch.Generator().manual_seed(0)
-    weights = dict(tiny_ref)
-    for name, ref in tiny_ref.items():
-        if checkpoint.is_routed_expert(name):
-            layer = int(name.split(".")[1])
-            weights[name] = _random_exl3(*ref.shape, bits=3 if layer == 2 else 4,
-                                         codebook="mul1" if layer == 3 else "mcg", g=g)
+    weights = dict(tiny_ref) | tiny.random_exl3_experts(tiny_config, seed=0)
+    # layer 2 at K = 3, layer 3 with the MUL1 codebook: a per-layer mix
+    weights |= {n: w for n, w in tiny.random_exl3_experts(tiny_config, seed=1, bits=3).items() if n.startswith("layers.2.")}
+    weights |= {n: w for n, w in tiny.random_exl3_experts(tiny_config, seed=2, codebook="mul1").items()
+                if n.startswith("layers.3.")}
     path = checkpoint.write_checkpoint(tmp_path / "x", tiny.tiny_config_dict(), weights, core="fp8")
     qc = json.loads((path / "config.json").read_text())["quantization_config"]
     assert qc["quant_method"] == "exl3" and qc["codebook"] == ["mcg", "mul1"] and 3 < qc["bits"] < 4
@@ -383,3 +372,45 @@ def test_roundtrip_exl3_experts_fp8_core(tmp_path, tiny_config, tiny_ref):
         assert (base + ".mcg" in files) != (base + ".mul1" in files) and codebook == weights[name].codebook
         expect = exl3.dequantize(files[base + ".trellis"], files[base + ".suh"], files[base + ".svh"], codebook)
         assert torch.equal(w[name].weight(), expect), name
+
+
+def test_random_exl3_experts_scale(tiny_config, tiny_ref):
+    experts = tiny.random_exl3_experts(tiny_config, seed=0)
+    assert len(experts) == 4 * 8 * 3
+    name = "layers.1.mlp.experts.0.down_proj.weight"
+    w = experts[name].weight().float()  # (in, out)
+    assert w.shape == tiny_ref[name].T.shape
+    assert 0.5 < w.std() / tiny_ref[name].std() < 2
+    again = tiny.random_exl3_experts(tiny_config, seed=0)[name]
+    assert torch.equal(again.trellis, experts[name].trellis) and torch.equal(again.svh, experts[name].svh)
+
+
+def test_write_exl3_experts_calls_quantize(tmp_path, tiny_config, tiny_ref, monkeypatch):
+    """The writer's EXL3 path: each routed expert goes through exl3.quantize with the HF-layout
+    weight, its layer's bits and the codebook. exl3.quantize itself is too slow on CPU for 96
+    linears, so a deterministic stand-in records the calls (exl3's own tests cover the quantizer)."""
+    calls = {}
+    stand_in = tiny.random_exl3_experts(tiny_config, seed=5, bits=2, codebook="mul1")
+
+    def fake_quantize(weight, bits, codebook="3inst", hessian=None, seed=0):
+        name = next(n for n, ref in tiny_ref.items() if ref.shape == weight.shape and torch.equal(ref, weight)
+                    and checkpoint.is_routed_expert(n))
+        calls[name] = (bits, codebook, seed)
+        return stand_in[name]
+
+    monkeypatch.setattr(exl3, "quantize", fake_quantize)
+    bits = {1: 2, 2: 2, 3: 2, 4: 2}
+    path = checkpoint.write_checkpoint(tmp_path / "x", tiny.tiny_config_dict(), tiny_ref, experts="exl3",
+                                       bits=bits, codebook="mul1")
+    assert set(calls) == {n for n in tiny_ref if checkpoint.is_routed_expert(n)}
+    assert {c[:2] for c in calls.values()} == {(2, "mul1")}
+    assert len({c[2] for c in calls.values()}) == len(calls)  # one seed per tensor
+    qc = json.loads((path / "config.json").read_text())["quantization_config"]
+    assert qc == {"quant_method": "exl3", "bits": 2.0, "head_bits": 16, "codebook": "mul1"}
+    w = checkpoint.load_weights(path, tiny_config, dtype=torch.float32, progress=False)
+    for name, lin in stand_in.items():
+        assert torch.equal(w[name].trellis, lin.trellis) and w[name].codebook == "mul1", name
+    assert torch.equal(w["layers.1.mlp.shared_experts.up_proj.weight"], tiny_ref["layers.1.mlp.shared_experts.up_proj.weight"])
+
+    with pytest.raises(CheckpointError, match=r"layers\.4\.mlp\.experts\.0\.gate_proj\.weight: no EXL3 bits given for layer 4"):
+        checkpoint.write_checkpoint(tmp_path / "y", tiny.tiny_config_dict(), tiny_ref, experts="exl3", bits={1: 2, 2: 2, 3: 2})

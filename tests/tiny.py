@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 import checkpoint
+import exl3
 from model_glm import GLMConfig
 
 _TEXT = dict(
@@ -103,6 +104,29 @@ def random_weights(config: Any, seed: int = 0) -> dict[str, torch.Tensor]:
         g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
         w = _init(name, spec, g)
         out[name] = w if spec.fp32 else w.to(torch.bfloat16).float()
+    return out
+
+
+def random_exl3_experts(config: Any, seed: int = 0, bits: float = 4, codebook: str = "mcg") -> dict[str, exl3.EXL3Linear]:
+    """Routed experts as EXL3 linears with random trellises: every int16 trellis is a valid EXL3
+    tensor (exl3.md §8.2), so this needs no (slow, on CPU) quantizer. suh/svh are random signs
+    times a magnitude that gives W about the spread of `random_weights`' experts (std 1/sqrt(in)).
+    Merge into `random_weights(...)` to get a model whose experts are EXL3."""
+    out = {}
+    words = exl3.trellis_width(bits)
+    cb_std = exl3.codebook_lut(codebook).float().std().item()
+    for name, spec in checkpoint.expected_tensors(config).items():
+        if not checkpoint.is_routed_expert(name):
+            continue
+        g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        out_f, in_f = spec.shape
+        trellis = torch.randint(-(1 << 15), 1 << 15, (in_f // 16, out_f // 16, words), generator=g,
+                                dtype=torch.int32).to(torch.int16)
+        mag = (cb_std * math.sqrt(in_f)) ** -0.5
+        suh = ((torch.randint(0, 2, (in_f,), generator=g) * 2 - 1) * mag).half()
+        svh = ((torch.randint(0, 2, (out_f,), generator=g) * 2 - 1) * mag
+               * (1 + 0.1 * torch.randn(out_f, generator=g))).half()
+        out[name] = exl3.EXL3Linear(trellis, suh, svh, codebook, name=name)
     return out
 
 
