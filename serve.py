@@ -365,13 +365,16 @@ class Server:
                                           max_batch_tokens=a.max_batch_tokens, max_cache_tokens=a.max_cache_tokens).items()
                     if v is not None}
             dtype = getattr(torch, a.dtype) if a.dtype else None
+            print(f"serve: loading {path} ({time.monotonic() - STARTED:.1f} s since start)", flush=True)
             self.engine = engine_mod.load(str(path), device=a.device, dtype=dtype, **opts)
             self.engine_mod = engine_mod
             self.added_ids = set(self.engine.tokenizer.get_added_tokens_decoder())
             gen = path / "generation_config.json"
             gen_cfg = json.loads(gen.read_text()) if gen.is_file() else {}
             self.defaults = {k: gen_cfg[k] for k in ("temperature", "top_p", "top_k") if k in gen_cfg}
+            t = time.monotonic()
             self._warm_up()
+            print(f"serve: warm-up {time.monotonic() - t:.1f} s", flush=True)
         except Exception as e:
             self.load_error = f"{type(e).__name__}: {e}"
             raise
