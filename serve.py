@@ -242,11 +242,7 @@ class EngineLoop:
                 self.engine.cancel(rid)
                 p.outputs.put(ApiError(500, "the engine failed while running this request; see the server log",
                                        type="server_error"))
-            self.pending.clear()
-            try:
-                self.engine.step()  # flush the cancellations
-            except Exception:
-                traceback.print_exc()
+            self.pending.clear()  # the next step reports the cancellations (and frees their cache)
             return
         for o in outputs:
             if o.finished and o.usage is not None:
@@ -456,7 +452,7 @@ class Server:
         raw = request.get_data(cache=False)
         try:
             body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
             raise ApiError(400, f"the request body is not valid JSON: {e}", None, "invalid_json")
         if not isinstance(body, dict):
             raise ApiError(400, "the request body must be a JSON object", None, "invalid_json")
