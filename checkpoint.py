@@ -55,6 +55,7 @@ class Stored:
 
 @dataclass
 class Inventory:
+    specs: dict[str, TensorSpec]  # expected_tensors(config)
     stored: dict[str, Stored]
     skipped: list[str] = field(default_factory=list)  # vision tower keys, read by nobody
 
@@ -291,7 +292,8 @@ def check_inventory(inventory: Mapping[str, tuple[str, tuple]], config: Any) -> 
     problems: list[str] = []
     stored: dict[str, Stored] = {}
     claimed: set[str] = set()
-    for name, spec in expected_tensors(config).items():
+    specs = expected_tensors(config)
+    for name, spec in specs.items():
         key = name if name == HEAD_NAME else prefix + name
         before = len(problems)
         s = _claim(spec, key, inventory, problems)
@@ -303,7 +305,7 @@ def check_inventory(inventory: Mapping[str, tuple[str, tuple]], config: Any) -> 
     problems += [f"{k}: unexpected tensor (not in the layout the config implies)" for k in keys
                  if k not in claimed and not k.startswith(VISION_PREFIX)]
     _raise(problems, "checkpoint does not match the config")
-    return Inventory(stored, skipped)
+    return Inventory(specs, stored, skipped)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -358,11 +360,13 @@ def read_inventory(files: list[Path]) -> tuple[dict[str, tuple[str, tuple]], dic
     index = files[0].parent / "model.safetensors.index.json"
     if index.exists():
         weight_map = json.loads(index.read_text())["weight_map"]
-        for k in sorted(set(weight_map) ^ set(where)):
-            raise CheckpointError(f"{k}: the index and the shard headers disagree (in one, not the other)")
+        disagree = sorted(set(weight_map) ^ set(where))
+        if disagree:
+            raise CheckpointError(f"{disagree[0]}: in only one of {index.name} and the shard headers "
+                                  f"({len(disagree)} key(s) disagree)")
         for k, f in weight_map.items():
             if where[k].name != f:
-                raise CheckpointError(f"{k}: the index says {f}, the tensor is in {where[k].name}")
+                raise CheckpointError(f"{k}: {index.name} says {f}, the tensor is in {where[k].name}")
     return inventory, where
 
 
@@ -380,7 +384,6 @@ def load_weights(path: str | Path, config: Any, dtype: torch.dtype = torch.bfloa
     files = checkpoint_files(Path(path))
     inventory, where = read_inventory(files)
     plan = check_inventory(inventory, config)
-    specs = expected_tensors(config)
     weights: dict[str, Any] = {}
     with ExitStack() as stack:
         handles = {f: stack.enter_context(safe_open(f, framework="pt")) for f in files}
@@ -393,7 +396,7 @@ def load_weights(path: str | Path, config: Any, dtype: torch.dtype = torch.bfloa
                 parts = {suffix: get(key) for suffix, key in s.keys.items()}
                 weights[name] = exl3.EXL3Linear.from_tensors(parts, name=name).to(device)
                 continue
-            want = torch.float32 if specs[name].fp32 else dtype
+            want = torch.float32 if plan.specs[name].fp32 else dtype
             w = get(s.keys["weight"]).to(device)
             if s.format == "fp8":
                 w = dequantize_fp8(w, get(s.keys["weight_scale_inv"]).to(device), want)
@@ -409,7 +412,7 @@ def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     out_f, in_f = weight.shape
     go, gi = _scale_grid(weight.shape)
     w = weight.float()
-    padded = torch.zeros(go * FP8_BLOCK, gi * FP8_BLOCK)
+    padded = torch.zeros(go * FP8_BLOCK, gi * FP8_BLOCK, device=w.device)
     padded[:out_f, :in_f] = w
     amax = padded.view(go, FP8_BLOCK, gi, FP8_BLOCK).abs().amax(dim=(1, 3))
     scale_inv = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
@@ -536,7 +539,7 @@ def _write_shards(path: Path, tensors: dict[str, torch.Tensor], shard_size: int)
         if shards[-1] and size + _nbytes(t) > shard_size:
             shards.append({})
             size = 0
-        shards[-1][k] = t
+        shards[-1][k] = t.detach().cpu().contiguous()
         size += _nbytes(t)
     for stale in list(path.glob("model*.safetensors")) + list(path.glob("model.safetensors.index.json")):
         stale.unlink()
