@@ -404,8 +404,8 @@ def _viterbi_batch(w: Tensor, bits: float, codebook: str) -> Tensor:
     value = codebook_lut(codebook, str(device)).float()
     # (value - w)^2 = value^2 - 2 w value + w^2; w^2 is the same for every state, so it is dropped
     sq, m2 = value * value, -2 * value
-    # state s = pred << d | low, laid out as [low, pred] so the predecessor's cost broadcasts
-    by_low = {dt: (sq.view(-1, 1 << dt).T.contiguous(), m2.view(-1, 1 << dt).T.contiguous()) for dt in set(d)}
+    steps = {(d[t], d[(t + 1) % 256]) for t in range(256)}
+    layouts = {(dt, dn): _state_layout(dt, dn, sq, m2) for dt, dn in steps}
     nodes_max = 65536 >> min(d)
     history = torch.empty(n_tiles, 257, nodes_max, device=device)  # cost of each node before step i
     cand = torch.empty(n_tiles, 65536, device=device)
@@ -417,15 +417,17 @@ def _viterbi_batch(w: Tensor, bits: float, codebook: str) -> Tensor:
         history[:, 0, :start_cost.shape[1]] = start_cost
         for i, t in enumerate(order):
             dt, dn = d[t], d[(t + 1) % 256]
-            pred_cost = history[:, i, :65536 >> dt]
-            sq_t, m2_t = by_low[dt]
-            c = cand.view(n_tiles, 1 << dt, 65536 >> dt)
-            torch.add(sq_t, pred_cost.unsqueeze(1), out=c)
-            c.addcmul_(w[:, t].view(-1, 1, 1), m2_t)
-            # the next node keeps the state's low 16 - dn bits; the top dn bits are the choice
             high = 65536 >> (dt + dn)
+            sq_t, m2_t, choice_last = layouts[dt, dn]
+            # pred = choice << (16 - dt - dn) | high bits of the next node
+            pred_cost = history[:, i, :65536 >> dt].view(n_tiles, 1 << dn, high)
+            pred_cost = pred_cost.transpose(1, 2).unsqueeze(1) if choice_last else pred_cost.unsqueeze(1)
+            c = cand.view(n_tiles, *sq_t.shape)
+            torch.add(sq_t, pred_cost, out=c)
+            c.addcmul_(w[:, t].view(-1, 1, 1, 1), m2_t)
             r = best[:n_tiles * (65536 >> dn)].view(n_tiles, 1 << dt, high)
-            torch.amin(c.view(n_tiles, 1 << dt, 1 << dn, high), dim=2, out=r)
+            torch.amin(c, dim=3 if choice_last else 2, out=r)
+            # r is [low, high]; the next node is high << dt | low
             history[:, i + 1, :65536 >> dn].view(n_tiles, high, 1 << dt).copy_(r.transpose(1, 2))
 
     def backward(order: list[int], node: Tensor, steps: int) -> Tensor:
@@ -452,6 +454,20 @@ def _viterbi_batch(w: Tensor, bits: float, codebook: str) -> Tensor:
     forward(second, start_cost)
     backward(second, ring_node, 256)
     return states
+
+
+def _state_layout(dt: int, dn: int, sq: Tensor, m2: Tensor) -> tuple[Tensor, Tensor, bool]:
+    """Per-state terms for a step adding dt bits before a node of 16 - dn bits, laid out as
+    [low dt bits, choice, high] (state = (choice << (16 - dt - dn) | high) << dt | low) so the
+    predecessor cost broadcasts over `low` and the minimum runs over `choice`. When `high` is
+    short, torch reduces a middle dim slowly, so `choice` goes last instead."""
+    high = 65536 >> (dt + dn)
+    choice_last = high < 64
+    out = []
+    for x in (sq, m2):
+        x = x.view(1 << dn, high, 1 << dt).permute(2, 0, 1)
+        out.append((x.transpose(1, 2) if choice_last else x).contiguous())
+    return out[0], out[1], choice_last
 
 
 def quantize_tiles(tiles: Tensor, bits: float, codebook: str) -> tuple[Tensor, Tensor]:
