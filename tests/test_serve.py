@@ -5,8 +5,11 @@ import hashlib
 import json
 import os
 import socket
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -456,3 +459,30 @@ def test_load_32_streaming_clients_a_third_disconnect(url):
     assert after[length] - before.get(length, 0) == 32 - len(quitters)
     assert not [k for k, v in after.items()
                 if k.startswith("glm53_requests_total") and 'status="5' in k and v != before.get(k, 0)]
+
+
+def test_command_line_server_starts_shows_progress_and_checks_the_key(server, cache_dir):
+    """`python serve.py` itself: listens at once, prints load progress and the time to ready."""
+    env = {**os.environ, "GLM53_CACHE": str(cache_dir), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "serve.py", "--port", "0", "--api-key", "k1"],
+                            cwd=Path(serve.__file__).parent, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    lines = []
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            lines.append(line)
+            if "ready in" in line or not line:
+                break
+        out = "".join(lines)
+        assert "ready in" in out and "loading weights" in out, out
+        port = int(out.split("listening on http://127.0.0.1:")[1].split(" ")[0])
+        base = f"http://127.0.0.1:{port}"
+        assert requests.get(base + "/health", timeout=10).json()["status"] == "ok"
+        assert requests.get(base + "/v1/models", timeout=10).status_code == 401
+        models = requests.get(base + "/v1/models", timeout=10, headers={"Authorization": "Bearer k1"}).json()
+        assert models["data"][0]["id"] == default_model.NAME
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
