@@ -414,3 +414,11 @@ def test_write_exl3_experts_calls_quantize(tmp_path, tiny_config, tiny_ref, monk
 
     with pytest.raises(CheckpointError, match=r"layers\.4\.mlp\.experts\.0\.gate_proj\.weight: no EXL3 bits given for layer 4"):
         checkpoint.write_checkpoint(tmp_path / "y", tiny.tiny_config_dict(), tiny_ref, experts="exl3", bits={1: 2, 2: 2, 3: 2})
+
+
+def test_make_tiny_checkpoint_exl3(tmp_path, tiny_config):
+    path = tiny.make_tiny_checkpoint(tmp_path / "x", experts="exl3", core="fp8", seed=3, bits=2)
+    w = checkpoint.load_weights(path, tiny_config, progress=False)
+    expect = tiny.random_exl3_experts(tiny_config, seed=3, bits=2)
+    assert all(torch.equal(w[n].trellis, lin.trellis) and w[n].bits == 2 for n, lin in expect.items())
+    assert w["layers.0.mlp.gate_proj.weight"].dtype == torch.bfloat16
