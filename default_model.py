@@ -69,7 +69,7 @@ def tokenizer_config() -> dict:
     return {"backend": "tokenizers", "tokenizer_class": "TokenizersBackend", "clean_up_tokenization_spaces": False,
             "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>", "model_max_length": 1048576,
             "padding_side": "left", "do_lower_case": False, "remove_space": False,
-            "extra_special_tokens": [t for t in SPECIAL_TOKENS if t not in ("<|endoftext|>",)][:18]}
+            "extra_special_tokens": [t for t in SPECIAL_TOKENS if t != "<|endoftext|>"]}
 
 
 def _tiny_module():
@@ -87,9 +87,13 @@ def model_config(tiny, tok: Tokenizer) -> dict:
 
 
 def _key(texts: list[str]) -> str:
+    """Hash of everything the folder's content depends on (a changed input means a rebuild)."""
+    import tokenizers
+    import torch
+
     h = hashlib.sha256()
     for part in [*texts, TEMPLATE.read_text(), Path(__file__).read_text(), (ROOT / "tests" / "tiny.py").read_text(),
-                 (ROOT / "checkpoint.py").read_text(), f"{BPE_VOCAB} {SEED}"]:
+                 (ROOT / "checkpoint.py").read_text(), f"{BPE_VOCAB} {SEED} {tokenizers.__version__} {torch.__version__}"]:
         h.update(hashlib.sha256(part.encode()).digest())
     return h.hexdigest()[:16]
 

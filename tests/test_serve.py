@@ -54,6 +54,12 @@ def test_default_model_is_deterministic_and_in_the_real_layout(cache_dir, tmp_pa
         assert len(tok.encode(t, add_special_tokens=False).ids) == 1
     text = "Hello, wörld! ✓ def f(x): return x"
     assert tok.decode(tok.encode(text, add_special_tokens=False).ids) == text
+    from transformers import AutoTokenizer  # the folder also loads as an HF tokenizer with its template
+    hf = AutoTokenizer.from_pretrained(str(a))
+    assert hf.eos_token_id == eos[0] and len(hf) == tok.get_vocab_size()
+    messages = [{"role": "user", "content": "Hi"}]
+    assert hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == \
+        chat.render((a / "chat_template.jinja").read_text(), messages)
 
 
 @pytest.fixture(scope="module")
