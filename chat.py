@@ -84,10 +84,9 @@ def resolve_thinking(reasoning_effort: Any = None, enable_thinking: Any = None) 
         )
     if enable_thinking is not None and not isinstance(enable_thinking, bool):
         raise ChatError(f"enable_thinking must be a boolean; got {enable_thinking!r}", "enable_thinking")
-    if enable_thinking is False and reasoning_effort not in (None, "none"):
-        raise ChatError(
-            f"enable_thinking=false contradicts reasoning_effort={reasoning_effort!r}", "reasoning_effort"
-        )
+    if enable_thinking is not None and reasoning_effort is not None and enable_thinking == (reasoning_effort == "none"):
+        raise ChatError(f"enable_thinking={str(enable_thinking).lower()} contradicts reasoning_effort="
+                        f"{reasoning_effort!r}", "reasoning_effort")
     if enable_thinking is False or reasoning_effort == "none":
         return Thinking(enabled=False, effort="low")
     return Thinking(enabled=True, effort=reasoning_effort or "max")

@@ -49,7 +49,8 @@ def test_enable_thinking_false_closes_think(template):
     assert text == "[gMASK]<sop><|system|>Reasoning Effort: Low<|system|>Be brief.<|user|>Hi<|assistant|><think></think>"
 
 
-@pytest.mark.parametrize("effort,thinking", [("medium", None), ("MAX", None), (3, None), ("high", False), (None, "no")])
+@pytest.mark.parametrize("effort,thinking", [("medium", None), ("MAX", None), (3, None), ("high", False), ("none", True),
+                                            (None, "no")])
 def test_effort_values_the_template_would_silently_make_max_are_refused(effort, thinking):
     with pytest.raises(chat.ChatError):
         chat.resolve_thinking(effort, thinking)
