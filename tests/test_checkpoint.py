@@ -276,6 +276,14 @@ def test_sharded_index(tmp_path, tiny_config, tiny_ref):
     with pytest.raises(CheckpointError, match="model.language_model.norm.weight"):
         checkpoint.load_weights(sharded, tiny_config, progress=False)
 
+    # without an index every *.safetensors file is read; a key stored twice is named
+    (sharded / "model.safetensors.index.json").unlink()
+    w3 = checkpoint.load_weights(sharded, tiny_config, dtype=torch.float32, progress=False)
+    assert all(torch.equal(w3[k], v) for k, v in tiny_ref.items())
+    save_file({"model.language_model.norm.weight": torch.ones(256)}, sharded / "extra.safetensors")
+    with pytest.raises(CheckpointError, match="model.language_model.norm.weight: stored twice"):
+        checkpoint.load_weights(sharded, tiny_config, progress=False)
+
 
 def test_text_only_prefix_and_stray_scale(tmp_path, tiny_config, tiny_ref):
     text_only = tiny.tiny_config_dict()["text_config"]
@@ -308,6 +316,11 @@ def test_resolve_model_path(tmp_path):
     assert checkpoint.resolve_model_path(tmp_path) == tmp_path
     with pytest.raises(CheckpointError, match="not a local folder"):
         checkpoint.resolve_model_path(str(tmp_path / "no" / "such" / "dir"))
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(CheckpointError, match="is a file"):
+        checkpoint.resolve_model_path(tmp_path / "config.json")
+    with pytest.raises(CheckpointError, match="no .safetensors files"):
+        checkpoint.checkpoint_files(tmp_path)
 
 
 def test_transformers_save_pretrained_loads(tmp_path):
