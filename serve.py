@@ -879,11 +879,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-num-seqs", type=int, default=None, help="sequences in one batch")
     ap.add_argument("--max-batch-tokens", type=int, default=None, help="tokens in one forward")
     ap.add_argument("--max-cache-tokens", type=int, default=None, help="paged cache size in tokens")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch CPU threads (default: torch's choice; 1 is fastest for the tiny default model "
+                         "on a busy machine)")
     return ap.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
-    server = Server(parse_args(argv))
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    server = Server(args)
     print(f"serve: listening on http://{server.args.host}:{server.port} (/health turns ready after load)", flush=True)
     http = server.serve_in_thread()
     try:
