@@ -159,6 +159,10 @@ def test_chat_logprobs_are_the_models_distribution(server, url, client):
         assert len(t.top_logprobs) == 3
         assert t.logprob == pytest.approx(t.top_logprobs[0].logprob, abs=1e-5)  # greedy takes the argmax
         assert bytes(t.bytes).decode("utf-8", "replace") == t.token
+    stream = list(client.chat.completions.create(model=default_model.NAME, messages=HI, max_tokens=6, temperature=0,
+                                                 logprobs=True, top_logprobs=3, stream=True))
+    streamed = [t for ch in stream if ch.choices and ch.choices[0].logprobs for t in ch.choices[0].logprobs.content]
+    assert [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in lps]
     # the first token's distribution is the scoring endpoint's last row for the same prompt
     ids = server.engine.tokenizer.encode(chat.render(server.engine.chat_template, chat.normalize_messages(HI)),
                                          add_special_tokens=False).ids
