@@ -594,7 +594,7 @@ class Server:
                        f"must be between 0 and {MAX_TOP_LOGPROBS}")
         if top and not logprobs:
             raise ApiError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs", "invalid_value")
-        extra = {"clear_thinking": kwargs["clear_thinking"]} if "clear_thinking" in kwargs else {}
+        extra = {"clear_thinking": field_of(kwargs, "clear_thinking", "bool")} if "clear_thinking" in kwargs else {}
         try:
             text = chat.render(self.engine.chat_template, messages, tools if tool_choice != "none" else None,
                                thinking, **extra) + forced
