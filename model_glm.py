@@ -21,6 +21,7 @@ from cache import CachePool
 Weight = Union[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]
 
 KDA_CHUNK = 64  # §4.3.7: chunk length of the WY prefill form
+SCORE_BUDGET = 1 << 26  # DSA: most query x head x key scores held at once (256 MiB in fp32)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -626,8 +627,13 @@ class GLMModel:
                     pool_keys(k_hist, g_hist, ape).to(cache.pooled.dtype)
             pooled = cache.pooled[row, used].flatten(0, 1)[:n_pools]
             latent = cache.latent[row, used].flatten(0, 1)[:T]
-            mask = select_tokens(q_idx[a:b], w_idx[a:b], pooled, positions, cfg)
-            out.append(mla_attention(q[a:b], latent, kv_b, mask, cfg))
+            # Queries go in groups small enough that the [rows, heads, keys] scores stay bounded.
+            group = max(1, SCORE_BUDGET // (max(cfg.num_attention_heads, cfg.index_n_heads) * T))
+            for r in range(a, b, group):
+                pos = positions[r - a:r - a + group]
+                seen = int(pos[-1]) + 1
+                mask = select_tokens(q_idx[r:r + group], w_idx[r:r + group], pooled[:seen // kpool], pos, cfg)
+                out.append(mla_attention(q[r:r + group], latent[:seen], kv_b, mask, cfg))
         return linear(torch.cat(out).to(x.dtype), self.w(p + "o_proj.weight"))
 
     # -- §4.5 feed-forward ------------------------------------------------------------------------

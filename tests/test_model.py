@@ -123,9 +123,11 @@ def test_prefill_and_decode_match_transformers(oracle):
     assert expected.std() > 0.5  # the logits are not near-constant, so 1e-4 is a tight bound
 
 
-def test_uneven_chunked_prefill_equals_one_shot(oracle):
+def test_uneven_chunked_prefill_equals_one_shot(oracle, monkeypatch):
     _, cfg, model, ids, expected = oracle
     one_shot = run_chunks(model, new_pool(cfg), ids[:PREFILL], [PREFILL], table(0))
+    # The chunked run also splits the DSA queries into groups of 7 rows.
+    monkeypatch.setattr(model_glm, "SCORE_BUDGET", 7 * cfg.index_n_heads * PREFILL)
     chunked = run_chunks(model, new_pool(cfg), ids[:PREFILL], [37, 1, 90, 3, 64, 105], table(2))
     assert (chunked - one_shot).abs().max() <= 1e-5
     assert (chunked - expected[:PREFILL]).abs().max() <= 1e-4
