@@ -10,7 +10,6 @@ the template and this code, so `ensure()` builds it once into a folder named by 
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import os
 import shutil
@@ -72,18 +71,13 @@ def tokenizer_config() -> dict:
             "extra_special_tokens": [t for t in SPECIAL_TOKENS if t != "<|endoftext|>"]}
 
 
-def _tiny_module():
-    # The tiny architecture and its random initialiser are shared with the tests; one definition.
-    spec = importlib.util.spec_from_file_location("glm53_tests_tiny", ROOT / "tests" / "tiny.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def model_config(tok: Tokenizer) -> dict:
+    """The tests' tiny architecture (checkpoint.tiny_config_dict) with this tokenizer's vocabulary."""
+    import checkpoint
 
-
-def model_config(tiny, tok: Tokenizer) -> dict:
     eos = [tok.token_to_id(t) for t in EOS_TOKENS]
-    return tiny.tiny_config_dict(vocab_size=tok.get_vocab_size(), eos_token_id=eos, pad_token_id=eos[0],
-                                 max_position_embeddings=4096)
+    return checkpoint.tiny_config_dict(vocab_size=tok.get_vocab_size(), eos_token_id=eos, pad_token_id=eos[0],
+                                       max_position_embeddings=4096)
 
 
 def _key(texts: list[str]) -> str:
@@ -92,8 +86,8 @@ def _key(texts: list[str]) -> str:
     import torch
 
     h = hashlib.sha256()
-    for part in [*texts, TEMPLATE.read_text(), Path(__file__).read_text(), (ROOT / "tests" / "tiny.py").read_text(),
-                 (ROOT / "checkpoint.py").read_text(), f"{BPE_VOCAB} {SEED} {tokenizers.__version__} {torch.__version__}"]:
+    for part in [*texts, TEMPLATE.read_text(), Path(__file__).read_text(), (ROOT / "checkpoint.py").read_text(),
+                 f"{BPE_VOCAB} {SEED} {tokenizers.__version__} {torch.__version__}"]:
         h.update(hashlib.sha256(part.encode()).digest())
     return h.hexdigest()[:16]
 
@@ -101,10 +95,9 @@ def _key(texts: list[str]) -> str:
 def build(path: Path, texts: list[str]) -> None:
     import checkpoint
 
-    tiny = _tiny_module()
     tok = build_tokenizer(texts)
-    config_dict = model_config(tiny, tok)
-    weights = tiny.random_weights(checkpoint._config_object(config_dict), SEED)
+    config_dict = model_config(tok)
+    weights = checkpoint.random_weights(checkpoint._config_object(config_dict), SEED)
     checkpoint.write_checkpoint(path, config_dict, weights)
     tok.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(), indent=2) + "\n")
