@@ -70,12 +70,12 @@ def test_dequantize_and_linear(golden, config):
     codebook = config.split("_")[1]
     g = parts(golden, config)
     full = exl3.dequantize(g["trellis"], g["suh"], g["svh"], codebook)
-    # exllamav3 keeps fp16 intermediates (Hadamard outputs, products with suh/svh), so its `full` is
-    # ~4.2e-4 relative RMS off the exact product (spec §10.2); ours is the exact product rounded once.
-    # Two independent fp16 roundings (~2.8e-4 each) combine to the ~4.6e-4 measured here.
+    # More than one fp16 rounding apart: exllamav3 rounds intermediates (the Hadamard products) to
+    # fp16, so its `full` is up to 4.2e-4 relative RMS off the exact product (spec §10.2); ours is
+    # the exact product rounded once (<= 2.1e-4 measured). Together: up to 4.66e-4 over the 27.
     assert rel_rms(full, g["full"]) <= 5e-4
     exact = g["suh"].double()[:, None] * exl3.had_left(exl3.had_right(g["inner"])).double() * g["svh"].double()
-    assert rel_rms(full, exact) <= 3.5e-4  # one fp16 rounding
+    assert rel_rms(full, exact) <= 2.5e-4  # a single fp16 rounding
 
     lin = linear(g, codebook)
     assert (lin.in_features, lin.out_features, lin.codebook) == (256, 256, codebook)
