@@ -1,6 +1,7 @@
 """EXL3 linear on a GPU: our Triton kernels against exllamav3 1.6.5 (spec exl3.md §6, performance.md §8).
 
     python bench_exl3.py sweep        launch configurations of exl3_gemv (needs no exllamav3)
+    python bench_exl3.py quick        three of them, no decode timing
     python bench_exl3.py compare      batch-1 exl3_gemv vs exllamav3 LinearEXL3.forward, and
                                       exl3_decode vs exllamav3's reconstruct, on the same tensors
     python bench_exl3.py sweep+compare  both, comparing with the sweep's fastest launch too
@@ -98,7 +99,10 @@ CONFIGS = [dict(block_n=bn, row_tiles=rt, num_warps=4) for bn in (64, 128) for r
     dict(block_n=128, row_tiles=2, num_warps=8)]
 
 
-def sweep(args) -> dict:
+QUICK_CONFIGS = [dict(block_n=128, row_tiles=1), dict(block_n=64, row_tiles=2), dict(block_n=128, row_tiles=2)]
+
+
+def sweep(args, configs: list[dict] = CONFIGS, decode: bool = True) -> dict:
     """Graph time of every launch configuration; returns the fastest per (shape, K)."""
     print(f"device {torch.cuda.get_device_name()}, copy {copy_gbps():.0f} GB/s (read + write)")
     print("| shape (in x out) | K | block_n | row_tiles | warps | split | graph us | trellis GB/s | T weights/s | rel err |")
@@ -106,7 +110,7 @@ def sweep(args) -> dict:
     for (k, n), bits in itertools.product(SHAPES, BITS):
         sets = data_sets(k, n, bits)
         ref = reference(*sets[0], args.codebook)
-        for launch in CONFIGS:
+        for launch in configs:
             calls = [ours(*s, args.codebook, **launch) for s in sets]
             try:
                 err, t = rel_err(calls[0](), ref), graph_us(calls)
@@ -114,12 +118,14 @@ def sweep(args) -> dict:
                 print(f"| {k}x{n} | {bits} | {launch} | failed: {error!r} |")
                 continue
             split = kernels._default_split(torch.device("cuda"), n, k // 16 // launch["row_tiles"], launch["block_n"])
-            print(f"| {k}x{n} | {bits} | {launch['block_n']} | {launch['row_tiles']} | {launch['num_warps']} | "
+            print(f"| {k}x{n} | {bits} | {launch['block_n']} | {launch['row_tiles']} | {launch.get('num_warps', 4)} | "
                   f"{split} | {t:.1f} | {k * n * bits / 8 / t / 1e3:.0f} | {k * n / t / 1e6:.2f} | {err:.1e} |",
                   flush=True)
             if err <= 1e-3 and t < best.get((k, n, bits), (None, float("inf")))[1]:
                 best[(k, n, bits)] = (launch, t)
     print_registers()
+    if not decode:
+        return {key: launch for key, (launch, _) in best.items()}
     print("| decode (in x out) | K | exl3_decode graph us | GB/s (trellis read + fp16 write) |")
     for (k, n), bits in itertools.product([(4096, 12288)], BITS):
         sets = data_sets(k, n, bits)
@@ -254,10 +260,12 @@ def crosscheck(args) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("mode", choices=["sweep", "compare", "sweep+compare", "crosscheck"])
+    parser.add_argument("mode", choices=["sweep", "quick", "compare", "sweep+compare", "crosscheck"])
     parser.add_argument("--codebook", default="mcg", choices=kernels.CODEBOOKS)
     args = parser.parse_args()
-    if args.mode == "sweep+compare":
+    if args.mode == "quick":
+        sweep(args, QUICK_CONFIGS, decode=False)
+    elif args.mode == "sweep+compare":
         compare(args, sweep(args))
     else:
         {"sweep": sweep, "compare": compare, "crosscheck": crosscheck}[args.mode](args)

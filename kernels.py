@@ -127,6 +127,20 @@ def _pick(v0, v1, v2, v3, q: tl.constexpr):
 
 
 @triton.jit
+def _load_step(words_ptr, off0, off1, off2, off3, xh_ptr, x_slot, row_ok):
+    # The 4 ring words of every lane of RT x CT tiles, and the 4 activations each lane multiplies.
+    w0 = tl.load(words_ptr + off0).to(tl.uint32, bitcast=True)
+    w1 = tl.load(words_ptr + off1).to(tl.uint32, bitcast=True)
+    w2 = tl.load(words_ptr + off2).to(tl.uint32, bitcast=True)
+    w3 = tl.load(words_ptr + off3).to(tl.uint32, bitcast=True)
+    x0 = tl.load(xh_ptr + x_slot, mask=row_ok, other=0.0)
+    x1 = tl.load(xh_ptr + x_slot + 1, mask=row_ok, other=0.0)
+    x2 = tl.load(xh_ptr + x_slot + 2, mask=row_ok, other=0.0)
+    x3 = tl.load(xh_ptr + x_slot + 3, mask=row_ok, other=0.0)
+    return w0, w1, w2, w3, x0, x1, x2, x3
+
+
+@triton.jit
 def _gemv_kernel(xh_ptr, svh_ptr, words_ptr, partial_ptr, arrivals_ptr, y_ptr,
                  m, k, n, steps, arrivals,
                  K2: tl.constexpr, CB: tl.constexpr, MP: tl.constexpr, RT: tl.constexpr, CT: tl.constexpr):
@@ -157,15 +171,14 @@ def _gemv_kernel(xh_ptr, svh_ptr, words_ptr, partial_ptr, arrivals_ptr, y_ptr,
     tile0 = pid_k * steps * RT
     words_ptr += tile0 * tiles_n * NW
     xh_ptr += tile0 * 16
-    for _ in range(steps):
-        w0 = tl.load(words_ptr + off0).to(tl.uint32, bitcast=True)
-        w1 = tl.load(words_ptr + off1).to(tl.uint32, bitcast=True)
-        w2 = tl.load(words_ptr + off2).to(tl.uint32, bitcast=True)
-        w3 = tl.load(words_ptr + off3).to(tl.uint32, bitcast=True)
-        x0 = tl.load(xh_ptr + x_slot, mask=row_ok, other=0.0)
-        x1 = tl.load(xh_ptr + x_slot + 1, mask=row_ok, other=0.0)
-        x2 = tl.load(xh_ptr + x_slot + 2, mask=row_ok, other=0.0)
-        x3 = tl.load(xh_ptr + x_slot + 3, mask=row_ok, other=0.0)
+    # Each step prefetches the next step's words and activations (the loop is otherwise
+    # latency-bound); the last step re-reads its own instead of reading past the split.
+    w0, w1, w2, w3, x0, x1, x2, x3 = _load_step(words_ptr, off0, off1, off2, off3, xh_ptr, x_slot, row_ok)
+    for step_index in range(steps):
+        ahead = tl.minimum(step_index + 1, steps - 1)
+        n0, n1, n2, n3, nx0, nx1, nx2, nx3 = _load_step(
+            words_ptr + ahead * (RT * tiles_n * NW), off0, off1, off2, off3, xh_ptr + ahead * (RT * 16),
+            x_slot, row_ok)
         for j in tl.static_range(8):
             start = ((((8 * lane + j + 1) * K2) >> 1) + RING - 16) % RING
             step = ((start >> 5) - first + NW) % NW  # 0, 1 or 2 words past the lane's first
@@ -179,8 +192,7 @@ def _gemv_kernel(xh_ptr, svh_ptr, words_ptr, partial_ptr, arrivals_ptr, y_ptr,
                 acc_left += x * value[None]
             else:
                 acc_right += x * value[None]
-        words_ptr += RT * tiles_n * NW
-        xh_ptr += RT * 16
+        w0, w1, w2, w3, x0, x1, x2, x3 = n0, n1, n2, n3, nx0, nx1, nx2, nx3
 
     # Sum the row tiles and the 4 lanes that share a column; columns are c = L/4 (left), L/4 + 8.
     left = tl.sum(tl.reshape(tl.sum(acc_left, axis=1), [MP, CT, 8, 4]), axis=3)
@@ -272,7 +284,7 @@ GEMV_ROWS = 8  # rows per launch: the elementwise accumulators grow with the row
 
 
 def exl3_gemv(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor,
-              codebook: str, out: torch.Tensor | None = None, *, block_n: int = 128, row_tiles: int = 2,
+              codebook: str, out: torch.Tensor | None = None, *, block_n: int = 128, row_tiles: int = 1,
               split_k: int | None = None, num_warps: int = 4, num_stages: int = 1) -> torch.Tensor:
     """y = x · diag(suh) · H · Ŵ · H · diag(svh) for small m, decoding Ŵ in registers.
 
