@@ -4,7 +4,8 @@
 in memory drop the checkpoint prefix (`model.language_model.` or, text-only, `model.`);
 `lm_head.weight` keeps its name. The format of each tensor is read from the files themselves (key
 suffixes and dtypes), never from `quantization_config`, so mixed checkpoints (EXL3 experts with an
-FP8 or BF16 core) need no special casing.
+FP8 or BF16 core) need no special casing. The last section builds a tiny random model (config and
+weights) for the built-in default model and the tests.
 """
 from __future__ import annotations
 
@@ -584,7 +585,7 @@ _TINY_TEXT = dict(
 )
 _TINY_LINEAR_ATTN = {"num_heads": 4, "head_dim": 32, "short_conv_kernel_size": 4, "gate_lower_bound": -5.0}
 _TINY_VISION = dict(model_type="glm5_next_vision", depth=1, hidden_size=32, num_heads=2, intermediate_size=64,
-               out_hidden_size=256, projection_intermediate_size=64)
+                    out_hidden_size=256, projection_intermediate_size=64)
 
 
 def tiny_config_dict(**overrides: Any) -> dict:
@@ -607,7 +608,7 @@ def tiny_config_dict(**overrides: Any) -> dict:
             "tie_word_embeddings": False, "text_config": text, "vision_config": dict(_TINY_VISION)}
 
 
-def _init(name: str, spec: TensorSpec, g: torch.Generator) -> torch.Tensor:
+def _random_init(name: str, spec: TensorSpec, g: torch.Generator) -> torch.Tensor:
     """Random values on a sensible scale; the tensors transformers initialises to constants
     (A_log, kpool ape/gate, hc base, e_score_correction_bias) get spread so no path is degenerate."""
     shape = spec.shape
@@ -640,6 +641,6 @@ def random_weights(config: Any, seed: int = 0) -> dict[str, torch.Tensor]:
     out = {}
     for name, spec in expected_tensors(config).items():
         g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-        w = _init(name, spec, g)
+        w = _random_init(name, spec, g)
         out[name] = w if spec.fp32 else w.to(torch.bfloat16).float()
     return out
