@@ -15,6 +15,7 @@ from typing import Callable, Union
 import torch
 import torch.nn.functional as F
 
+import checkpoint
 from cache import CachePool
 
 # A linear weight: a dense [out, in] tensor or a callable (exl3.EXL3Linear) computing x W^T.
@@ -493,8 +494,12 @@ class GLMModel:
         self.config = config
         self.weights = weights
         _check_weights(config, weights)
-        self.has_mtp = config.mtp_layer is not None and f"layers.{config.mtp_layer}.eh_proj.weight" in weights
         self.dtype = weights["embed_tokens.weight"].dtype
+
+    @property
+    def has_mtp(self) -> bool:
+        """The config has the MTP layer (its weights are then required, see _check_weights)."""
+        return self.config.mtp_layer is not None
 
     def w(self, name: str) -> Weight:
         try:
@@ -629,11 +634,12 @@ class GLMModel:
             latent = cache.latent[row, used].flatten(0, 1)[:T]
             # Queries go in groups small enough that the [rows, heads, keys] scores stay bounded.
             group = max(1, SCORE_BUDGET // (max(cfg.num_attention_heads, cfg.index_n_heads) * T))
-            for r in range(a, b, group):
-                pos = positions[r - a:r - a + group]
+            for r0 in range(a, b, group):
+                r1 = min(r0 + group, b)
+                pos = positions[r0 - a:r1 - a]
                 seen = int(pos[-1]) + 1
-                mask = select_tokens(q_idx[r:r + group], w_idx[r:r + group], pooled[:seen // kpool], pos, cfg)
-                out.append(mla_attention(q[r:r + group], latent[:seen], kv_b, mask, cfg))
+                mask = select_tokens(q_idx[r0:r1], w_idx[r0:r1], pooled[:seen // kpool], pos, cfg)
+                out.append(mla_attention(q[r0:r1], latent[:seen], kv_b, mask, cfg))
         return linear(torch.cat(out).to(x.dtype), self.w(p + "o_proj.weight"))
 
     # -- §4.5 feed-forward ------------------------------------------------------------------------
@@ -663,9 +669,8 @@ class GLMModel:
         those of h_t, and the MTP DSA cache row is written there). Returns draft logits for t+2 and
         h' (to feed back as `hidden` for the next draft step)."""
         cfg = self.config
-        if not self.has_mtp:
-            raise ValueError("this model has no MTP layer (config num_nextn_predict_layers or "
-                             f"weights layers.{cfg.num_hidden_layers}.* missing)")
+        if cfg.mtp_layer is None:
+            raise ValueError("this model has no MTP layer (config num_nextn_predict_layers is 0)")
         spans = self._check_batch(batch, cache)
         if hidden.shape[0] != spans[-1][1]:
             raise ValueError(f"mtp_forward: hidden has {hidden.shape[0]} rows, batch has {spans[-1][1]} tokens")
@@ -727,78 +732,14 @@ def _kda_segments(start: int, n: int, block_size: int) -> list[tuple[int, int]]:
     return cuts
 
 
-def expected_shapes(cfg: GLMConfig, mtp: bool) -> dict[str, tuple[int, ...]]:
-    """Every weight the forward reads, with its [out, in] (or vector) shape."""
-    D, hc = cfg.hidden_size, cfg.hc_mult
-    C, H, d = cfg.kda_dim, cfg.linear_num_heads, cfg.linear_head_dim
-    dI = cfg.index_head_dim
-    shapes: dict[str, tuple[int, ...]] = {
-        "embed_tokens.weight": (cfg.vocab_size, D), "norm.weight": (D,), "lm_head.weight": (cfg.vocab_size, D)}
-
-    def dsa(p: str) -> None:
-        shapes.update({
-            p + "q_a_proj.weight": (cfg.q_lora_rank, D), p + "q_a_layernorm.weight": (cfg.q_lora_rank,),
-            p + "q_b_proj.weight": (cfg.num_attention_heads * cfg.qk_nope_head_dim, cfg.q_lora_rank),
-            p + "kv_a_proj_with_mqa.weight": (cfg.kv_lora_rank, D),
-            p + "kv_a_layernorm.weight": (cfg.kv_lora_rank,),
-            p + "kv_b_proj.weight": (cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim),
-                                     cfg.kv_lora_rank),
-            p + "o_proj.weight": (D, cfg.num_attention_heads * cfg.v_head_dim),
-            p + "indexer.wq_b.weight": (cfg.index_n_heads * dI, cfg.q_lora_rank),
-            p + "indexer.wk.weight": (dI, D), p + "indexer.k_norm.weight": (dI,),
-            p + "indexer.k_norm.bias": (dI,), p + "indexer.weights_proj.weight": (cfg.index_n_heads, D),
-            p + "indexer.index_kpool_compress_gate": (dI, D),
-            p + "indexer.index_kpool_compress_ape": (cfg.index_kpool, dI)})
-
-    def mlp(p: str, inter: int) -> None:
-        shapes.update({p + "gate_proj.weight": (inter, D), p + "up_proj.weight": (inter, D),
-                       p + "down_proj.weight": (D, inter)})
-
-    def moe(p: str) -> None:
-        shapes.update({p + "gate.weight": (cfg.n_routed_experts, D),
-                       p + "gate.e_score_correction_bias": (cfg.n_routed_experts,)})
-        for e in range(cfg.n_routed_experts):
-            mlp(p + f"experts.{e}.", cfg.moe_intermediate_size)
-        mlp(p + "shared_experts.", cfg.moe_intermediate_size * cfg.n_shared_experts)
-
-    for L in range(cfg.num_hidden_layers):
-        p = f"layers.{L}."
-        shapes.update({p + "input_layernorm.weight": (D,), p + "post_attention_layernorm.weight": (D,)})
-        for s in ("attn", "ffn"):
-            shapes.update({p + f"hc_{s}_fn": ((2 + hc) * hc, hc * D), p + f"hc_{s}_base": ((2 + hc) * hc,),
-                           p + f"hc_{s}_scale": (3,)})
-        a = p + "self_attn."
-        if cfg.layer_types[L] == "kda":
-            for n in "qkv":
-                shapes.update({a + f"{n}_proj.weight": (C, D), a + f"{n}_conv1d.weight": (C, 1, cfg.linear_conv_kernel)})
-            shapes.update({
-                a + "f_a_proj.weight": (d, D), a + "f_b_proj.weight": (C, d), a + "g_a_proj.weight": (d, D),
-                a + "g_b_proj.weight": (C, d), a + "b_proj.weight": (H, D), a + "A_log": (H,),
-                a + "dt_bias": (C,), a + "o_norm.weight": (d,), a + "o_proj.weight": (D, C)})
-        else:
-            dsa(a)
-        if cfg.mlp_layer_types[L] == "dense":
-            mlp(p + "mlp.", cfg.intermediate_size)
-        else:
-            moe(p + "mlp.")
-    if mtp:
-        p = f"layers.{cfg.mtp_layer}."
-        shapes.update({p + "enorm.weight": (D,), p + "hnorm.weight": (D,), p + "eh_proj.weight": (D, 2 * D),
-                       p + "shared_head.norm.weight": (D,), p + "input_layernorm.weight": (D,),
-                       p + "post_attention_layernorm.weight": (D,)})
-        dsa(p + "self_attn.")
-        moe(p + "mlp.")
-    return shapes
-
-
 def _check_weights(cfg: GLMConfig, weights: dict[str, Weight]) -> None:
-    mtp = cfg.mtp_layer is not None and any(k.startswith(f"layers.{cfg.mtp_layer}.") for k in weights)
-    for name, shape in expected_shapes(cfg, mtp).items():
+    """Every tensor the config implies (checkpoint.expected_tensors) is there with its shape."""
+    for name, spec in checkpoint.expected_tensors(cfg).items():
         if name not in weights:
             raise ValueError(f"missing weight {name!r}")
         w = weights[name]
         got = tuple(w.shape) if isinstance(w, torch.Tensor) else (w.out_features, w.in_features)
-        if got != shape:
-            raise ValueError(f"weight {name!r} has shape {got}, expected {shape}")
+        if got != spec.shape:
+            raise ValueError(f"weight {name!r} has shape {got}, expected {spec.shape}")
     if not isinstance(weights["embed_tokens.weight"], torch.Tensor):
         raise ValueError("weight 'embed_tokens.weight' must be a tensor")
