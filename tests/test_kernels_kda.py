@@ -95,6 +95,23 @@ def test_prefill_hard_inputs():
     _close(final, final_ref, "final state")
 
 
+def test_bf16_inputs_give_bf16_output():
+    """The model may hand over bf16 q, k, v: kernels compute in fp32 and round only o."""
+    q, k, v, g, beta = _inputs((20,), 2, 16, 16, seed=9)
+    q, k, v = (x.bfloat16() for x in (q, k, v))
+    o, final, _ = kda_chunk_prefill(q, k, v, g, beta, None, chunk=16)
+    o_ref, final_ref, _ = kda_chunk_prefill_ref(q, k, v, g, beta, None)
+    assert o.dtype == o_ref.dtype == torch.bfloat16
+    _close(final, final_ref, "final state")
+    assert (o.float() - o_ref.float()).abs().max() <= 1e-2 * o_ref.float().abs().max()
+    pool, pool_ref = torch.zeros(2, 2, 16, 16), torch.zeros(2, 2, 16, 16)
+    step = kda_recurrent_step(q[:2], k[:2], v[:2], g[:2], beta[:2], pool, torch.tensor([1, 0]))
+    step_ref = kda_recurrent_step_ref(q[:2], k[:2], v[:2], g[:2], beta[:2], pool_ref, torch.tensor([1, 0]))
+    assert step.dtype == torch.bfloat16
+    _close(pool, pool_ref, "state pool")
+    assert (step.float() - step_ref.float()).abs().max() <= 1e-2 * step_ref.float().abs().max()
+
+
 def test_errors_name_the_tensor():
     q, k, v, g, beta = _inputs((8,), 2, 16, 16, seed=0)
     with pytest.raises(ValueError, match="g shape"):
