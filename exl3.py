@@ -589,6 +589,9 @@ def _check_weight(weight: Tensor, hessian: Tensor | None) -> None:
     if hessian is not None and tuple(hessian.shape) != (weight.shape[1], weight.shape[1]):
         raise ValueError(f"hessian: shape {tuple(hessian.shape)} does not match weight {tuple(weight.shape)}, "
                          f"expected ({weight.shape[1]}, {weight.shape[1]})")
+    for name, t in (("weight", weight), ("hessian", hessian)):
+        if t is not None and not torch.isfinite(t).all():
+            raise ValueError(f"{name}: contains inf or NaN (shape {tuple(t.shape)})")
 
 
 def quantize(weight: Tensor, bits: float, codebook: str = "3inst", hessian: Tensor | None = None,

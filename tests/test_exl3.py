@@ -266,6 +266,8 @@ def test_errors(golden):
         exl3.quantize(torch.randn(128, 100), 4)
     with pytest.raises(ValueError, match=r"hessian.*\(64, 64\).*\(128, 128\)"):
         exl3.quantize(torch.randn(128, 128), 4, hessian=torch.eye(64))
+    with pytest.raises(ValueError, match=r"weight: contains inf or NaN"):
+        exl3.quantize(torch.full((128, 128), math.nan), 4)
     with pytest.raises(ValueError, match="half-integer"):
         exl3.quantize(torch.randn(128, 128), 2.5, "3inst")
     with pytest.raises(ValueError, match="K = 2.25"):
