@@ -605,7 +605,7 @@ class GLMModel:
                              self.w(pi + "k_norm.weight"), self.w(pi + "k_norm.bias"), eps=1e-6)
         gamma = linear(x, self.w(pi + "index_kpool_compress_gate"))
         w_idx = F.linear(x.float(), self.w(pi + "weights_proj.weight").float()) / math.sqrt(cfg.index_n_heads)
-        kv_b = self.w(p + "kv_b_proj.weight")
+        kv_b = self.w(p + "kv_b_proj.weight").float()  # once per layer, not per sequence
         ape = self.w(pi + "index_kpool_compress_ape")
 
         row = cache.dsa_index(L)
