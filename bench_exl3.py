@@ -187,7 +187,7 @@ def compare(args, best: dict | None = None) -> None:
         except Exception as error:  # report, do not hide
             print(f"exllamav3 graph capture failed: {error!r}")
             g_theirs = float("nan")
-        floor = k * n * bits / 8 / (gbps * 1e9 / 2) * 1e6  # reading the trellis once at copy speed
+        floor = k * n * bits / 8 / (gbps * 1e9) * 1e6  # the trellis bytes at the copy's HBM traffic rate
         launches = [{}] + ([best[(k, n, bits)]] if best and (k, n, bits) in best else [])
         for launch in launches:
             mine = [ours(*s, args.codebook, **launch) for s in sets]

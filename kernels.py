@@ -8,17 +8,20 @@ Decoding one weight, for a tile whose packed words are read as little-endian uin
   K2 = 2K (also for the half rates 1.5 / 2.5 / 3.5), the ring being 128 * K2 bits, MSB first;
   state -> fp16 value through the codebook (one round-to-nearest-even);
   position t <-> tile row/column by the mma B-fragment layout (§3).
+
+exl3_gemv never materializes W: a small kernel rotates the input ((x ⊙ suh) · H128, fp32), then
+every thread element of the main kernel is one mma lane of one 16x16 tile, whose 8 positions
+come from 4 ring words loaded once; products accumulate elementwise in fp32 and are reduced
+once. k is split over programs; partial sums meet in a zeroed fp32 buffer and the last program
+to arrive at a 128-column block applies H128 and svh (stream-K style fixup, one launch).
 """
 from __future__ import annotations
-
-import math
 
 import torch
 import triton
 import triton.language as tl
 
 CODEBOOKS = ("3inst", "mcg", "mul1")
-RSQRT128 = 1.0 / math.sqrt(128.0)
 
 
 @triton.jit
@@ -107,7 +110,7 @@ def _rotate_input_kernel(x_ptr, suh_ptr, xh_ptr, m, k):
     i = tl.arange(0, 128)
     x = tl.load(x_ptr + rows * k + tl.program_id(0) * 128 + i[None, :], mask=rows < m, other=0.0)
     suh = tl.load(suh_ptr + tl.program_id(0) * 128 + i)
-    xh = _times_hadamard(x.to(tl.float32) * suh.to(tl.float32)[None, :], 16) * 0.08838834764831845
+    xh = _times_hadamard(x.to(tl.float32) * suh.to(tl.float32)[None, :], 16) * 0.08838834764831845  # /sqrt(128)
     r = i % 16
     slot = i - r + 4 * ((r >> 1) & 3) + 2 * (r >> 3) + (r & 1)
     tl.store(xh_ptr + rows * k + tl.program_id(0) * 128 + slot[None, :], xh, mask=rows < m)
@@ -221,7 +224,7 @@ def _gemv_output(partial_ptr, arrivals_ptr, svh_ptr, y_ptr, m, n, block):
     tl.store(arrivals_ptr + block, 0)
     y = _times_hadamard(z, 16)
     svh = tl.load(svh_ptr + cols).to(tl.float32)
-    y = (y * (0.08838834764831845 * svh)[None, :]).to(tl.float16)
+    y = (y * (0.08838834764831845 * svh)[None, :]).to(tl.float16)  # 1/sqrt(128) ⊙ svh
     tl.store(y_ptr + rows * n + cols[None, :], y, mask=rows < m)
 
 
@@ -257,18 +260,19 @@ def exl3_decode(trellis: torch.Tensor, codebook: str, out: torch.Tensor | None =
     return out
 
 
-_SPLIT_BUFFERS: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+GEMV_ROWS = 8  # rows per launch: the elementwise accumulators grow with the row count
+_SPLIT_BUFFERS: dict[tuple[torch.device, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def _split_buffers(device: torch.device, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    # Zeroed fp32 partial sums [16, n] and per-128-column arrival counters; kernels leave them
-    # zeroed, so they are allocated once per device (one stream at a time may use them).
-    partial, arrivals = _SPLIT_BUFFERS.get(device, (None, None))
-    if partial is None or partial.numel() < 16 * n:
-        partial = torch.zeros(16 * n, dtype=torch.float32, device=device)
-        arrivals = torch.zeros(n // 128, dtype=torch.int32, device=device)
-        _SPLIT_BUFFERS[device] = (partial, arrivals)
-    return partial, arrivals
+    # Zeroed fp32 partial sums [8, n] and per-128-column arrival counters. Kernels leave them
+    # zeroed, so they are allocated once per (device, n) and never freed: CUDA graphs captured
+    # with them keep valid addresses. Calls that share them must run on one stream.
+    key = (device, n)
+    if key not in _SPLIT_BUFFERS:
+        _SPLIT_BUFFERS[key] = (torch.zeros(GEMV_ROWS * n, dtype=torch.float32, device=device),
+                               torch.zeros(n // 128, dtype=torch.int32, device=device))
+    return _SPLIT_BUFFERS[key]
 
 
 def _default_split(device: torch.device, n: int, steps: int, block_n: int) -> int:
@@ -278,9 +282,6 @@ def _default_split(device: torch.device, n: int, steps: int, block_n: int) -> in
     while steps % (2 * split) == 0 and (n // block_n) * split * 2 <= 4 * sms:
         split *= 2
     return split
-
-
-GEMV_ROWS = 8  # rows per launch: the elementwise accumulators grow with the row count
 
 
 def exl3_gemv(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor,
