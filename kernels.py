@@ -265,12 +265,12 @@ _SPLIT_BUFFERS: dict[tuple[torch.device, int], tuple[torch.Tensor, torch.Tensor]
 
 
 def _split_buffers(device: torch.device, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    # Zeroed fp32 partial sums [8, n] and per-128-column arrival counters. Kernels leave them
-    # zeroed, so they are allocated once per (device, n) and never freed: CUDA graphs captured
-    # with them keep valid addresses. Calls that share them must run on one stream.
+    # Zeroed fp32 partial sums [16, n] (the epilogue's row block) and per-128-column arrival
+    # counters. Kernels leave them zeroed, so they are allocated once per (device, n) and never
+    # freed: CUDA graphs captured with them keep valid addresses. Users must share one stream.
     key = (device, n)
     if key not in _SPLIT_BUFFERS:
-        _SPLIT_BUFFERS[key] = (torch.zeros(GEMV_ROWS * n, dtype=torch.float32, device=device),
+        _SPLIT_BUFFERS[key] = (torch.zeros(16 * n, dtype=torch.float32, device=device),
                                torch.zeros(n // 128, dtype=torch.int32, device=device))
     return _SPLIT_BUFFERS[key]
 
