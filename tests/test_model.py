@@ -308,6 +308,10 @@ def test_block_states_equal_a_run_stopped_there(oracle):
     a = model.forward([SeqChunk(ids[112:130], 112, table(0), 0)], pool).logits
     b = model.forward([SeqChunk(ids[112:130], 112, table(0), 3)], pool).logits
     assert torch.equal(a, b)
+    # start == 0 begins afresh on a used slot and used blocks.
+    fresh = model.forward([SeqChunk(ids[200:230], 0, table(1), 0)], new_pool(cfg), all_logits=True).logits
+    reused = model.forward([SeqChunk(ids[200:230], 0, table(0), 3)], pool, all_logits=True).logits
+    assert torch.equal(fresh, reused)
 
 
 def test_cache_pool_layout_and_sizes(oracle):
