@@ -7,7 +7,6 @@ the activations actually reach. Our side loads the saved checkpoint through chec
 """
 import dataclasses
 import json
-import math
 
 import pytest
 import torch
