@@ -1,8 +1,9 @@
-"""The built-in default model: a tiny GLM-5.3-Flash-architecture checkpoint built on the spot.
+"""The built-in default model: a small GLM-5.3-Flash-architecture checkpoint.
 
-Until a trained default exists, `python serve.py` with no --model serves this: the real file layout
-(config.json, safetensors shards + index, generation_config.json, tokenizer.json,
-tokenizer_config.json, chat_template.jinja) with random tiny weights. The tokenizer is a byte-level
+When the repository ships trained weights (train.py's exports, copied into `default_weights/`),
+`ensure()` returns the SHIPPED_VARIANT folder there. Otherwise it builds a checkpoint on the spot:
+the real file layout (config.json, safetensors shards + index, generation_config.json,
+tokenizer.json, tokenizer_config.json, chat_template.jinja) with random tiny weights. The tokenizer is a byte-level
 BPE trained on Python standard-library files every interpreter ships, plus GLM-5.3-Flash's special
 tokens in the real relative order (glm53.md §5.1). Everything is a pure function of those files,
 the template and this code, so `ensure()` builds it once into a folder named by their hash.
@@ -40,6 +41,8 @@ SPECIAL_TOKENS = (
 )
 EOS_TOKENS = ("<|endoftext|>", "<|user|>", "<|observation|>")  # the three stop tokens (serving.md §1.1)
 NAME = "glm53-default-tiny"
+SHIPPED = ROOT / "default_weights"  # train.py's exports: bf16/, exl3-2bit/, exl3-3bit/, exl3-4bit/
+SHIPPED_VARIANT = "exl3-4bit"  # EXL3 experts: what this engine is for
 
 
 def corpus_texts() -> list[str]:
@@ -104,9 +107,19 @@ def build(path: Path, texts: list[str]) -> None:
     shutil.copyfile(TEMPLATE, path / "chat_template.jinja")
 
 
+def shipped() -> Path | None:
+    """The trained checkpoint shipped with the repository, if it is there (complete)."""
+    folder = SHIPPED / SHIPPED_VARIANT
+    needed = ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+    return folder if all((folder / f).is_file() for f in needed) else None
+
+
 def ensure(cache_dir: str | Path | None = None) -> Path:
-    """Path of the default checkpoint, built on first use (~1 s) under `cache_dir`
-    (default $GLM53_CACHE or ~/.cache/glm53)."""
+    """Path of the default checkpoint: the shipped trained one, else the random one built on first
+    use (~1 s) under `cache_dir` (default $GLM53_CACHE or ~/.cache/glm53)."""
+    trained = shipped()
+    if trained is not None:
+        return trained
     cache_dir = Path(cache_dir or os.environ.get("GLM53_CACHE") or Path.home() / ".cache" / "glm53")
     texts = corpus_texts()
     path = cache_dir / f"default-{_key(texts)}"
