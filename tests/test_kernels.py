@@ -1,4 +1,5 @@
-"""Triton EXL3 kernels against exllamav3's golden outputs and against their torch twins in exl3.py.
+"""Triton kernels against their torch twins: EXL3 (exllamav3's golden outputs and exl3.py), KDA
+(model_glm.kda_recurrent), FP8 block-128 (fp8.py).
 
 On CPU the kernels run under TRITON_INTERPRET=1 (tests/conftest.py), so shapes stay tiny there;
 the larger cases run only on a GPU.
@@ -7,7 +8,9 @@ import numpy as np
 import pytest
 import torch
 
+import fp8
 import kernels
+from model_glm import kda_recurrent
 
 try:
     import exl3
@@ -150,3 +153,175 @@ def test_bad_input_is_named():
     suh = torch.ones(128, dtype=torch.float16, device=DEVICE)
     with pytest.raises(ValueError, match=r"\[m, 128\].*\(1, 64\)"):
         kernels.exl3_gemv(x, trellis, suh, suh, "3inst")
+
+
+# ---------------------------------------------------------------- KDA recurrence
+
+def _l2(x):
+    return x / torch.sqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+
+
+def _inputs(lead, H, dk, dv, seed):
+    """Realistic KDA inputs: L2-normed k, normed and scaled q, gates in (-5, 0), beta in (0, 1)."""
+    gen = torch.Generator().manual_seed(seed)
+    q = _l2(torch.randn(*lead, H, dk, generator=gen)) * dk ** -0.5
+    k = _l2(torch.randn(*lead, H, dk, generator=gen))
+    v = torch.randn(*lead, H, dv, generator=gen)
+    g = -5 * torch.sigmoid(2 * torch.randn(*lead, H, dk, generator=gen))
+    beta = torch.sigmoid(torch.randn(*lead, H, generator=gen))
+    return tuple(x.to(DEVICE) for x in (q, k, v, g, beta))
+
+
+def step_twin(q, k, v, g, beta, pool, slots):
+    """model_glm.kda_recurrent one sequence at a time on pool rows `slots` (updated in place)."""
+    outs = []
+    for b, slot in enumerate(slots.tolist()):
+        o, pool[slot] = kda_recurrent(*(x[b:b + 1].float() for x in (q, k, v, g, beta)), pool[slot])
+        outs.append(o[0])
+    return torch.stack(outs).to(q.dtype)
+
+
+def prefill_twin(q, k, v, g, beta, S0, block=None):
+    """model_glm.kda_recurrent over the sequence from S0 (zeros if None): (o, final, boundary states)."""
+    T, H, dk = q.shape
+    S = torch.zeros(H, dk, v.shape[-1], device=q.device) if S0 is None else S0.clone()
+    cuts = sorted({T} | (set(range(block, T + 1, block)) if block else set()))
+    outs, saved, t0 = [], [], 0
+    for t1 in cuts:
+        o, S = kda_recurrent(*(x[t0:t1].float() for x in (q, k, v, g, beta)), S)
+        outs.append(o)
+        if block and t1 % block == 0:
+            saved.append(S)
+        t0 = t1
+    return torch.cat(outs).to(q.dtype), S, (torch.stack(saved) if block else None)
+
+
+def _close(actual, expected, what):
+    scale = expected.abs().max().item()
+    err = (actual.float() - expected.float()).abs().max().item()
+    assert err <= 1e-4 * scale + 1e-6, f"{what}: max error {err:.3g} vs max |expected| {scale:.3g}"
+
+
+def test_step_matches_twin_and_touches_only_its_slots():
+    H, dk, dv = 2, 16, 32
+    gen = torch.Generator().manual_seed(1)
+    pool = torch.randn(6, H, dk, dv, generator=gen).to(DEVICE)
+    pool_ref = pool.clone()
+    slots = torch.tensor([4, 0, 3], device=DEVICE)
+    for step in range(2):  # the second token reads the state the first one wrote
+        q, k, v, g, beta = _inputs((3,), H, dk, dv, seed=10 + step)
+        o = kernels.kda_recurrent_step(q, k, v, g, beta, pool, slots, block_v=16)
+        o_ref = step_twin(q, k, v, g, beta, pool_ref, slots)
+        _close(o, o_ref, f"o at step {step}")
+        _close(pool, pool_ref, f"state pool at step {step}")
+    untouched = [1, 2, 5]
+    before = torch.randn(6, H, dk, dv, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(pool[untouched].cpu(), before[untouched])
+
+
+@pytest.mark.parametrize("T, chunk, dk, dv, with_init, block", [
+    (70, 16, 16, 32, True, 32),    # crosses chunks, T not a multiple of the chunk, boundary states
+    (70, 64, 32, 16, False, None),  # one full and one partial chunk of 64 (four sub-blocks each)
+    (64, 32, 16, 16, True, 32),    # T a multiple of block: the final state is a boundary too
+    (5, 32, 16, 16, True, None),   # shorter than one sub-block
+])
+def test_prefill_matches_recurrence(T, chunk, dk, dv, with_init, block):
+    H = 2
+    q, k, v, g, beta = _inputs((T,), H, dk, dv, seed=T + chunk)
+    S0 = torch.randn(H, dk, dv).to(DEVICE) if with_init else None
+    o, final, states = kernels.kda_chunk_prefill(q, k, v, g, beta, S0, chunk=chunk, block=block, block_v=16)
+    o_ref, final_ref, states_ref = prefill_twin(q, k, v, g, beta, S0, block=block)
+    _close(o, o_ref, "o")
+    _close(final, final_ref, "final state")
+    if block is None:
+        assert states is None and states_ref is None
+    else:
+        assert states.shape == states_ref.shape == (T // block, H, dk, dv)
+        _close(states, states_ref, "boundary states")
+
+
+def test_prefill_hard_inputs():
+    """Strongest decay (g near -5: exp(Γ) underflows within a chunk), slow decay on other channels,
+    nearly identical keys with β near 1 (the triangular solve is least benign)."""
+    T, H, d = 40, 2, 16
+    q, k, v, g, beta = _inputs((T,), H, d, d, seed=7)
+    g[:, :, : d // 2] = -4.999
+    g[:, :, d // 2:] = -1e-3
+    k = _l2(k[:1] + 0.05 * k)
+    beta = torch.full_like(beta, 0.999)
+    o, final, _ = kernels.kda_chunk_prefill(q, k, v, g, beta, None, chunk=32)
+    o_ref, final_ref, _ = prefill_twin(q, k, v, g, beta, None)
+    assert torch.isfinite(o).all()
+    _close(o, o_ref, "o")
+    _close(final, final_ref, "final state")
+
+
+def test_bf16_inputs_give_bf16_output():
+    """The model may hand over bf16 q, k, v: kernels compute in fp32 and round only o."""
+    q, k, v, g, beta = _inputs((20,), 2, 16, 16, seed=9)
+    q, k, v = (x.bfloat16() for x in (q, k, v))
+    o, final, _ = kernels.kda_chunk_prefill(q, k, v, g, beta, None, chunk=16)
+    o_ref, final_ref, _ = prefill_twin(q, k, v, g, beta, None)
+    assert o.dtype == o_ref.dtype == torch.bfloat16
+    _close(final, final_ref, "final state")
+    assert (o.float() - o_ref.float()).abs().max() <= 1e-2 * o_ref.float().abs().max()
+    pool, pool_ref = torch.zeros(2, 2, 16, 16, device=DEVICE), torch.zeros(2, 2, 16, 16, device=DEVICE)
+    slots = torch.tensor([1, 0], device=DEVICE)
+    step = kernels.kda_recurrent_step(q[:2], k[:2], v[:2], g[:2], beta[:2], pool, slots)
+    step_ref = step_twin(q[:2], k[:2], v[:2], g[:2], beta[:2], pool_ref, slots)
+    assert step.dtype == torch.bfloat16
+    _close(pool, pool_ref, "state pool")
+    assert (step.float() - step_ref.float()).abs().max() <= 1e-2 * step_ref.float().abs().max()
+
+
+def test_errors_name_the_tensor():
+    q, k, v, g, beta = _inputs((8,), 2, 16, 16, seed=0)
+    with pytest.raises(ValueError, match="g shape"):
+        kernels.kda_chunk_prefill(q, k, v, g[:, :1], beta)
+    with pytest.raises(ValueError, match="initial_state shape"):
+        kernels.kda_chunk_prefill(q, k, v, g, beta, torch.zeros(2, 16, 8, device=DEVICE))
+    with pytest.raises(ValueError, match="block 48 must be a positive multiple of chunk 32"):
+        kernels.kda_chunk_prefill(q, k, v, g, beta, chunk=32, block=48)
+    with pytest.raises(ValueError, match="state shape"):
+        kernels.kda_recurrent_step(q[:2], k[:2], v[:2], g[:2], beta[:2], torch.zeros(4, 2, 16, 8, device=DEVICE),
+                                   torch.tensor([0, 1], device=DEVICE))
+
+
+# ---------------------------------------------------------------- FP8 block-128 GEMV
+
+def _fp8_linear(n: int, k: int, seed: int) -> fp8.FP8Linear:
+    g = torch.Generator().manual_seed(seed)
+    # Blocks of very different scale, so a wrong block index shows.
+    w = torch.randn(n, k, generator=g) * torch.exp(2 * torch.randn(-(-n // 128), 1, -(-k // 128), 1, generator=g)
+                                                   ).repeat(1, 128, 1, 128).flatten(0, 1).flatten(1)[:n, :k]
+    return fp8.FP8Linear.from_weight(w).to(DEVICE)
+
+
+@pytest.mark.parametrize("m,n,k,dtype,block_n,split_k", [
+    (1, 200, 384, torch.bfloat16, 64, None),   # n not a multiple of 128 (partial scale block)
+    (5, 256, 300, torch.float16, 32, 2),       # k not a multiple of 128, partial sums over splits
+    (16, 128, 640, torch.bfloat16, 128, 3),    # uneven split of 5 k blocks, a full 16-row launch
+    (17, 64, 256, torch.float16, 16, 1),       # two launches of rows, n below one block
+])
+def test_fp8_gemv_matches_twin(m, n, k, dtype, block_n, split_k):
+    lin = _fp8_linear(n, k, seed=m + n)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype).to(DEVICE)
+    out = torch.full((m, n), float("nan"), dtype=dtype, device=DEVICE)
+    kernels.fp8_gemv(x, lin.weight, lin.scale_inv, out=out, block_n=block_n, split_k=split_k)
+    ref = x.float() @ lin.dequantize().T  # the twin before its final rounding
+    # tf32 products of e4m3 and bf16/fp16 values are exact; what is left is the output rounding
+    # (2^-8 relative for bf16) and the order of fp32 sums.
+    tol = (2 ** -8 if dtype == torch.bfloat16 else 2 ** -11) * ref.abs() + 1e-5 * ref.abs().max()
+    assert torch.isfinite(out).all(), "some outputs were not written"
+    assert ((out.float() - ref).abs() <= tol).all(), f"max error {(out.float() - ref).abs().max():.3g}"
+
+
+def test_fp8_gemv_bad_input_is_named():
+    lin = _fp8_linear(128, 256, seed=0)
+    x = torch.zeros(1, 128, dtype=torch.bfloat16, device=DEVICE)
+    with pytest.raises(ValueError, match=r"\[m, 256\].*\(1, 128\)"):
+        kernels.fp8_gemv(x, lin.weight, lin.scale_inv)
+    with pytest.raises(ValueError, match=r"scale_inv must be fp32 \(1, 2\)"):
+        kernels.fp8_gemv(x, lin.weight, lin.scale_inv[:, :1])
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        kernels.fp8_gemv(x, lin.dequantize(), lin.scale_inv)

@@ -1,0 +1,82 @@
+"""fp8.py: block-128 FP8 quantization (both scale rules), dequantization and FP8Linear on CPU."""
+import pytest
+import torch
+
+import checkpoint
+import fp8
+
+
+def _weight(out_f: int, in_f: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(out_f, in_f, generator=g) * torch.rand(out_f, 1, generator=g) * 3
+
+
+def test_amax_rule_is_the_checkpoint_writers():
+    w = _weight(200, 300, seed=1)
+    q, s = fp8.quantize_fp8_block(w, "amax")
+    q_ck, s_ck = checkpoint.quantize_fp8(w)
+    assert s.shape == (2, 3) and q.dtype == torch.float8_e4m3fn
+    assert torch.equal(s, s_ck) and torch.equal(q.view(torch.uint8), q_ck.view(torch.uint8))
+    assert torch.equal(fp8.dequantize_fp8_block(q, s, torch.bfloat16),
+                       checkpoint.dequantize_fp8(q_ck, s_ck, torch.bfloat16))
+
+
+@pytest.mark.parametrize("rule", fp8.SCALE_RULES)
+def test_round_trip_error_is_e4m3_rounding(rule):
+    w = _weight(256, 384, seed=2)
+    q, s = fp8.quantize_fp8_block(w, rule)
+    back = fp8.dequantize_fp8_block(q, s)
+    scale = s.repeat_interleave(128, 0).repeat_interleave(128, 1)
+    # e4m3: 3 mantissa bits (relative rounding <= 2^-4), subnormal spacing 2^-9 times the scale
+    assert ((back - w).abs() <= torch.maximum(w.abs() * 2 ** -4, scale * 2 ** -10)).all()
+    amax = w.abs().view(2, 128, 3, 128).amax(dim=(1, 3))
+    assert (amax / s <= fp8.FP8_MAX).all()
+    if rule == "pow2":
+        assert torch.equal(s, torch.exp2(torch.log2(s).round()))
+        assert (amax / s > fp8.FP8_MAX / 2).all(), "pow2 must pick the smallest power of two that fits"
+    else:
+        assert torch.allclose(amax / s, torch.full_like(s, fp8.FP8_MAX))
+
+
+def test_pow2_scales_keep_representable_weights_exact():
+    g = torch.Generator().manual_seed(3)
+    codes = (torch.rand(128, 256, generator=g) * 400 - 200).to(torch.float8_e4m3fn)
+    codes[0, 0], codes[0, 128] = 448.0, -448.0  # each block's amax on the grid's end
+    w = codes.float() * torch.tensor([0.25, 8.0]).repeat_interleave(128)[None, :]
+    q, s = fp8.quantize_fp8_block(w, "pow2")
+    assert torch.equal(s, torch.tensor([[0.25, 8.0]]))
+    assert torch.equal(q.view(torch.uint8), codes.view(torch.uint8))
+
+
+def test_zero_block_gets_scale_one():
+    w = torch.zeros(128, 256)
+    w[:, 128:] = 1.0
+    _, s = fp8.quantize_fp8_block(w, "pow2")
+    assert s[0, 0] == 1.0
+
+
+def test_linear_is_dequantize_then_matmul():
+    w = _weight(130, 260, seed=4)
+    lin = fp8.FP8Linear.from_weight(w, name="layers.0.mlp.up_proj")
+    assert (lin.out_features, lin.in_features) == (130, 260)
+    x = torch.randn(2, 3, 260, generator=torch.Generator().manual_seed(5)).bfloat16()
+    y = lin(x)
+    assert y.shape == (2, 3, 130) and y.dtype == torch.bfloat16
+    ref = (x.float().reshape(6, 260) @ lin.dequantize().T).reshape(2, 3, 130)
+    assert torch.equal(y, ref.bfloat16())
+    assert lin.nbytes() == 130 * 260 + 4 * 2 * 3
+    assert set(lin.tensors()) == {"weight", "weight_scale_inv"}
+
+
+def test_bad_input_is_named():
+    lin = fp8.FP8Linear.from_weight(_weight(128, 256, seed=6), name="lm_head")
+    with pytest.raises(ValueError, match=r"lm_head: input shape \(1, 128\) does not match in_features 256"):
+        lin(torch.zeros(1, 128))
+    with pytest.raises(ValueError, match=r"q_a_proj.weight_scale_inv has shape \(1, 1\).*\(128, 256\) needs \(1, 2\)"):
+        fp8.FP8Linear(lin.weight, lin.scale_inv[:, :1], name="q_a_proj")
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        fp8.FP8Linear(lin.dequantize(), lin.scale_inv)
+    with pytest.raises(ValueError, match="scale_rule"):
+        fp8.quantize_fp8_block(torch.ones(4, 4), "ue8m0")
+    with pytest.raises(ValueError, match="inf or NaN"):
+        fp8.quantize_fp8_block(torch.tensor([[float("nan"), 1.0]]))
