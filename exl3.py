@@ -375,8 +375,8 @@ def _factor_or_signs(tensors: dict[str, Tensor], key: str, legacy: str, size: in
 # ---------------------------------------------------------------------------------------------
 # Quantizer (§8): tail-biting Viterbi over 16x16 tiles, regularization, global scale, LDLQ
 
-# History of per-node costs kept for the traceback, per batch of tiles: bounded so a batch fits
-# in cache-friendly memory on CPU and in a few GiB on a GPU.
+# The traceback re-reads every step's per-node costs (fp32, 257 x 2^(16-K) per tile); this bounds
+# that history per batch of tiles. Small CPU batches also keep the per-step arrays near the cache.
 VITERBI_HISTORY_BYTES = {"cpu": 1 << 27, "cuda": 1 << 32}
 VITERBI_MAX_TILES = {"cpu": 16, "cuda": 4096}
 
