@@ -32,6 +32,7 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
+import dflash
 from cache import CachePool
 from model_glm import GLMConfig, GLMModel, SeqChunk
 
@@ -118,6 +119,20 @@ class Usage:
 
 
 @dataclass
+class Acceptance:
+    """Speculative decoding of one request: verify steps, drafts verified, drafts accepted."""
+
+    verify_steps: int
+    draft_tokens: int
+    accepted_tokens: int
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per verify step (accepted drafts + the target's own token), dflash2.md §9.9."""
+        return (self.accepted_tokens + self.verify_steps) / max(self.verify_steps, 1)
+
+
+@dataclass
 class RequestOutput:
     """What one step produced for one request: the new tokens and the new text (a delta)."""
 
@@ -128,6 +143,7 @@ class RequestOutput:
     finish_reason: str | None = None
     usage: Usage | None = None  # set when finished
     logprobs: list[TokenLogprob] | None = None
+    acceptance: Acceptance | None = None  # set when finished, if the engine speculates
 
 
 @dataclass
@@ -137,6 +153,7 @@ class Result:
     finish_reason: str
     usage: Usage
     logprobs: list[TokenLogprob] | None = None
+    acceptance: Acceptance | None = None
 
 
 @dataclass
@@ -153,6 +170,10 @@ class EngineStats:
     prompt_tokens_computed: int
     tokens_generated: int
     preemptions: int
+    speculator: str  # "none" | "dflash2" | "mtp"
+    spec_verify_steps: int
+    spec_draft_tokens: int  # drafts verified
+    spec_accepted_tokens: int
 
 
 # ---------------------------------------------------------------------------------------------
@@ -364,6 +385,9 @@ class Sequence:
     slot: int = -1
     num_computed: int = 0  # tokens whose cache entries exist
     cached_tokens: int = -1  # prefix-cache hit of the first admission
+    draft_stats: dflash.DraftStats | None = None  # set when the engine speculates
+    k: int = 0  # drafts planned for this step
+    draft: dflash.Draft | None = None  # this step's drafts
     text: str = ""
     emitted: int = 0  # characters of text already returned
     finish_reason: str | None = None
@@ -384,7 +408,12 @@ class Engine:
                  chat_template: str | None = None, num_blocks: int | None = None,
                  max_cache_tokens: int | None = None, memory_fraction: float = 0.9, max_num_seqs: int = 16,
                  max_batch_tokens: int = 2048, block_size: int = 64, max_model_len: int | None = None,
-                 snapshot_bytes: int = 4 << 30, snapshot_device: str | torch.device = "cpu"):
+                 snapshot_bytes: int = 4 << 30, snapshot_device: str | torch.device = "cpu",
+                 speculator: str = "none", drafter: dflash.DFlash2Drafter | None = None,
+                 draft_tokens: int | None = None, draft_row_cost: float = 0.25):
+        """speculator: "none", "dflash2" (needs `drafter`) or "mtp" (the checkpoint's layer 45).
+        Draft length per step: `draft_tokens` if given, else adaptive (dflash.draft_length with
+        `draft_row_cost`, the cost of one more verify row relative to a decode step)."""
         self.model, self.tokenizer, self.chat_template = model, tokenizer, chat_template
         self.config: GLMConfig = model.config
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -419,7 +448,25 @@ class Engine:
         self.cancelled: list[RequestOutput] = []
         self.ids = itertools.count()
         self.counters = dict(prefix_query_tokens=0, prefix_hit_tokens=0, prompt_tokens_computed=0,
-                             tokens_generated=0, preemptions=0)
+                             tokens_generated=0, preemptions=0, spec_verify_steps=0, spec_draft_tokens=0,
+                             spec_accepted_tokens=0)
+        self.speculator_name = speculator
+        self.speculator = self._make_speculator(speculator, drafter)
+        if draft_tokens is not None and not (self.speculator and 1 <= draft_tokens <= self.speculator.max_draft):
+            raise ValueError(f"draft_tokens={draft_tokens}: needs a speculator and 1..max drafts "
+                             f"({self.speculator.max_draft if self.speculator else 0})")
+        self.draft_tokens, self.draft_row_cost = draft_tokens, draft_row_cost
+
+    def _make_speculator(self, name: str, drafter: dflash.DFlash2Drafter | None):
+        if name == "none":
+            return None
+        if name == "mtp":
+            return dflash.MTPDrafter(self.model, self.cache)
+        if name == "dflash2":
+            if drafter is None:
+                raise ValueError("speculator 'dflash2' needs a drafter (engine.load(..., drafter_path=...))")
+            return drafter
+        raise ValueError(f"speculator={name!r}: expected 'none', 'dflash2' or 'mtp'")
 
     def _size_pool(self, num_blocks, max_cache_tokens, memory_fraction, block_bytes, state_bytes) -> int:
         if num_blocks is None and max_cache_tokens is not None:
@@ -479,6 +526,8 @@ class Engine:
                        frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self.eos_token_ids),
                        generator, Detokenizer(self.tokenizer, p.skip_special_tokens),
                        torch.tensor(prompt_ids, dtype=torch.long, device=self.device))
+        if self.speculator is not None:
+            seq.draft_stats = dflash.DraftStats.new(self.speculator.max_draft)
         self.requests[request_id] = seq
         self.waiting.append(seq)
         return request_id
@@ -503,7 +552,7 @@ class Engine:
         b = self.blocks
         return EngineStats(len(self.running), len(self.waiting), b.num_blocks - b.num_free(), b.num_blocks,
                            sum(b.hash[i] is not None for i in b.free), len(b.snapshots.items),
-                           b.snapshots.nbytes, **self.counters)
+                           b.snapshots.nbytes, speculator=self.speculator_name, **self.counters)
 
     # --- one iteration ----------------------------------------------------------------------
 
@@ -512,16 +561,90 @@ class Engine:
         batch = self._schedule()
         if not batch:
             return outputs
-        chunks = [SeqChunk(torch.tensor(seq.token_ids[seq.num_computed:seq.num_computed + n], device=self.device),
+        self._draft(batch)
+        chunks = [SeqChunk(torch.tensor(seq.token_ids[seq.num_computed:seq.num_computed + n - seq.k]
+                                        + (seq.draft.tokens if seq.draft else []), device=self.device),
                            seq.num_computed, torch.tensor(seq.block_table, device=self.device), seq.slot)
                   for seq, n in batch]
-        logits = self.model.forward(chunks, self.cache).logits
+        if self.speculator is None:
+            logits, first, verify, saved = self.model.forward(chunks, self.cache).logits, list(range(len(batch))), None, {}
+        else:  # every row's logits for verified chunks, the last row's for the others
+            first, rows, at = [], [], 0
+            for seq, n in batch:
+                first.append(len(rows))
+                rows += range(at, at + n) if seq.draft else [at + n - 1]
+                at += n
+            saved = dflash.save_kda_slots(self.cache, [seq.slot for seq, _ in batch if seq.draft])
+            verify = dflash.target_forward(self.model, chunks, self.cache, rows, self.speculator.taps,
+                                           record_kda=bool(saved))
+            logits = verify.logits
         argmax = logits.argmax(-1).tolist()  # one device sync serves every plain-greedy sequence
         for i, (seq, n) in enumerate(batch):
+            if seq.draft:
+                outputs.append(self._accept(seq, n, logits[first[i]:first[i] + n], verify, chunks, i, saved))
+                continue
+            start = seq.num_computed
             self._commit(seq, n)
+            if self.speculator is not None:
+                self.speculator.observe(seq.request_id, start, verify, (sum(m for _, m in batch[:i]), sum(m for _, m in batch[:i + 1])))
             if seq.num_computed == len(seq.token_ids):
-                outputs.append(self._sample(seq, logits[i], argmax[i]))
+                outputs.append(self._sample(seq, logits[first[i]], argmax[first[i]]))
         return outputs
+
+    # --- speculative decoding (dflash.py) ---------------------------------------------------
+
+    def _plan_draft(self, seq: Sequence, budget: int) -> int:
+        """Drafts to verify this step for a running sequence: 0 unless it is decoding; never more than
+        the budget, max_tokens or the context can take (a step emits up to k + 1 tokens)."""
+        seq.k = 0
+        if self.speculator is None or seq.num_computed != len(seq.token_ids) - 1:
+            return 0
+        room = min(budget - 1, self.max_model_len - len(seq.token_ids) - 1, self.speculator.max_draft)
+        if seq.params.max_tokens is not None:
+            room = min(room, seq.params.max_tokens - len(seq.output_ids) - 1)
+        seq.k = max(0, min(room, dflash.draft_length(seq.draft_stats, self.draft_row_cost, self.draft_tokens)))
+        return seq.k
+
+    def _draft(self, batch: list[tuple[Sequence, int]]) -> None:
+        wanted = [seq for seq, _ in batch if seq.k > 0]
+        for seq, _ in batch:
+            seq.draft = None
+        if not wanted:
+            return
+        requests = [dflash.DraftRequest(seq.request_id, seq.token_ids, seq.num_computed, seq.k,
+                                        torch.tensor(seq.block_table, device=self.device), seq.slot,
+                                        seq.params.temperature, seq.generator) for seq in wanted]
+        for seq, draft in zip(wanted, self.speculator.draft(requests)):
+            seq.draft = draft
+
+    def _accept(self, seq: Sequence, n: int, logits: torch.Tensor, verify: dflash.TargetPass,
+                chunks: list[SeqChunk], i: int, saved: dict) -> RequestOutput:
+        """Verify one sequence's drafts, roll back what the rejected rows touched, emit the tokens."""
+        p, drafts = seq.params, seq.draft.tokens
+        # Row j is sampled as if drafts 1..j had been emitted (penalties see them).
+        x = torch.stack([process_logits(logits[j], p, seq.prompt_tensor,
+                                        torch.tensor(seq.output_ids + drafts[:j], dtype=torch.long, device=self.device))
+                         for j in range(n)])
+        emitted = dflash.accept_drafts(x, drafts, seq.draft.q, p.temperature == 0, seq.generator)
+        kept = len(emitted)  # rows that stay: the anchor and the accepted drafts
+        seq.draft_stats.record(len(drafts), kept - 1)
+        self.counters["spec_verify_steps"] += 1
+        self.counters["spec_draft_tokens"] += len(drafts)
+        self.counters["spec_accepted_tokens"] += kept - 1
+        if kept < n:
+            dflash.rollback_kda(self.model, self.cache, verify, chunks, {i: kept}, saved)
+        start, row = seq.num_computed, sum(c.tokens.shape[0] for c in chunks[:i])
+        lps = []
+        for j, token in enumerate(emitted):
+            lps.append(self._append(seq, token, logits[j]))
+            if seq.finish_reason is not None:
+                break
+        if seq.finish_reason is None:
+            self._commit(seq, kept)
+            self.blocks.release(seq.block_table[-(-seq.num_computed // self.block_size):])
+            del seq.block_table[-(-seq.num_computed // self.block_size):]
+            self.speculator.observe(seq.request_id, start, verify, (row, row + kept))
+        return self._output(seq, emitted[:len(lps)], lps if p.logprobs is not None else None)
 
     def _schedule(self) -> list[tuple[Sequence, int]]:
         """Pick (sequence, number of new tokens) pairs: running first, then admissions."""
@@ -532,6 +655,7 @@ class Engine:
             if seq not in self.running:  # preempted below for an older sequence
                 continue
             n = self._chunk(seq, budget)
+            n += self._plan_draft(seq, budget - n)
             need = self._blocks_needed(seq, seq.num_computed + n)
             while self.blocks.num_free() < need and seq in self.running:
                 self._preempt(self.running[-1])
@@ -574,7 +698,7 @@ class Engine:
         snaps = self.blocks.snapshots
         seq.snapshot_at = {b * bs for b in (full, (len(seq.token_ids) - 1) // bs, common)
                            if hit < b <= full and snaps.max_bytes > 0 and seq.block_hashes[b - 1] not in snaps}
-        seq.num_computed = hit * bs
+        seq.num_computed, seq.k = hit * bs, 0
         n = self._chunk(seq, budget)
         need = -(-(hit * bs + n) // bs) - hit
         if self.blocks.num_free() - sum(self.blocks.ref[b] == 0 for b in hit_blocks) < need:
@@ -608,6 +732,8 @@ class Engine:
         if seq.slot >= 0:
             self.free_slots.append(seq.slot)
             seq.slot = -1
+        if self.speculator is not None:
+            self.speculator.release(seq.request_id)
 
     def _commit(self, seq: Sequence, n: int) -> None:
         """Advance past the computed chunk: hash and publish full blocks, keep wanted snapshots."""
@@ -633,9 +759,15 @@ class Engine:
         else:
             out_ids = torch.tensor(seq.output_ids, dtype=torch.long, device=self.device)
             token = sample(logits, p, seq.prompt_tensor, out_ids, seq.generator)
+        lp = self._append(seq, token, logits)
+        return self._output(seq, [token], [lp] if lp is not None else None)
+
+    def _append(self, seq: Sequence, token: int, logits: torch.Tensor) -> TokenLogprob | None:
+        """Add one generated token: detokenize, check stops and limits; its logprob if asked for."""
+        p = seq.params
         seq.token_ids.append(token)
         self.counters["tokens_generated"] += 1
-        new_lp = [token_logprobs(logits, token, p.logprobs)] if p.logprobs is not None else None
+        lp = token_logprobs(logits, token, p.logprobs) if p.logprobs is not None else None
         if token in seq.stop_ids:
             self._finish(seq, "stop")
         else:
@@ -648,7 +780,7 @@ class Engine:
                 self._finish(seq, "stop")
             elif len(seq.output_ids) == p.max_tokens or len(seq.token_ids) >= self.max_model_len:
                 self._finish(seq, "length")
-        return self._output(seq, [token], new_lp)
+        return lp
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.finish_reason = reason
@@ -664,7 +796,9 @@ class Engine:
         end = len(seq.text) if finished else len(seq.text) - held_back(seq.text, seq.params.stop)
         text, seq.emitted = seq.text[seq.emitted:max(end, seq.emitted)], max(end, seq.emitted)
         usage = Usage(seq.prompt_len, len(seq.output_ids), max(seq.cached_tokens, 0)) if finished else None
-        return RequestOutput(seq.request_id, token_ids, text, finished, seq.finish_reason, usage, logprobs)
+        st = seq.draft_stats
+        acceptance = Acceptance(st.verify_steps, st.draft_tokens, st.accepted_tokens) if finished and st else None
+        return RequestOutput(seq.request_id, token_ids, text, finished, seq.finish_reason, usage, logprobs, acceptance)
 
     # --- whole requests ---------------------------------------------------------------------
 
@@ -701,7 +835,7 @@ class Engine:
                 logprobs[r] += o.logprobs or []
                 if o.finished:
                     results[r] = Result("".join(texts[r]), tokens[r], o.finish_reason, o.usage,
-                                        logprobs[r] if want_lp[r] else None)
+                                        logprobs[r] if want_lp[r] else None, o.acceptance)
         return [results[r] for r in rids]
 
     def stream(self, prompt, sampling: SamplingParams | None = None, **chat_kwargs) -> Iterator[RequestOutput]:
@@ -751,8 +885,12 @@ def load(path_or_hf_id: str | Path | None = None, device: str | torch.device | N
          dtype: torch.dtype | None = None, *, num_blocks: int | None = None, max_cache_tokens: int | None = None,
          memory_fraction: float = 0.9, max_num_seqs: int = 16, max_batch_tokens: int = 2048, block_size: int = 64,
          max_model_len: int | None = None, snapshot_bytes: int = 4 << 30,
-         snapshot_device: str | torch.device = "cpu", progress: bool = True) -> Engine:
+         snapshot_device: str | torch.device = "cpu", progress: bool = True, speculator: str = "none",
+         drafter_path: str | Path | None = None, draft_tokens: int | None = None) -> Engine:
     """A checkpoint folder or Hugging Face id (None: the built-in default model) -> a ready Engine.
+
+    `speculator`: "none", "mtp" (the checkpoint's MTP layer) or "dflash2" (a DFlash2 drafter folder or
+    Hugging Face id in `drafter_path`); `draft_tokens` fixes the draft length (default adaptive).
 
     The cache pool holds `num_blocks` blocks, or enough for `max_cache_tokens`, or (on CUDA)
     `memory_fraction` of the memory left free after the weights, or 64K tokens on CPU. Prefix-cache
@@ -771,10 +909,15 @@ def load(path_or_hf_id: str | Path | None = None, device: str | torch.device | N
     if not (path / "tokenizer.json").is_file():
         raise FileNotFoundError(f"{path / 'tokenizer.json'} is missing: the engine needs the checkpoint's tokenizer")
     tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+    if (speculator == "dflash2") != (drafter_path is not None):
+        raise ValueError(f"speculator={speculator!r} with drafter_path={drafter_path!r}: a drafter path goes "
+                         "with speculator='dflash2', and only with it")
+    drafter = dflash.load_drafter(drafter_path, model) if drafter_path is not None else None
     return Engine(model, tokenizer, eos_token_ids=_eos_ids(path, config), chat_template=_chat_template(path),
                   num_blocks=num_blocks, max_cache_tokens=max_cache_tokens, memory_fraction=memory_fraction,
                   max_num_seqs=max_num_seqs, max_batch_tokens=max_batch_tokens, block_size=block_size,
-                  max_model_len=max_model_len, snapshot_bytes=snapshot_bytes, snapshot_device=snapshot_device)
+                  max_model_len=max_model_len, snapshot_bytes=snapshot_bytes, snapshot_device=snapshot_device,
+                  speculator=speculator, drafter=drafter, draft_tokens=draft_tokens)
 
 
 def _eos_ids(path: Path, config: GLMConfig) -> list[int]:
