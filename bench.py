@@ -1,0 +1,890 @@
+"""Benchmarks against the floors of ../shared/spec/performance.md, measured on the same GPU in the same run.
+
+    python bench.py model [--layers N] [--bits 3.25|4] [--core fp8|bf16]   synthetic full-size model
+    python bench.py model --device cpu --tiny                                the same code on a tiny model
+    python bench.py kernels [--peer]       EXL3 GEMV, KDA decode/prefill, FP8 GEMV (--peer: + exllamav3)
+    python bench.py exl3 sweep|quick|compare|sweep+compare|crosscheck [--codebook mcg]
+    python bench.py kda [decode] [prefill] [precision]
+
+`model` builds GLM-5.3-Flash (shapes from the fixture config.json, no files) directly on the device:
+routed experts as EXL3 random trellises (--bits 3.25: a quarter of the MoE layers K4, the rest K3),
+the other linears FP8 block-128 (`fp8.FP8Linear`) or BF16, and runs `GLMModel.forward` on
+`CachePool` / `SeqChunk` as the engine does: decode at batch 1, 4, 16 and at batch 1 over a long
+context (cache filled with random rows, not prefilled), prefill at 1K and 8K. Every figure comes with
+its floor: bytes per step at the copy bandwidth measured here (decode), or the larger of all-weights
+read and FLOPs at the bf16 matmul rate measured here (prefill). Random weights: the numbers are
+speeds, not quality.
+
+Timings: decode and prefill are wall time between CUDA synchronizations (eager, as the engine runs);
+kernels use triton.testing.do_bench medians, "graph" = the calls replayed from one CUDA graph.
+`exllamav3` (for --peer, `exl3 compare`, `exl3 crosscheck`) must be importable; its extension
+JIT-compiles for ~5 minutes on first import.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+import checkpoint
+import exl3
+import fp8
+from cache import CachePool
+from model_glm import GLMConfig, GLMModel, SeqChunk, kda_recurrent
+
+ROOT = Path(__file__).resolve().parent
+CONFIG_CANDIDATES = [Path(os.environ.get("GLM53_SHARED", ROOT.parent / "shared")), ROOT / "shared",
+                     ROOT / ".whl" / "shared"]
+CODEBOOK = "mcg"
+BLOCK_SIZE = 64
+BF16_LINEARS = ("kv_b_proj.weight", "indexer.weights_proj.weight")  # model_glm reads them as tensors
+START = time.time()
+
+
+def say(line: str = "") -> None:
+    print(line, flush=True)
+
+
+# ================================================================ timing helpers (CUDA)
+
+def median_us(fn) -> float:
+    import triton
+    return triton.testing.do_bench(fn, warmup=25, rep=300, return_mode="median") * 1e3
+
+
+def capture(calls) -> "torch.cuda.CUDAGraph":
+    """The calls captured in order in one CUDA graph, after a warm-up on a side stream (compiles,
+    allocator). Inputs and outputs must be static tensors the calls update in place."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for call in calls:
+            call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    return graph
+
+
+def eager_us(calls) -> float:
+    cycle = itertools.cycle(calls)
+    return median_us(lambda: next(cycle)())
+
+
+def graph_us(calls) -> float:
+    """Per call, the calls replayed from one graph (no launch overhead)."""
+    return median_us(capture(calls).replay) / len(calls)
+
+
+def copy_gbps() -> float:
+    """Device copy of 2 GiB, read + write bytes per second: the HBM rate the floors use."""
+    a = torch.empty(1 << 31, dtype=torch.uint8, device="cuda").random_()
+    b = torch.empty_like(a)
+    return 2 * a.numel() / (median_us(lambda: b.copy_(a)) * 1e-6) / 1e9
+
+
+def matmul_tflops() -> float:
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    return 2 * 8192 ** 3 / (median_us(lambda: a @ b) * 1e-6) / 1e12
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((y.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+# ================================================================ the synthetic model
+
+def fixture_config() -> dict:
+    for base in CONFIG_CANDIDATES:
+        path = base / "fixtures" / "glm53" / "config.json"
+        if path.is_file():
+            with open(path) as f:
+                return json.load(f)
+    raise FileNotFoundError(f"fixtures/glm53/config.json not found under any of {[str(c) for c in CONFIG_CANDIDATES]}; "
+                            "set GLM53_SHARED to the folder holding fixtures/")
+
+
+def model_config(layers: int | None, tiny: bool) -> GLMConfig:
+    """The real config (or the tests' tiny one), without MTP, cut to the first `layers` layers: the
+    pattern (3 KDA + 1 DSA, dense layers first) stays as it is at the top of the model."""
+    d = checkpoint.tiny_config_dict() if tiny else fixture_config()
+    t = dict(d["text_config"])
+    n = layers or t["num_hidden_layers"]
+    if not 1 <= n <= t["num_hidden_layers"]:
+        raise ValueError(f"--layers {n}: the model has 1..{t['num_hidden_layers']} layers")
+    t["num_hidden_layers"], t["num_nextn_predict_layers"] = n, 0
+    for key in ("layer_types", "mlp_layer_types", "indexer_types"):
+        if key in t:
+            t[key] = t[key][:n]
+    lin = dict(t["linear_attn_config"])
+    for key in ("kda_layers", "full_attn_layers"):
+        if key in lin:
+            lin[key] = [i for i in lin[key] if i < n]
+    t["linear_attn_config"] = lin
+    return GLMConfig.from_dict({"text_config": t})
+
+
+def layer_bits(cfg: GLMConfig, bits: float) -> dict[int, int]:
+    """K per MoE layer: 3.25 = every fourth MoE layer K4, the others K3 (K3.25-like); else K for all."""
+    moe = [L for L, t in enumerate(cfg.mlp_layer_types) if t == "sparse"]
+    if bits == 3.25:
+        return {L: 4 if j % 4 == 0 else 3 for j, L in enumerate(moe)}
+    if bits not in (2, 3, 4, 5, 6):
+        raise ValueError(f"--bits {bits}: expected 3.25 (K3/K4 mix) or an integer 2..6")
+    return {L: int(bits) for L in moe}
+
+
+def weight_format(name: str, spec: checkpoint.TensorSpec, core: str) -> str:
+    """"exl3" (routed experts), "fp8" (core linears with --core fp8) or "plain" (a tensor)."""
+    if checkpoint.is_routed_expert(name):
+        return "exl3"
+    if core == "fp8" and spec.linear and not name.endswith(BF16_LINEARS):
+        return "fp8"
+    return "plain"
+
+
+def _layer(name: str) -> int:
+    return int(name.split(".")[1])
+
+
+def weight_bytes(name: str, spec: checkpoint.TensorSpec, fmt: str, bits: dict[int, int], dtype_bytes: int) -> int:
+    if fmt == "exl3":
+        out_f, in_f = spec.shape
+        return in_f * out_f * bits[_layer(name)] // 8 + 2 * (in_f + out_f)
+    if fmt == "fp8":
+        out_f, in_f = spec.shape
+        return out_f * in_f + 4 * -(-out_f // 128) * -(-in_f // 128)
+    return math.prod(spec.shape) * (4 if spec.fp32 else dtype_bytes)
+
+
+@dataclass
+class Budget:
+    """Bytes and FLOPs of the configuration, for the floors (performance.md §3, §4, §6)."""
+    cfg: GLMConfig
+    core_bytes: int  # every non-routed weight read once per decode step (embedding: one row per sequence)
+    expert_bytes: dict[int, float]  # MoE layer -> bytes of one routed expert (3 linears)
+    all_bytes: int  # every weight once (a prefill chunk touches every expert)
+    core_params: int  # matmul parameters per token outside the routed experts (no embedding, no head)
+    expert_params: int  # one routed expert
+    dtype_bytes: int
+
+    @classmethod
+    def of(cls, cfg: GLMConfig, bits: dict[int, int], core: str, dtype_bytes: int) -> "Budget":
+        core_bytes = all_bytes = core_params = 0
+        expert_bytes: dict[int, float] = {}
+        for name, spec in checkpoint.expected_tensors(cfg).items():
+            fmt = weight_format(name, spec, core)
+            b = weight_bytes(name, spec, fmt, bits, dtype_bytes)
+            all_bytes += b
+            if fmt == "exl3":
+                L = _layer(name)
+                expert_bytes[L] = expert_bytes.get(L, 0) + b / cfg.n_routed_experts
+            elif name != "embed_tokens.weight":
+                core_bytes += b
+                if len(spec.shape) == 2 and name != checkpoint.HEAD_NAME:
+                    core_params += math.prod(spec.shape)
+        expert_params = 3 * cfg.hidden_size * cfg.moe_intermediate_size
+        return cls(cfg, core_bytes, expert_bytes, all_bytes, core_params, expert_params, dtype_bytes)
+
+    def experts_touched(self, batch: int) -> float:
+        """E(B) = n (1 - (1 - k/n)^B): distinct experts per layer under uniform routing (§4)."""
+        n, k = self.cfg.n_routed_experts, self.cfg.num_experts_per_tok
+        return n * (1 - (1 - k / n) ** batch)
+
+    def per_sequence_bytes(self, ctx: int) -> float:
+        """KDA + conv state read and written, selected latent rows and all pooled index keys read."""
+        c = self.cfg
+        n_kda, n_dsa = len(c.kda_layers), len(c.dsa_layers)
+        state = n_kda * (c.linear_num_heads * c.linear_head_dim ** 2 * 4
+                         + 3 * (c.linear_conv_kernel - 1) * c.kda_dim * self.dtype_bytes)
+        selected = min(ctx, c.index_topk + c.index_kpool - 1)
+        kv = n_dsa * (selected * c.kv_lora_rank + ctx // c.index_kpool * c.index_head_dim) * self.dtype_bytes
+        return 2 * state + kv
+
+    def decode_bytes(self, batch: int, ctx: int) -> float:
+        experts = sum(self.experts_touched(batch) * b for b in self.expert_bytes.values())
+        embed_rows = batch * self.cfg.hidden_size * self.dtype_bytes
+        return self.core_bytes + embed_rows + experts + batch * self.per_sequence_bytes(ctx)
+
+    def prefill_flops(self, T: int) -> float:
+        """§6: weights, KDA chunked form (C = 64), sparse MLA over min(pos, selected), indexer over
+        the complete pools, summed over positions 0..T-1; the head once."""
+        c = self.cfg
+        n_moe = len(self.expert_bytes)
+        weights = 2 * (self.core_params + n_moe * c.num_experts_per_tok * self.expert_params)
+        C, K = 64, c.linear_head_dim
+        kda = len(c.kda_layers) * c.linear_num_heads * (2 * C * K * 3 + 2 * C * K * 2 + 3 * 2 * K * K + C * C)
+        sel = c.index_topk + c.index_kpool - 1
+        sum_min = sum(min(p, sel) for p in range(min(T, sel))) + max(0, T - sel) * sel
+        sum_pos = T * (T - 1) / 2
+        n_dsa = len(c.dsa_layers)
+        mla = n_dsa * c.num_attention_heads * 2 * c.kv_lora_rank * 2 * sum_min
+        indexer = n_dsa * c.index_n_heads * c.index_head_dim * 2 * sum_pos / c.index_kpool
+        head = 2 * c.vocab_size * c.hidden_size
+        return T * (weights + kda) + mla + indexer + head
+
+
+def _random_linear_tensor(shape, dtype, device, gen) -> torch.Tensor:
+    """N(0, 1/in) in `dtype`, generated on the device (the model-scale tensors do not fit a CPU RNG's time)."""
+    return torch.randn(shape, dtype=dtype, device=device, generator=gen) / math.sqrt(shape[-1])
+
+
+def _random_experts(cfg: GLMConfig, L: int, k: int, device, gen) -> dict[str, exl3.EXL3Linear]:
+    """All routed experts of layer L from one trellis allocation per projection kind; W std ~ 1/sqrt(in)
+    as in tests/tiny.py (random signs times (codebook std * sqrt(in))^-1/2 on both sides)."""
+    E, D, I = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    cb_std = exl3.codebook_lut(CODEBOOK).float().std().item()
+    out = {}
+    for proj, (in_f, out_f) in (("gate_proj", (D, I)), ("up_proj", (D, I)), ("down_proj", (I, D))):
+        shape = (E, in_f // 16, out_f // 16, exl3.trellis_width(k))
+        # uint8 random_() covers all 256 byte values; int16 random_() would never set the sign bit.
+        trellis = torch.empty(math.prod(shape) * 2, dtype=torch.uint8, device=device).random_(
+            generator=gen).view(torch.int16).view(shape)
+        mag = (cb_std * math.sqrt(in_f)) ** -0.5
+        sign = lambda n: torch.randint(0, 2, (E, n), device=device, generator=gen) * 2 - 1
+        suh, svh = (sign(in_f) * mag).half(), (sign(out_f) * mag).half()
+        for e in range(E):
+            name = f"layers.{L}.mlp.experts.{e}.{proj}.weight"
+            out[name] = exl3.EXL3Linear(trellis[e], suh[e], svh[e], CODEBOOK, name=name)
+    return out
+
+
+def build_weights(cfg: GLMConfig, bits: dict[int, int], core: str, dtype: torch.dtype,
+                  device: torch.device, seed: int = 0) -> dict:
+    """Random weights by in-memory name, on the device; the core first (its FP8 quantization needs
+    transient memory), then the experts layer by layer."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    weights: dict = {}
+    specs = checkpoint.expected_tensors(cfg)
+    for name, spec in specs.items():
+        fmt = weight_format(name, spec, core)
+        if fmt == "exl3":
+            continue
+        if fmt == "fp8":
+            w = _random_linear_tensor(spec.shape, torch.bfloat16, device, gen)
+            weights[name] = fp8.FP8Linear.from_weight(w, name=name)
+        elif spec.linear:
+            weights[name] = _random_linear_tensor(spec.shape, dtype, device, gen)
+        elif name == "embed_tokens.weight":
+            weights[name] = torch.randn(spec.shape, dtype=dtype, device=device, generator=gen)
+        else:  # small tensors: checkpoint's initializer (A_log, dt_bias, mHC, norms, router ...)
+            g = torch.Generator().manual_seed(seed + len(weights))
+            weights[name] = checkpoint._random_init(name, spec, g).to(
+                device=device, dtype=torch.float32 if spec.fp32 else dtype)
+    for L, k in bits.items():
+        weights |= _random_experts(cfg, L, k, device, gen)
+    return weights
+
+
+def fill_context(cache: CachePool, blocks: torch.Tensor, slot: int, ctx: int, gen: torch.Generator) -> None:
+    """Stand-in for a prefill of `ctx` tokens: random latent rows, index keys, gate scores and pooled
+    keys in the sequence's blocks, a random KDA and conv state in its slot (unit-scale values)."""
+    used = blocks[:-(-ctx // cache.block_size)].to(cache.device)
+    for t in (cache.latent, cache.index_k, cache.gate, cache.pooled):
+        t[:, used] = torch.randn((t.shape[0], len(used), *t.shape[2:]), dtype=t.dtype, device=t.device,
+                                 generator=gen)
+    s = cache.kda_state[:, slot]
+    cache.kda_state[:, slot] = 0.05 * torch.randn(s.shape, device=s.device, generator=gen)
+    c = cache.conv_state[:, slot]
+    cache.conv_state[:, slot] = torch.randn(c.shape, dtype=c.dtype, device=c.device, generator=gen)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@dataclass
+class Row:
+    what: str
+    measured: float  # tok/s
+    floor: float  # tok/s at the floor
+    extra: str = ""
+
+
+def decode_rate(model: GLMModel, cache: CachePool, tables: list[torch.Tensor], ctx: int, steps: int,
+                device: torch.device) -> float:
+    """tok/s of `steps` decode steps for len(tables) sequences (slots 0..B-1) that hold `ctx` tokens;
+    each step feeds the argmax of the previous one. One untimed step first (compiles, allocator)."""
+    B = len(tables)
+    tokens = torch.ones(B, dtype=torch.long)
+    pos = ctx
+    for step in range(steps + 1):
+        if step == 1:
+            sync(device)
+            start = time.perf_counter()
+        batch = [SeqChunk(tokens[b:b + 1], pos, tables[b], b) for b in range(B)]
+        tokens = model.forward(batch, cache).logits.argmax(-1).cpu()
+        pos += 1
+    sync(device)
+    return B * steps / (time.perf_counter() - start)
+
+
+def run_model(args) -> list[Row]:
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    cfg = model_config(args.layers, args.tiny)
+    bits = layer_bits(cfg, args.bits)
+    budget = Budget.of(cfg, bits, args.core, torch.finfo(dtype).bits // 8)
+    n_kda, n_dsa = len(cfg.kda_layers), len(cfg.dsa_layers)
+    say(f"model: {cfg.num_hidden_layers} layers ({n_kda} KDA, {n_dsa} DSA, {len(bits)} MoE), experts EXL3 "
+        f"{CODEBOOK} K{args.bits} ({sum(k == 4 for k in bits.values())} layers K4), core {args.core}, "
+        f"{dtype}, weights {budget.all_bytes / 1e9:.2f} GB")
+
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        if budget.all_bytes + args.reserve_gb * 1e9 > free:
+            raise SystemExit(f"the weights need {budget.all_bytes / 1e9:.1f} GB + {args.reserve_gb} GB reserve, "
+                             f"the GPU has {free / 1e9:.1f} GB free of {total / 1e9:.1f}: use --layers or --bits 3.25")
+        bw, tflops = copy_gbps() * 1e9, matmul_tflops() * 1e12
+        say(f"{torch.cuda.get_device_name(device)}: copy {bw / 1e9:.0f} GB/s (read + write), bf16 matmul "
+            f"{tflops / 1e12:.0f} TFLOP/s (8192^3)")
+    else:
+        bw, tflops = 50e9, 1e12  # nominal: the CPU smoke run checks the code, not the machine
+        say("CPU: floors use a nominal 50 GB/s and 1 TFLOP/s")
+
+    t0 = time.time()
+    weights = build_weights(cfg, bits, args.core, dtype, device, args.seed)
+    model = GLMModel(cfg, weights)
+    sync(device)
+    say(f"built in {time.time() - t0:.0f} s")
+
+    batches = [b for b in (1, 4, 16) if b <= args.max_batch]
+    prompts = [64, 256] if args.tiny else [1024, 8192]
+    long_ctx = 512 if args.tiny else args.long_context
+    ctx0, steps = args.context, args.steps
+    blocks_per_seq = -(-(max(ctx0 + steps + 1, max(prompts) + 1)) // BLOCK_SIZE)
+    long_blocks = -(-(long_ctx + steps + 1) // BLOCK_SIZE)
+    num_blocks = max(max(batches) * blocks_per_seq, long_blocks)
+    num_slots = max(batches)
+    probe = CachePool(cfg, 1, 1, block_size=BLOCK_SIZE, dtype=dtype, device="meta")
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        spare = free - args.reserve_gb * 1e9 - num_slots * probe.bytes_per_sequence()
+        say(f"after weights: {torch.cuda.memory_allocated(device) / 1e9:.2f} GB allocated, {free / 1e9:.1f} GB free; "
+            f"cache capacity with {args.reserve_gb} GB kept for activations and {num_slots} KDA slots "
+            f"({probe.bytes_per_sequence() / 1e6:.1f} MB each): {int(spare // probe.bytes_per_token()):,} tokens "
+            f"at {probe.bytes_per_token():,} B/token")
+    cache = CachePool(cfg, num_blocks, num_slots, block_size=BLOCK_SIZE, dtype=dtype, device=device)
+    gen = torch.Generator(device=device).manual_seed(args.seed + 1)
+    tables = [torch.arange(b * blocks_per_seq, (b + 1) * blocks_per_seq) for b in range(num_slots)]
+
+    rows: list[Row] = []
+
+    def section(name: str, fn) -> None:
+        if time.time() - START > args.budget:
+            say(f"{name}: skipped, past the --budget of {args.budget} s")
+            return
+        try:
+            r = fn()
+            if r is None:
+                return
+            rows.append(r)
+            say(f"{r.what}: {r.measured:.2f} tok/s, floor {r.floor:.1f}, {r.measured / r.floor:.3f} of floor {r.extra}"
+                f"  [{time.time() - START:.0f} s]")
+        except Exception as error:  # one failing section must not hide the others
+            say(f"{name}: failed: {type(error).__name__}: {error}")
+
+    def decode(B: int) -> Row:
+        for b in range(B):
+            fill_context(cache, tables[b], b, ctx0, gen)
+        rate = decode_rate(model, cache, tables[:B], ctx0, steps, device)
+        floor = B * bw / budget.decode_bytes(B, ctx0)
+        return Row(f"decode B={B} ctx {ctx0}", rate, floor,
+                   f"({budget.decode_bytes(B, ctx0) / 1e9:.2f} GB/step, E(B)={budget.experts_touched(B):.1f})")
+
+    def decode_long() -> Row:
+        table = torch.arange(long_blocks)
+        fill_context(cache, table, 0, long_ctx, gen)
+        rate = decode_rate(model, cache, [table], long_ctx, steps, device)
+        return Row(f"decode B=1 ctx {long_ctx}", rate, bw / budget.decode_bytes(1, long_ctx),
+                   f"({budget.decode_bytes(1, long_ctx) / 1e9:.2f} GB/step)")
+
+    def prefill(T: int) -> Row:
+        tokens = torch.randint(0, cfg.vocab_size, (T,), generator=torch.Generator().manual_seed(T))
+        sync(device)
+        start = time.perf_counter()
+        model.forward([SeqChunk(tokens, 0, tables[0], 0)], cache)
+        sync(device)
+        seconds = time.perf_counter() - start
+        floor_s = max(budget.all_bytes / bw, budget.prefill_flops(T) / tflops)
+        return Row(f"prefill {T}", T / seconds, T / floor_s,
+                   f"(TTFT {seconds:.2f} s, floor {floor_s:.3f} s: {budget.prefill_flops(T) / T / 1e9:.1f} "
+                   f"GFLOP/token, weights {budget.all_bytes / 1e9:.1f} GB)")
+
+    for B in batches:
+        section(f"decode B={B}", lambda B=B: decode(B))
+    section(f"decode long context {long_ctx}", decode_long)
+    section("prefill warm-up (compiles, untimed)", lambda: prefill(prompts[0] // 4) and None)
+    for T in prompts:
+        section(f"prefill {T}", lambda T=T: prefill(T))
+    if device.type == "cuda":
+        say(f"peak GPU memory {torch.cuda.max_memory_allocated(device) / 1e9:.2f} GB")
+    print_table(rows)
+    if device.type == "cuda":  # last: a failed capture must not cost the table
+        section("decode step in a CUDA graph", lambda: graph_decode(model, cache, tables[0], ctx0, bw, budget))
+    return rows
+
+
+def graph_decode(model: GLMModel, cache: CachePool, table: torch.Tensor, ctx: int, bw: float,
+                 budget: Budget) -> Row:
+    """One batch-1 decode step captured and replayed: works only if GLMModel.forward has no host
+    synchronization (data-dependent Python control flow) in its decode path."""
+    tokens = torch.ones(1, dtype=torch.long, device=table.device)
+    graph = capture([lambda: model.forward([SeqChunk(tokens, ctx, table, 0)], cache)])
+    us = median_us(graph.replay)
+    return Row("decode B=1 graph", 1e6 / us, bw / budget.decode_bytes(1, ctx))
+
+
+def print_table(rows: list[Row]) -> None:
+    say("\n| what | tok/s | floor tok/s | of floor | notes |")
+    say("|---|---:|---:|---:|---|")
+    for r in rows:
+        say(f"| {r.what} | {r.measured:.2f} | {r.floor:.1f} | {r.measured / r.floor:.3f} | {r.extra} |")
+
+
+# ================================================================ kernels
+
+def run_kernels(args) -> None:
+    gbps = copy_gbps()
+    say(f"{torch.cuda.get_device_name()}: copy {gbps:.0f} GB/s (read + write); floor = bytes / that rate")
+    say("| kernel | shape | eager us | graph us | floor us | floor/graph | rel err |")
+    say("|---|---|---:|---:|---:|---:|---:|")
+
+    def line(kernel, shape, calls, floor_us, err):
+        try:
+            e, g = eager_us(calls), graph_us(calls)
+            say(f"| {kernel} | {shape} | {e:.1f} | {g:.1f} | {floor_us:.2f} | {floor_us / g:.3f} | {err:.1e} |")
+        except Exception as error:
+            say(f"| {kernel} | {shape} | failed: {type(error).__name__}: {error} |")
+
+    import kernels
+    for (k, n), bits in itertools.product(EXL3_SHAPES, (3, 4)):
+        sets = exl3_data_sets(k, n, bits)
+        ref = exl3_reference(*sets[0], CODEBOOK)
+        calls = [exl3_ours(*s, CODEBOOK) for s in sets]
+        line("exl3_gemv m=1", f"{k}x{n} K{bits}", calls, k * n * bits / 8 / gbps / 1e3, rel_err(calls[0](), ref))
+
+    H, D = KDA_H, KDA_D
+    for B in (1, 16):
+        q, k, v, g, beta = kda_inputs(B, seed=2)
+        n_calls = 20
+        pool = torch.zeros(n_calls * B, H, D, D, device="cuda")
+        slots = [torch.arange(i * B, (i + 1) * B, device="cuda") for i in range(n_calls)]
+        calls = [lambda s=s: kernels.kda_recurrent_step(q, k, v, g, beta, pool, s) for s in slots]
+        line("kda_recurrent_step", f"B={B} H={H} d={D}", calls, 2 * B * H * D * D * 4 / gbps / 1e3, float("nan"))
+    T = 8192
+    q, k, v, g, beta = kda_inputs(T, seed=3)
+    ms = median_us(lambda: kernels.kda_chunk_prefill(q, k, v, g, beta)) / 1e3
+    say(f"kda_chunk_prefill T={T}: {ms:.3f} ms per layer (fla chunk_kda: 1.85 ms, spec §9.3 [meas], not measured here)")
+
+    for n, k in FP8_SHAPES:
+        # Enough weight copies that one pass over them exceeds the L2 three times.
+        lins = [fp8.FP8Linear.from_weight(torch.randn(n, k, device="cuda") / math.sqrt(k))
+                for _ in range(max(1, math.ceil(3 * L2_BYTES / (n * k))))]
+        dense = [lin.dequantize(torch.bfloat16) for lin in lins[:max(1, math.ceil(3 * L2_BYTES / (2 * n * k)))]]
+        for m in (1, 16):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+            calls = [lambda lin=lin: kernels.fp8_gemv(x, lin.weight, lin.scale_inv, out=out) for lin in lins]
+            err = rel_err(calls[0](), x.float() @ lins[0].dequantize().T)
+            line("fp8_gemv", f"m={m} {n}x{k}", calls, lins[0].nbytes() / gbps / 1e3, err)
+            cublas = [lambda w=w: torch.nn.functional.linear(x, w) for w in dense]
+            line("bf16 F.linear (cuBLAS)", f"m={m} {n}x{k}", cublas, 2 * n * k / gbps / 1e3, float("nan"))
+        del lins, dense
+    if args.peer:
+        exl3_compare(argparse.Namespace(codebook=CODEBOOK))
+
+
+FP8_SHAPES = [(8192, 4096), (4096, 8192), (1536, 4096), (24576, 4096), (154880, 4096)]  # (out, in)
+
+
+# ================================================================ EXL3
+
+EXL3_SHAPES = [(4096, 2048), (2048, 4096), (4096, 12288)]  # (in, out)
+MARKERS = {"mcg": 0xCBAC1FED - (1 << 32), "mul1": 0x83DCD12D - (1 << 32)}
+L2_BYTES = 60e6
+
+
+def exl3_random_linear(k: int, n: int, bits: float, seed: int):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    width = int(16 * bits)
+    trellis = torch.randint(-2**15, 2**15, (k // 16, n // 16, width), generator=g, device="cuda",
+                            dtype=torch.int32).to(torch.int16)
+    sign = lambda size: torch.randint(0, 2, (size,), generator=g, device="cuda") * 2 - 1
+    suh = ((torch.rand(k, generator=g, device="cuda") * 0.1 + 0.01) * sign(k)).half()
+    svh = ((torch.rand(n, generator=g, device="cuda") * 0.1 + 0.01) * sign(n)).half()
+    x = torch.randn(1, k, generator=g, device="cuda").half()
+    return trellis, suh, svh, x
+
+
+def exl3_data_sets(k: int, n: int, bits: float):
+    """Enough copies that the trellis bytes exceed the L2 three times: timings are not L2 hits."""
+    count = max(2, math.ceil(3 * L2_BYTES / (k * n * bits / 8)))
+    return [exl3_random_linear(k, n, bits, seed) for seed in range(count)]
+
+
+def exl3_reference(trellis, suh, svh, x, codebook):
+    # The torch twin's math (x @ dequantize), decoded with the bit-exact kernel to stay fast.
+    import kernels
+    w = kernels.exl3_decode(trellis, codebook).float()
+    h = exl3.hadamard_128("cuda")
+    k, n = w.shape
+    w = (h @ w.view(k // 128, 128, n)).view(k, n)
+    w = (w.view(k, n // 128, 128) @ h).view(k, n)
+    return x.float() @ (suh.float()[:, None] * w * svh.float()[None, :])
+
+
+def exl3_ours(trellis, suh, svh, x, codebook, **launch):
+    import kernels
+    out = torch.empty((x.shape[0], trellis.shape[1] * 16), dtype=torch.float16, device="cuda")
+    return lambda: kernels.exl3_gemv(x, trellis, suh, svh, codebook, out=out, **launch)
+
+
+EXL3_CONFIGS = [dict(block_n=bn, row_tiles=rt, num_warps=4) for bn in (64, 128) for rt in (1, 2, 4)] + [
+    dict(block_n=128, row_tiles=2, num_warps=8)]
+EXL3_QUICK_CONFIGS = [dict(block_n=128, row_tiles=1), dict(block_n=64, row_tiles=2), dict(block_n=128, row_tiles=2)]
+
+
+def exl3_sweep(args, configs: list[dict] = EXL3_CONFIGS, decode: bool = True) -> dict:
+    """Graph time of every launch configuration; returns the fastest per (shape, K)."""
+    import kernels
+    say(f"device {torch.cuda.get_device_name()}, copy {copy_gbps():.0f} GB/s (read + write)")
+    say("| shape (in x out) | K | block_n | row_tiles | warps | split | graph us | trellis GB/s | T weights/s | rel err |")
+    best = {}
+    for (k, n), bits in itertools.product(EXL3_SHAPES, (3, 4)):
+        sets = exl3_data_sets(k, n, bits)
+        ref = exl3_reference(*sets[0], args.codebook)
+        for launch in configs:
+            calls = [exl3_ours(*s, args.codebook, **launch) for s in sets]
+            try:
+                err, t = rel_err(calls[0](), ref), graph_us(calls)
+            except Exception as error:  # one broken launch shape must not hide the others
+                say(f"| {k}x{n} | {bits} | {launch} | failed: {error!r} |")
+                continue
+            split = kernels._default_split(torch.device("cuda"), n, k // 16 // launch["row_tiles"], launch["block_n"])
+            say(f"| {k}x{n} | {bits} | {launch['block_n']} | {launch['row_tiles']} | {launch.get('num_warps', 4)} | "
+                f"{split} | {t:.1f} | {k * n * bits / 8 / t / 1e3:.0f} | {k * n / t / 1e6:.2f} | {err:.1e} |")
+            if err <= 1e-3 and t < best.get((k, n, bits), (None, float("inf")))[1]:
+                best[(k, n, bits)] = (launch, t)
+    exl3_registers()
+    if decode:
+        say("| decode (in x out) | K | exl3_decode graph us | GB/s (trellis read + fp16 write) |")
+        for bits in (3, 4):
+            k, n = 4096, 12288
+            sets = exl3_data_sets(k, n, bits)
+            outs = [torch.empty((k, n), dtype=torch.float16, device="cuda") for _ in sets]
+            calls = [lambda s=s, o=o: kernels.exl3_decode(s[0], args.codebook, out=o) for s, o in zip(sets, outs)]
+            t = graph_us(calls)
+            say(f"| {k}x{n} | {bits} | {t:.1f} | {k * n * (2 + bits / 8) / t / 1e3:.0f} |")
+    return {key: launch for key, (launch, _) in best.items()}
+
+
+def exl3_registers() -> None:
+    """Compiler resource report of every compiled exl3_gemv variant (registers, spills)."""
+    import kernels
+    try:
+        for caches in kernels._gemv_kernel.device_caches.values():
+            for compiled in caches[0].values():
+                say(f"gemv kernel warps {compiled.metadata.num_warps}: {compiled.n_regs} registers, "
+                    f"{compiled.n_spills} spills")
+    except Exception as error:  # Triton's cache layout differs between versions
+        say(f"no register report: {error!r}")
+
+
+def load_exllamav3():
+    start = time.time()
+    from exllamav3.ext import exllamav3_ext
+    from exllamav3.modules.quant.exl3 import LinearEXL3
+    say(f"exllamav3 imported (extension JIT/load) in {time.time() - start:.0f} s")
+    return LinearEXL3, exllamav3_ext
+
+
+def their_linear(LinearEXL3, trellis, suh, svh, codebook):
+    markers = {cb: torch.tensor(v, dtype=torch.int32, device=trellis.device) for cb, v in MARKERS.items()}
+    k, n = trellis.shape[0] * 16, trellis.shape[1] * 16
+    return LinearEXL3(None, k, n, suh=suh, svh=svh, trellis=trellis,
+                      mcg=markers["mcg"] if codebook == "mcg" else None,
+                      mul1=markers["mul1"] if codebook == "mul1" else None)
+
+
+def exl3_compare(args, best: dict | None = None) -> None:
+    """Batch-1 exl3_gemv vs exllamav3 LinearEXL3.forward, exl3_decode vs its reconstruct, same tensors."""
+    import kernels
+    gbps = copy_gbps()
+    say(f"device {torch.cuda.get_device_name()}, copy {gbps:.0f} GB/s (read + write)")
+    LinearEXL3, ext = load_exllamav3()
+    say("| shape (in x out) | K | ours launch | ours eager us | exllamav3 eager us | ours graph us | "
+        "exllamav3 graph us | trellis floor us | ours/exl3 graph | ours err | exl3 err |")
+    for (k, n), bits in itertools.product(EXL3_SHAPES, (3, 4)):
+        sets = exl3_data_sets(k, n, bits)
+        ref = exl3_reference(*sets[0], args.codebook)
+        mods = [their_linear(LinearEXL3, t, su, sv, args.codebook) for t, su, sv, _ in sets]
+        theirs = [lambda mod=mod, x=s[3]: mod.forward(x, {}) for mod, s in zip(mods, sets)]
+        err_theirs, e_theirs = rel_err(theirs[0](), ref), eager_us(theirs)
+        try:
+            g_theirs = graph_us(theirs)
+        except Exception as error:  # report, do not hide
+            say(f"exllamav3 graph capture failed: {error!r}")
+            g_theirs = float("nan")
+        floor = k * n * bits / 8 / (gbps * 1e9) * 1e6
+        for launch in [{}] + ([best[(k, n, bits)]] if best and (k, n, bits) in best else []):
+            mine = [exl3_ours(*s, args.codebook, **launch) for s in sets]
+            try:
+                err_mine, e_mine, g_mine = rel_err(mine[0](), ref), eager_us(mine), graph_us(mine)
+            except Exception as error:
+                say(f"| {k}x{n} | {bits} | {launch or 'default'} | failed: {error!r} | {e_theirs:.1f} |")
+                continue
+            say(f"| {k}x{n} | {bits} | {launch or 'default'} | {e_mine:.1f} | {e_theirs:.1f} | {g_mine:.1f} | "
+                f"{g_theirs:.1f} | {floor:.2f} | {g_mine / g_theirs:.2f} | {err_mine:.1e} | {err_theirs:.1e} |")
+    say("| decode (in x out) | K | ours exl3_decode us | exllamav3 reconstruct us | bit-exact | ours GB/s |")
+    for bits in (3, 4):
+        k, n = 4096, 12288
+        sets = exl3_data_sets(k, n, bits)
+        outs = [torch.empty((k, n), dtype=torch.float16, device="cuda") for _ in sets]
+        mcg, mul1 = args.codebook == "mcg", args.codebook == "mul1"
+        mine = [lambda s=s, o=o: kernels.exl3_decode(s[0], args.codebook, out=o) for s, o in zip(sets, outs)]
+        theirs = [lambda s=s, o=o: ext.reconstruct(o, s[0], bits, mcg, mul1) for s, o in zip(sets, outs)]
+        w_mine = mine[0]().clone()
+        theirs[0]()
+        exact = torch.equal(w_mine.view(torch.int16), outs[0].view(torch.int16))
+        t_mine, t_theirs = graph_us(mine), graph_us(theirs)
+        say(f"| {k}x{n} | {bits} | {t_mine:.1f} | {t_theirs:.1f} | {exact} | {k * n * (2 + bits / 8) / t_mine / 1e3:.0f} |")
+
+
+def exl3_crosscheck(args) -> None:
+    """exllamav3's decode of our tensors (random trellis; exl3.quantize) vs exl3.py and the kernel."""
+    import kernels
+    LinearEXL3, _ = load_exllamav3()
+    say("| tensor | codebook | K | exllamav3 inner == exl3.unpack | == exl3_decode | full rel err vs dequantize |")
+    cases = [(cb, float(b)) for cb in kernels.CODEBOOKS for b in range(1, 9)] + [("mul1", b) for b in (1.5, 2.5, 3.5)]
+    for codebook, bits in cases:
+        trellis, suh, svh, _ = exl3_random_linear(1024, 512, bits, seed=int(bits * 2))
+        theirs = their_linear(LinearEXL3, trellis, suh, svh, codebook)
+        inner = theirs.get_inner_weight_tensor()
+        same_torch = torch.equal(inner.view(torch.int16), exl3.unpack(trellis, codebook).view(torch.int16))
+        same_triton = torch.equal(inner.view(torch.int16), kernels.exl3_decode(trellis, codebook).view(torch.int16))
+        err = rel_err(theirs.get_weight_tensor(), exl3.dequantize(trellis, suh, svh, codebook))
+        say(f"| random 1024x512 | {codebook} | {bits:g} | {same_torch} | {same_triton} | {err:.1e} |")
+    seconds = 0.0
+    for (k, n), bits, codebook in [((1024, 512), 4, "mcg"), ((4096, 2048), 3, "mul1")]:
+        if seconds > 15:  # the second is 16x the first's tiles
+            say(f"skipped {k}x{n}: the smaller quantize took {seconds:.0f} s")
+            break
+        g = torch.Generator(device="cuda").manual_seed(k)
+        weight = torch.randn(n, k, generator=g, device="cuda")  # HF layout [out, in]
+        start = time.time()
+        lin = exl3.quantize(weight, bits, codebook=codebook)
+        torch.cuda.synchronize()
+        seconds = time.time() - start
+        tensors = {name: t.cuda() for name, t in lin.tensors().items()}
+        theirs = LinearEXL3(None, k, n, suh=tensors["suh"], svh=tensors["svh"], trellis=tensors["trellis"],
+                            mcg=tensors.get("mcg"), mul1=tensors.get("mul1"))
+        same = torch.equal(theirs.get_inner_weight_tensor().view(torch.int16),
+                           exl3.unpack(tensors["trellis"], codebook).view(torch.int16))
+        ours_w = exl3.dequantize(tensors["trellis"], tensors["suh"], tensors["svh"], codebook)
+        err = rel_err(theirs.get_weight_tensor(), ours_w)
+        nmse = rel_err(ours_w.float(), weight.t()) ** 2
+        x = torch.randn(1, k, generator=g, device="cuda").half()
+        y_err = rel_err(theirs.forward(x, {}), x.float() @ ours_w.float())
+        say(f"| exl3.quantize {k}x{n} ({seconds:.0f} s, NMSE {nmse:.4f}) | {codebook} | {bits} | {same} | - | "
+            f"{err:.1e} (their forward vs x@W: {y_err:.1e}) |")
+
+
+def run_exl3(args) -> None:
+    if args.mode == "quick":
+        exl3_sweep(args, EXL3_QUICK_CONFIGS, decode=False)
+    elif args.mode == "sweep+compare":
+        exl3_compare(args, exl3_sweep(args))
+    else:
+        {"sweep": exl3_sweep, "compare": exl3_compare, "crosscheck": exl3_crosscheck}[args.mode](args)
+
+
+# ================================================================ KDA
+
+KDA_H, KDA_D = 64, 128
+STATE_BYTES = KDA_H * KDA_D * KDA_D * 4  # one sequence's fp32 state in one layer: 4 MiB
+
+
+def kda_inputs(lead: int, seed: int, dtype=torch.float32):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen, device="cuda")
+    l2 = lambda x: x / torch.sqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+    H, D = KDA_H, KDA_D
+    q = l2(r(lead, H, D)) * D ** -0.5
+    k = l2(r(lead, H, D))
+    v = r(lead, H, D)
+    g = -5 * torch.sigmoid(2 * r(lead, H, D))
+    beta = torch.sigmoid(r(lead, H))
+    return q.to(dtype), k.to(dtype), v.to(dtype), g, beta
+
+
+def kda_twin(q, k, v, g, beta, S0=None, block=None):
+    """model_glm.kda_recurrent over the sequence: (o, final state, states after each `block` tokens)."""
+    S = torch.zeros(q.shape[1], q.shape[2], v.shape[2], device=q.device) if S0 is None else S0.clone()
+    outs, saved = [], []
+    T = q.shape[0]
+    cuts = sorted({T} | (set(range(block, T + 1, block)) if block else set()))
+    t0 = 0
+    for t1 in cuts:
+        o, S = kda_recurrent(*(x[t0:t1].float() for x in (q, k, v, g, beta)), S)
+        outs.append(o)
+        if block and t1 % block == 0:
+            saved.append(S)
+        t0 = t1
+    return torch.cat(outs).to(q.dtype), S, (torch.stack(saved) if block else None)
+
+
+def max_rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((actual.float() - expected.float()).abs().max() / expected.float().abs().max()).item()
+
+
+def kda_decode(gbps: float) -> None:
+    import kernels
+    say("\n== decode: kda_recurrent_step, one token per sequence ==")
+    B, slots_total = 16, 40
+    q, k, v, g, beta = kda_inputs(B, seed=1)
+    pool = torch.randn(slots_total, KDA_H, KDA_D, KDA_D, device="cuda")
+    pool_ref = pool.clone()
+    slots = torch.randperm(slots_total, device="cuda")[:B]
+    for _ in range(3):
+        o = kernels.kda_recurrent_step(q, k, v, g, beta, pool, slots)
+        outs = []
+        for b, s in enumerate(slots.tolist()):
+            o_b, pool_ref[s] = kda_recurrent(*(x[b:b + 1] for x in (q, k, v, g, beta)), pool_ref[s])
+            outs.append(o_b[0])
+        o_ref = torch.stack(outs)
+    say(f"B={B}, 3 steps, random slots: rel err o {max_rel_err(o, o_ref):.2e}, pool {max_rel_err(pool, pool_ref):.2e}")
+    say("eager: do_bench median, Python launch included; graph: 20 calls in one CUDA graph, each on its own")
+    say("slots (20 x B states, past the L2); GB/s and 'of copy' from the graph time")
+    say(f"{'B':>3} {'BV':>3} {'warps':>5} {'eager us':>9} {'graph us':>9} {'GB/s':>7} {'of copy':>8}")
+    calls = 20
+    for B in (1, 16, 64):
+        q, k, v, g, beta = kda_inputs(B, seed=2)
+        pool = torch.zeros(calls * B, KDA_H, KDA_D, KDA_D, device="cuda")
+        slots = [torch.arange(i * B, (i + 1) * B, device="cuda") for i in range(calls)]
+        for bv, warps in ((16, 2), (16, 4), (32, 4), (32, 8), (64, 8)):
+            step = [lambda s=s: kernels.kda_recurrent_step(q, k, v, g, beta, pool, s, block_v=bv, num_warps=warps)
+                    for s in slots]
+            e, t = median_us(step[0]), graph_us(step)
+            rate = 2 * B * STATE_BYTES / t / 1e3
+            say(f"{B:>3} {bv:>3} {warps:>5} {e:>9.1f} {t:>9.1f} {rate:>7.0f} {rate / gbps:>8.2f}")
+    say("[spec §9.3, not measured here] fla fused_recurrent_kda: 39 us at B=1")
+
+
+def kda_prefill(gbps: float) -> None:
+    import kernels
+    say("\n== prefill: kda_chunk_prefill (chunk 64) vs the per-token recurrence ==")
+    for T, block in ((1024, 256), (8192, None)):
+        q, k, v, g, beta = kda_inputs(T, seed=T)
+        S0 = 0.1 * torch.randn(KDA_H, KDA_D, KDA_D, device="cuda")
+        o, final, states = kernels.kda_chunk_prefill(q, k, v, g, beta, S0, block=block)
+        o_ref, final_ref, states_ref = kda_twin(q, k, v, g, beta, S0, block=block)
+        line = f"T={T}: rel err o {max_rel_err(o, o_ref):.2e}, final state {max_rel_err(final, final_ref):.2e}"
+        if block:
+            line += f", {states.shape[0]} boundary states {max_rel_err(states, states_ref):.2e}"
+        say(line)
+    q, k, v, g, beta = kda_inputs(1024, seed=5, dtype=torch.bfloat16)
+    o, final, _ = kernels.kda_chunk_prefill(q, k, v, g, beta)
+    o_ref, final_ref, _ = kda_twin(q, k, v, g, beta)
+    say(f"T=1024 bf16 q/k/v (o in bf16): rel err o {max_rel_err(o, o_ref):.2e}, final state "
+        f"{max_rel_err(final, final_ref):.2e}")
+    say(f"\n{'T':>5} {'BV':>3} {'warps':>5} {'stages':>6} {'factors':>8} {'states':>8} {'output':>8} {'total ms':>8}")
+    for T in (1024, 8192):
+        q, k, v, g, beta = kda_inputs(T, seed=T)
+        S0 = torch.zeros(KDA_H, KDA_D, KDA_D, device="cuda")
+        f = kernels.chunk_factors(q, k, v, g, beta, 64)
+        factors_ms = median_us(lambda: kernels.chunk_factors(q, k, v, g, beta, 64)) / 1e3
+        for bv, warps, stages in ((32, 4, 1), (32, 4, 2), (64, 8, 2), (16, 4, 1)):
+            try:
+                states = kernels.chunk_states(f, S0, bv, warps, stages)  # overwrites f.u: timing only from here
+                states_ms = median_us(lambda: kernels.chunk_states(f, S0, bv, warps, stages)) / 1e3
+                output_ms = median_us(lambda: kernels.chunk_output(f, states, torch.float32)) / 1e3
+                total_ms = median_us(lambda: kernels.kda_chunk_prefill(q, k, v, g, beta, S0, block_v=bv,
+                                                                       num_warps=warps, num_stages=stages)) / 1e3
+            except Exception as e:  # e.g. out of shared memory for deep pipelines
+                say(f"{T:>5} {bv:>3} {warps:>5} {stages:>6} failed: {type(e).__name__}: {str(e)[:80]}")
+                continue
+            say(f"{T:>5} {bv:>3} {warps:>5} {stages:>6} {factors_ms:>8.3f} {states_ms:>8.3f} {output_ms:>8.3f} {total_ms:>8.3f}")
+    say("[spec §9.3, not measured here] fla chunk_kda: 1.85 ms at T=8192")
+
+
+def kda_precision(gbps: float) -> None:
+    import kernels
+    say("\n== tl.dot input precision (prefill T=8192, default tiles; tf32 is the default) ==")
+    T = 8192
+    q, k, v, g, beta = kda_inputs(T, seed=11)
+    S0 = 0.1 * torch.randn(KDA_H, KDA_D, KDA_D, device="cuda")
+    o_ref, final_ref, _ = kda_twin(q, k, v, g, beta, S0)
+    for precision in ("tf32", "tf32x3", "ieee"):
+        o, final, _ = kernels.kda_chunk_prefill(q, k, v, g, beta, S0, precision=precision)
+        ms = median_us(lambda: kernels.kda_chunk_prefill(q, k, v, g, beta, S0, precision=precision)) / 1e3
+        say(f"{precision:>7}: {ms:.3f} ms, rel err o {max_rel_err(o, o_ref):.2e}, final state "
+            f"{max_rel_err(final, final_ref):.2e}")
+
+
+def run_kda(args) -> None:
+    torch.backends.cuda.matmul.allow_tf32 = False  # the twin must be true fp32
+    gbps = copy_gbps()
+    say(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, H={KDA_H}, d={KDA_D}, copy {gbps:.0f} GB/s")
+    wanted = set(args.sections) or {"decode", "prefill"}
+    unknown = wanted - {"decode", "prefill", "precision"}
+    if unknown:
+        sys.exit(f"bench.py kda: unknown section(s) {sorted(unknown)}; expected decode, prefill, precision")
+    for name, fn in (("decode", kda_decode), ("prefill", kda_prefill), ("precision", kda_precision)):
+        if name in wanted:
+            fn(gbps)
+            say(f"[{time.time() - START:.0f} s elapsed]")
+
+
+# ================================================================ command line
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    m = sub.add_parser("model", help="synthetic full-size model: decode and prefill vs floors")
+    m.add_argument("--device", default="cuda")
+    m.add_argument("--tiny", action="store_true", help="the tests' tiny config (CPU smoke run)")
+    m.add_argument("--layers", type=int, default=None, help="first N layers only (default: all 45)")
+    m.add_argument("--bits", type=float, default=3.25, help="3.25 (K3/K4 mix) or an integer K")
+    m.add_argument("--core", choices=("fp8", "bf16"), default="fp8")
+    m.add_argument("--steps", type=int, default=8, help="timed decode steps per batch size")
+    m.add_argument("--context", type=int, default=1024, help="context already in the cache for decode")
+    m.add_argument("--long-context", type=int, default=131072)
+    m.add_argument("--max-batch", type=int, default=16)
+    m.add_argument("--reserve-gb", type=float, default=8.0, help="GPU memory kept for activations")
+    m.add_argument("--budget", type=float, default=240.0, help="seconds; later sections are skipped past it")
+    m.add_argument("--seed", type=int, default=0)
+    k = sub.add_parser("kernels", help="per-kernel timings vs floors")
+    k.add_argument("--peer", action="store_true", help="also exllamav3 (needs it importable; ~5 min JIT)")
+    e = sub.add_parser("exl3", help="EXL3 GEMV launch sweep / exllamav3 comparison")
+    e.add_argument("mode", choices=["sweep", "quick", "compare", "sweep+compare", "crosscheck"])
+    e.add_argument("--codebook", default="mcg", choices=exl3.CODEBOOKS)
+    d = sub.add_parser("kda", help="KDA kernels at the real shapes: correctness and timings")
+    d.add_argument("sections", nargs="*", help="decode, prefill, precision (default: decode prefill)")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse(argv)
+    if args.command != "model" or args.device != "cpu":
+        if not torch.cuda.is_available():
+            sys.exit(f"bench.py {args.command} needs CUDA (only `model --device cpu --tiny` runs without)")
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        {"model": run_model, "kernels": run_kernels, "exl3": run_exl3, "kda": run_kda}[args.command](args)
+
+
+if __name__ == "__main__":
+    main()
