@@ -472,15 +472,15 @@ class DFlash2Drafter:
     # -- the block pass -----------------------------------------------------------------------
 
     def block_hidden(self, ids: torch.Tensor, pos: torch.Tensor, ctx: list[tuple[torch.Tensor, torch.Tensor]],
-                     ctx_pos: torch.Tensor, anchor_pos: torch.Tensor) -> torch.Tensor:
+                     ctx_pos: torch.Tensor, ctx_visible: torch.Tensor) -> torch.Tensor:
         """ids, pos [N, B] (row 0 the anchor, then MASK); ctx per layer K/V [S, kvh, hd] at ctx_pos [S];
-        block n sees context rows before anchor_pos[n] inside each layer's window, and its own rows.
-        Returns the final-normed hidden [N, B, D]."""
+        block n sees the context rows ctx_visible[n] marks (its sequence's rows before its anchor) that
+        are inside each layer's window, and its own rows. Returns the final-normed hidden [N, B, D]."""
         cfg = self.config
         x = self.target.w("embed_tokens.weight")[ids].to(self.w("norm.weight").dtype)
         for i in range(cfg.num_hidden_layers):
             p = f"layers.{i}."
-            visible = ctx_pos[None, None, :] < anchor_pos[:, None, None]
+            visible = ctx_visible[:, None, :]
             if cfg.windows[i] is not None:  # per-row window |q - k| < w (upstream, §9 point 7)
                 visible = visible & (pos[:, :, None] - ctx_pos[None, None, :] < cfg.windows[i])
             x = x + self._sublayer(p + "attention_conv.", p + "input_layernorm.weight", x,
@@ -565,9 +565,8 @@ class DFlash2Drafter:
             pos = torch.arange(start, start + b - a, device=rows.taps.device)
             kv = self.context_kv(rows.taps[a:b], pos)
             old = self.contexts.get(key)
-            keep = max((w for w in self.config.windows if w is not None), default=None)
-            if any(w is None for w in self.config.windows):
-                keep = None
+            windows = self.config.windows
+            keep = None if None in windows else max(windows)  # rows any layer can still see
             if old is not None:
                 kv = [(torch.cat([ok, k]), torch.cat([ov, v])) for (ok, ov), (k, v) in zip(zip(old.k, old.v), kv)]
                 pos = torch.cat([old.pos, pos])
@@ -579,21 +578,28 @@ class DFlash2Drafter:
         self.contexts.pop(key, None)
 
     def draft(self, requests: list[DraftRequest]) -> list[Draft]:
-        cfg, out = self.config, []
+        """One block pass for all sequences (§2.6): each block sees only its own sequence's context."""
+        cfg = self.config
+        device, dtype = self.w("norm.weight").device, self.w("norm.weight").dtype
+        empty = torch.zeros(0, cfg.num_key_value_heads, cfg.head_dim, device=device, dtype=dtype)
+        cold = DraftContext([empty] * cfg.num_hidden_layers, [empty] * cfg.num_hidden_layers,
+                            torch.zeros(0, dtype=torch.long, device=device))
+        # A sequence with no context yet (its whole prompt came from the prefix cache) drafts cold.
+        ctxs = [self.contexts.get(r.key, cold) for r in requests]
         with torch.no_grad():
-            for r in requests:
-                ctx = self.contexts.get(r.key)
-                device = self.w("norm.weight").device
-                if ctx is None:  # nothing computed yet for it (e.g. a whole-prefix hit): cold draft
-                    empty = torch.zeros(0, cfg.num_key_value_heads, cfg.head_dim, device=device, dtype=self.w("norm.weight").dtype)
-                    ctx = DraftContext([empty] * cfg.num_hidden_layers, [empty] * cfg.num_hidden_layers,
-                                       torch.zeros(0, dtype=torch.long, device=device))
-                ids = torch.tensor([[r.token_ids[-1]] + [cfg.mask_token_id] * (cfg.block_size - 1)], device=device)
-                pos = r.position + torch.arange(cfg.block_size, device=device)[None]
-                h = self.block_hidden(ids, pos, list(zip(ctx.k, ctx.v)), ctx.pos, torch.tensor([r.position], device=device))[0]
-                logits = linear(h[1:1 + r.k], self.target.w("lm_head.weight")).float()
-                out.append(self.select(logits, h[1:], r.token_ids[-1], r.k, r.temperature, r.generator))
-        return out
+            kv = [(torch.cat([c.k[i] for c in ctxs]), torch.cat([c.v[i] for c in ctxs])) for i in range(cfg.num_hidden_layers)]
+            ctx_pos = torch.cat([c.pos for c in ctxs])
+            owner = torch.cat([torch.full((len(c.pos),), n, device=device) for n, c in enumerate(ctxs)])
+            anchor_pos = torch.tensor([r.position for r in requests], device=device)
+            visible = (owner[None, :] == torch.arange(len(requests), device=device)[:, None]) & \
+                      (ctx_pos[None, :] < anchor_pos[:, None])
+            ids = torch.tensor([[r.token_ids[-1]] + [cfg.mask_token_id] * (cfg.block_size - 1) for r in requests],
+                               device=device)
+            pos = anchor_pos[:, None] + torch.arange(cfg.block_size, device=device)
+            h = self.block_hidden(ids, pos, kv, ctx_pos, visible)[:, 1:1 + max(r.k for r in requests)]
+            logits = linear(h, self.target.w("lm_head.weight")).float()
+            return [self.select(logits[n], h[n], r.token_ids[-1], r.k, r.temperature, r.generator)
+                    for n, r in enumerate(requests)]
 
 
 def init_drafter_weights(cfg: DFlash2Config, seed: int = 0, std: float = 0.02) -> dict[str, torch.Tensor]:

@@ -7,6 +7,9 @@ One `Engine.step()` is one scheduler iteration (nano-vllm's split, serving.md §
 2. run `GLMModel.forward` on the chunks;
 3. commit: hash the blocks that became full, snapshot the KDA slot where the prefix cache wants;
 4. sample a token for every sequence whose chunk reached its last token, detokenize, check stops.
+With a speculator (dflash.py: DFlash2 or MTP), a decoding sequence's chunk is its next token plus k
+drafts; the same forward verifies them, the accepted drafts and the target's own token are emitted,
+and what the rejected rows wrote is rolled back (`_speculative_step`).
 
 The cache is hybrid (glm53.md §4.3-4.4): paged DSA blocks (latent, indexer keys, gate scores,
 pooled keys) addressed through per-sequence block tables, plus one KDA slot (recurrent state and
@@ -413,7 +416,8 @@ class Engine:
                  draft_tokens: int | None = None, draft_row_cost: float = 0.25):
         """speculator: "none", "dflash2" (needs `drafter`) or "mtp" (the checkpoint's layer 45).
         Draft length per step: `draft_tokens` if given, else adaptive (dflash.draft_length with
-        `draft_row_cost`, the cost of one more verify row relative to a decode step)."""
+        `draft_row_cost`, the cost of one more verify row relative to a decode step; 0.25 is CuteAFD's
+        GLM-Flash table, 8 rows = 2.8x one row, dflash2.md §6.3)."""
         self.model, self.tokenizer, self.chat_template = model, tokenizer, chat_template
         self.config: GLMConfig = model.config
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -566,29 +570,14 @@ class Engine:
                                         + (seq.draft.tokens if seq.draft else []), device=self.device),
                            seq.num_computed, torch.tensor(seq.block_table, device=self.device), seq.slot)
                   for seq, n in batch]
-        if self.speculator is None:
-            logits, first, verify, saved = self.model.forward(chunks, self.cache).logits, list(range(len(batch))), None, {}
-        else:  # every row's logits for verified chunks, the last row's for the others
-            first, rows, at = [], [], 0
-            for seq, n in batch:
-                first.append(len(rows))
-                rows += range(at, at + n) if seq.draft else [at + n - 1]
-                at += n
-            saved = dflash.save_kda_slots(self.cache, [seq.slot for seq, _ in batch if seq.draft])
-            verify = dflash.target_forward(self.model, chunks, self.cache, rows, self.speculator.taps,
-                                           record_kda=bool(saved))
-            logits = verify.logits
+        if self.speculator is not None:
+            return outputs + self._speculative_step(batch, chunks)
+        logits = self.model.forward(chunks, self.cache).logits
         argmax = logits.argmax(-1).tolist()  # one device sync serves every plain-greedy sequence
         for i, (seq, n) in enumerate(batch):
-            if seq.draft:
-                outputs.append(self._accept(seq, n, logits[first[i]:first[i] + n], verify, chunks, i, saved))
-                continue
-            start = seq.num_computed
             self._commit(seq, n)
-            if self.speculator is not None:
-                self.speculator.observe(seq.request_id, start, verify, (sum(m for _, m in batch[:i]), sum(m for _, m in batch[:i + 1])))
             if seq.num_computed == len(seq.token_ids):
-                outputs.append(self._sample(seq, logits[first[i]], argmax[first[i]]))
+                outputs.append(self._sample(seq, logits[i], argmax[i]))
         return outputs
 
     # --- speculative decoding (dflash.py) ---------------------------------------------------
@@ -617,34 +606,63 @@ class Engine:
         for seq, draft in zip(wanted, self.speculator.draft(requests)):
             seq.draft = draft
 
-    def _accept(self, seq: Sequence, n: int, logits: torch.Tensor, verify: dflash.TargetPass,
-                chunks: list[SeqChunk], i: int, saved: dict) -> RequestOutput:
-        """Verify one sequence's drafts, roll back what the rejected rows touched, emit the tokens."""
+    def _speculative_step(self, batch: list[tuple[Sequence, int]], chunks: list[SeqChunk]) -> list[RequestOutput]:
+        """One target pass computes every chunk: all rows' logits of a drafted chunk (its verify), the
+        last row's of the others. Then accept, roll back rejected rows, emit, and show the drafter
+        every committed row."""
+        offsets = list(itertools.accumulate((n for _, n in batch), initial=0))
+        first, rows = [], []  # each chunk's first row in the logits; the rows whose logits are needed
+        for (seq, n), a in zip(batch, offsets):
+            first.append(len(rows))
+            rows += range(a, a + n) if seq.draft else [a + n - 1]
+        saved = dflash.save_kda_slots(self.cache, [seq.slot for seq, _ in batch if seq.draft])
+        verify = dflash.target_forward(self.model, chunks, self.cache, rows, self.speculator.taps, bool(saved))
+        logits = verify.logits
+        argmax = logits.argmax(-1).tolist()
+        emitted = {i: self._verify(seq, logits[first[i]:first[i] + n]) for i, (seq, n) in enumerate(batch) if seq.draft}
+        dflash.rollback_kda(self.model, self.cache, verify, chunks,
+                            {i: len(e) for i, e in emitted.items() if len(e) < batch[i][1]}, saved)
+        outputs = []
+        for i, (seq, n) in enumerate(batch):
+            start = seq.num_computed
+            if i in emitted:  # kept rows = the anchor and the accepted drafts = the emitted tokens
+                outputs.append(self._emit(seq, emitted[i], logits[first[i]:]))
+                if seq.finish_reason is not None:
+                    continue
+                n = len(emitted[i])
+                self._commit(seq, n)
+                keep = -(-seq.num_computed // self.block_size)  # the rejected rows' blocks go back
+                self.blocks.release(seq.block_table[keep:])
+                del seq.block_table[keep:]
+            else:
+                self._commit(seq, n)
+            self.speculator.observe(seq.request_id, start, verify, (offsets[i], offsets[i] + n))
+            if i not in emitted and seq.num_computed == len(seq.token_ids):
+                outputs.append(self._sample(seq, logits[first[i]], argmax[first[i]]))
+        return outputs
+
+    def _verify(self, seq: Sequence, logits: torch.Tensor) -> list[int]:
+        """The tokens one verify emits (accepted drafts, then the target's), with the statistics."""
         p, drafts = seq.params, seq.draft.tokens
-        # Row j is sampled as if drafts 1..j had been emitted (penalties see them).
-        x = torch.stack([process_logits(logits[j], p, seq.prompt_tensor,
+        # Row j is processed as if drafts 1..j had been emitted (penalties see them).
+        x = torch.stack([process_logits(row, p, seq.prompt_tensor,
                                         torch.tensor(seq.output_ids + drafts[:j], dtype=torch.long, device=self.device))
-                         for j in range(n)])
+                         for j, row in enumerate(logits)])
         emitted = dflash.accept_drafts(x, drafts, seq.draft.q, p.temperature == 0, seq.generator)
-        kept = len(emitted)  # rows that stay: the anchor and the accepted drafts
-        seq.draft_stats.record(len(drafts), kept - 1)
+        seq.draft_stats.record(len(drafts), len(emitted) - 1)
         self.counters["spec_verify_steps"] += 1
         self.counters["spec_draft_tokens"] += len(drafts)
-        self.counters["spec_accepted_tokens"] += kept - 1
-        if kept < n:
-            dflash.rollback_kda(self.model, self.cache, verify, chunks, {i: kept}, saved)
-        start, row = seq.num_computed, sum(c.tokens.shape[0] for c in chunks[:i])
+        self.counters["spec_accepted_tokens"] += len(emitted) - 1
+        return emitted
+
+    def _emit(self, seq: Sequence, tokens: list[int], logits: torch.Tensor) -> RequestOutput:
+        """Append tokens until one finishes the request (the rest are dropped); one output for all."""
         lps = []
-        for j, token in enumerate(emitted):
-            lps.append(self._append(seq, token, logits[j]))
+        for token, row in zip(tokens, logits):
+            lps.append(self._append(seq, token, row))
             if seq.finish_reason is not None:
                 break
-        if seq.finish_reason is None:
-            self._commit(seq, kept)
-            self.blocks.release(seq.block_table[-(-seq.num_computed // self.block_size):])
-            del seq.block_table[-(-seq.num_computed // self.block_size):]
-            self.speculator.observe(seq.request_id, start, verify, (row, row + kept))
-        return self._output(seq, emitted[:len(lps)], lps if p.logprobs is not None else None)
+        return self._output(seq, tokens[:len(lps)], lps if seq.params.logprobs is not None else None)
 
     def _schedule(self) -> list[tuple[Sequence, int]]:
         """Pick (sequence, number of new tokens) pairs: running first, then admissions."""

@@ -120,7 +120,7 @@ def train_drafter(target, features, steps: int = 160) -> dict[str, torch.Tensor]
         gold = ids[pos.clamp(max=T - 1)]
         block = torch.cat([gold[:, :1], torch.full((16, B - 1), MASK)], 1)
         ctx = drafter.context_kv(taps, torch.arange(T))
-        h = drafter.block_hidden(block, pos, ctx, torch.arange(T), anchors)[:, 1:]
+        h = drafter.block_hidden(block, pos, ctx, torch.arange(T), torch.arange(T)[None] < anchors[:, None])[:, 1:]
         logits = F.linear(h, lm_head)
         ce = F.cross_entropy(logits.flatten(0, 1), gold[:, 1:].flatten(), reduction="none").view(16, B - 1)
         loss = (ce * row_w * valid).sum() / (row_w * valid).sum()
@@ -249,22 +249,36 @@ def test_block_conv_and_identity_init():
 
 def test_block_rows_see_only_context_before_the_anchor_and_inside_the_window(target, drafters):
     drafter = drafters["random"]
-    cfg = drafter.config
+    assert drafter.config.windows == (64,) * 5
     g = torch.Generator().manual_seed(3)
-    taps = torch.randn(40, 4 * 256, generator=g)
-    ctx = drafter.context_kv(taps, torch.arange(40))
+    taps = torch.randn(100, 4 * 256, generator=g)
     ids = torch.tensor([[7] + [MASK] * 7])
-    pos = 30 + torch.arange(8)[None]
-    h = drafter.block_hidden(ids, pos, ctx, torch.arange(40), torch.tensor([30]))
-    later = taps.clone()
-    later[30:] += 1  # rows at or after the anchor: invisible
-    h2 = drafter.block_hidden(ids, pos, drafter.context_kv(later, torch.arange(40)), torch.arange(40), torch.tensor([30]))
-    assert torch.equal(h, h2)
-    assert cfg.windows[0] == 64
-    far = taps.clone()
-    far[0] += 1  # 30 - 0 < 64: visible
-    h3 = drafter.block_hidden(ids, pos, drafter.context_kv(far, torch.arange(40)), torch.arange(40), torch.tensor([30]))
-    assert not torch.allclose(h, h3)
+    pos = 90 + torch.arange(8)[None]
+    before = (torch.arange(100) < 90)[None]
+
+    def hidden(t: torch.Tensor) -> torch.Tensor:
+        return drafter.block_hidden(ids, pos, drafter.context_kv(t, torch.arange(100)), torch.arange(100), before)
+    h = hidden(taps)
+    for row, seen in ((95, False), (20, False), (40, True)):  # after the anchor; 70 >= 64 away; 50 away
+        changed = taps.clone()
+        changed[row] += 1
+        assert torch.equal(hidden(changed), h) != seen, row
+
+
+def test_batched_drafts_equal_drafts_alone(drafters):
+    """draft() runs one block pass for several sequences; each must see only its own context."""
+    drafter = drafters["trained"]
+    g = torch.Generator().manual_seed(5)
+    lengths = {"a": 30, "b": 12}
+    for key, n in lengths.items():
+        rows = dflash.TargetPass(torch.zeros(0), torch.zeros(0), torch.randn(n, 4 * 256, generator=g), {})
+        drafter.observe(key, 0, rows, (0, n))
+    reqs = [dflash.DraftRequest(key, prompt(i, n + 1), n, 5, torch.zeros(0), 0, 0.0, g)
+            for i, (key, n) in enumerate(lengths.items())]
+    together = drafter.draft(reqs)
+    assert [d.tokens for d in together] == [drafter.draft([r])[0].tokens for r in reqs]
+    for key in lengths:
+        drafter.release(key)
 
 
 def test_selector_walk_and_sampled_q(drafters):
