@@ -584,11 +584,12 @@ class Engine:
 
     def _plan_draft(self, seq: Sequence, budget: int) -> int:
         """Drafts to verify this step for a running sequence: 0 unless it is decoding; never more than
-        the budget, max_tokens or the context can take (a step emits up to k + 1 tokens)."""
+        the token budget left after its next token, max_tokens or the context can take (a step emits
+        up to k + 1 tokens)."""
         seq.k = 0
         if self.speculator is None or seq.num_computed != len(seq.token_ids) - 1:
             return 0
-        room = min(budget - 1, self.max_model_len - len(seq.token_ids) - 1, self.speculator.max_draft)
+        room = min(budget, self.max_model_len - len(seq.token_ids) - 1, self.speculator.max_draft)
         if seq.params.max_tokens is not None:
             room = min(room, seq.params.max_tokens - len(seq.output_ids) - 1)
         seq.k = max(0, min(room, dflash.draft_length(seq.draft_stats, self.draft_row_cost, self.draft_tokens)))

@@ -228,6 +228,9 @@ def test_bad_drafters_are_named(target, tmp_path):
         make_engine(target, speculator="dflash2")
     with pytest.raises(ValueError, match="speculator='eagle'"):
         make_engine(target, speculator="eagle")
+    no_mtp = GLMConfig.from_dict(tiny.tiny_config_dict(num_nextn_predict_layers=0))
+    with pytest.raises(ValueError, match="needs the checkpoint's MTP layer"):
+        make_engine((GLMModel(no_mtp, tiny.random_weights(no_mtp)), target[1]), speculator="mtp")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -430,6 +433,12 @@ def test_mixed_batch_and_stops(target, drafters, plain_greedy):
     assert out[2].token_ids == plain_greedy[2][:1] and out[2].acceptance.verify_steps == 0
     assert [r.token_ids for r in out[3:]] == plain_greedy[3:]
     assert eng.stats().blocks_used == 0
+
+
+def test_pool_exhaustion_preempts_speculating_sequences_without_changing_outputs(target, drafters, plain_greedy):
+    eng = make_engine(target, speculator="dflash2", drafter=drafters["trained"], num_blocks=8, max_num_seqs=6)
+    assert [r.token_ids for r in eng.generate(TEST_PROMPTS, GREEDY)] == plain_greedy
+    assert eng.stats().preemptions > 0 and eng.stats().blocks_used == 0 and not drafters["trained"].contexts
 
 
 def test_draft_length_adapts_to_acceptance():
