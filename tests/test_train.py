@@ -2,7 +2,6 @@
 a few steps lower the loss, resume continues exactly, exports load in the engine, and the default
 model is the shipped one when present (else the random one)."""
 import math
-from pathlib import Path
 
 import pytest
 import torch
