@@ -499,6 +499,9 @@ def run_kernels(args) -> None:
         calls = [exl3_ours(*s, CODEBOOK) for s in sets]
         line("exl3_gemv m=1", f"{k}x{n} K{bits}", calls, k * n * bits / 8 / gbps / 1e3, rel_err(calls[0](), ref))
 
+    for bits in (3, 4):
+        moe_line(line, gbps, bits)
+
     H, D = KDA_H, KDA_D
     for B in (1, 16):
         q, k, v, g, beta = kda_inputs(B, seed=2)
@@ -528,6 +531,44 @@ def run_kernels(args) -> None:
         del lins, dense
     if args.peer:
         exl3_compare(argparse.Namespace(codebook=CODEBOOK))
+
+
+def moe_line(line, gbps: float, bits: int, E: int = 288, top_k: int = 8, D: int = 4096, I: int = 2048) -> None:
+    """One MoE layer at batch 1: exl3_moe_decode (4 launches) vs the 3 * top_k exl3_gemv calls of the
+    per-expert path (without its SwiGLU and sums), over 10 routings (80 experts, past the L2)."""
+    import kernels
+    from model_glm import swiglu
+    g = torch.Generator(device="cuda").manual_seed(bits)
+    projections = []
+    for k, n in ((D, I), (D, I), (I, D)):
+        trellis = torch.empty(E * k * n * bits // 8, dtype=torch.uint8, device="cuda").random_(generator=g)
+        sign = lambda size: (torch.randint(0, 2, (E, size), generator=g, device="cuda") * 2 - 1).half()
+        projections.append((trellis.view(torch.int16).view(E, k // 16, n // 16, 16 * bits),
+                            sign(k) * (1.2 * k) ** -0.5, sign(n) * (1.2 * k) ** -0.5))
+    x = torch.randn(1, D, generator=g, device="cuda").half()
+    routings = [torch.randperm(E, generator=g, device="cuda")[:top_k][None] for _ in range(10)]
+    route = torch.rand(1, top_k, generator=g, device="cuda")
+    fused = [lambda ids=ids: kernels.exl3_moe_decode(x, ids, route, *projections, CODEBOOK, 10.0) for ids in routings]
+    ids0 = routings[0][0].tolist()
+    ref = torch.zeros(1, D, device="cuda")
+    for j, e in enumerate(ids0):
+        gate, up, down = (exl3.EXL3Linear(p[0][e], p[1][e], p[2][e], CODEBOOK) for p in projections)
+        ref += route[0, j] * down(swiglu(gate(x.float()), up(x.float()), 10.0)).float()
+    err = rel_err(fused[0](), ref)
+    expert_bytes = 3 * D * I * bits / 8 + 2 * 2 * (D + I) * 2
+    line("exl3_moe_decode", f"B=1 top-{top_k} of {E}, {D}x{I} K{bits}", fused, top_k * expert_bytes / gbps / 1e3, err)
+    outs = [torch.empty(1, n, dtype=torch.float16, device="cuda") for n in (I, I, D)]
+    act = torch.randn(1, I, generator=g, device="cuda").half()
+    separate = []
+    for ids in routings:
+        for e in ids[0].tolist():
+            for p, xin, out in zip(projections, (x, x, act), outs):
+                separate.append(lambda p=p, e=e, xin=xin, out=out: kernels.exl3_gemv(
+                    xin, p[0][e], p[1][e], p[2][e], CODEBOOK, out=out))
+    per_layer = 3 * top_k
+    line(f"{per_layer} x exl3_gemv (per expert)", "same, per layer",
+         [lambda i=i: [c() for c in separate[i:i + per_layer]] for i in range(0, len(separate), per_layer)],
+         top_k * expert_bytes / gbps / 1e3, float("nan"))
 
 
 FP8_SHAPES = [(8192, 4096), (4096, 8192), (1536, 4096), (24576, 4096), (154880, 4096)]  # (out, in)

@@ -152,19 +152,17 @@ def _load_step(words_ptr, off0, off1, off2, off3, xh_ptr, x_slot, row_ok):
 
 
 @triton.jit
-def _gemv_kernel(xh_ptr, svh_ptr, words_ptr, partial_ptr, arrivals_ptr, y_ptr,
-                 m, k, n, steps, arrivals,
-                 K2: tl.constexpr, CB: tl.constexpr, MP: tl.constexpr, RT: tl.constexpr, CT: tl.constexpr):
+def _gemv_products(xh_ptr, words_ptr, m, k, n, steps, pid_n, pid_k,
+                   K2: tl.constexpr, CB: tl.constexpr, MP: tl.constexpr, RT: tl.constexpr, CT: tl.constexpr):
     # Program (pid_n, pid_k): output tiles [CT * pid_n, CT * (pid_n + 1)), `steps` steps of RT row
     # tiles from row tile RT * steps * pid_k. One thread element = one mma lane L of one tile, which
     # owns stream positions 8L .. 8L + 7 (spec §3): rows 2(L%4) + {0, 1, 8, 9} of columns L/4 and
     # L/4 + 8. Its bits lie in 4 consecutive words of the tile ring, loaded once for all 8.
     # Products accumulate elementwise; rows and lanes are summed once at the end. `arrivals`
     # programs add into each 128-column block; the last one applies H128 and svh.
+    # Returns this program's partial sums z [MP, CT * 16] (before H128 and svh).
     NW: tl.constexpr = 4 * K2
     RING: tl.constexpr = 128 * K2
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
     tiles_n = n // 16
     lane = tl.arange(0, 32)[None, None, :]
     first = (((((8 * lane + 1) * K2) >> 1) + RING - 16) % RING) >> 5
@@ -209,6 +207,16 @@ def _gemv_kernel(xh_ptr, svh_ptr, words_ptr, partial_ptr, arrivals_ptr, y_ptr,
     left = tl.sum(tl.reshape(tl.sum(acc_left, axis=1), [MP, CT, 8, 4]), axis=3)
     right = tl.sum(tl.reshape(tl.sum(acc_right, axis=1), [MP, CT, 8, 4]), axis=3)
     z = tl.reshape(tl.permute(tl.join(left, right), (0, 1, 3, 2)), [MP, CT * 16])
+    return z
+
+
+@triton.jit
+def _gemv_kernel(xh_ptr, svh_ptr, words_ptr, partial_ptr, arrivals_ptr, y_ptr,
+                 m, k, n, steps, arrivals,
+                 K2: tl.constexpr, CB: tl.constexpr, MP: tl.constexpr, RT: tl.constexpr, CT: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    z = _gemv_products(xh_ptr, words_ptr, m, k, n, steps, pid_n, pid_k, K2, CB, MP, RT, CT)
     cols = pid_n * CT * 16 + tl.arange(0, CT * 16)[None, :]
     tl.atomic_add(partial_ptr + tl.arange(0, MP)[:, None] * n + cols, z,
                   mask=tl.arange(0, MP)[:, None] < m, sem="relaxed")
@@ -335,6 +343,183 @@ def exl3_gemv(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: to
             RT=row_tiles, CT=block_n // 16, num_warps=num_warps, num_stages=num_stages)
     return out
 
+
+
+# ---------------------------------------------------------------- EXL3 MoE decode: all selected experts at once
+# For P = m * top_k (token, expert) pairs of one MoE layer, in four launches whatever P:
+#   1. rotate x for every pair with its expert's gate and up suh;
+#   2, 3. gate GEMV, then up GEMV, over all pairs (program axis 2 = pair, expert id read on the
+#      device); the last program to finish a 128-column block of a pair (counted over both
+#      launches) applies H128 and svh to gate and up, the clamped SwiGLU (spec glm53.md §4.5),
+#      and the down projection's input rotation (⊙ suh_down, H128): the block is ready for 4.;
+#   4. down GEMV over all pairs; the last program of a block applies H128, svh and the routing
+#      weight and adds the block into the token's fp32 output row.
+# Twin: Σ_j w_j · down_e(swiglu(gate_e(x), up_e(x))) with exl3.EXL3Linear experts and model_glm.swiglu
+# (tests/test_kernels.py); the kernel keeps the intermediates in fp32 where the twin rounds each
+# linear's output to the activation dtype.
+
+
+@triton.jit
+def _moe_rotate_kernel(x_ptr, ids_ptr, suh_gate_ptr, suh_up_ptr, xh_ptr, k, top_k, pairs):
+    # xh[0 | 1, p, block] = (x[token] ⊙ suh_gate | suh_up [e]) · H128 / sqrt(128), in the gemv's row order.
+    blk = tl.program_id(0)
+    p = tl.program_id(1)
+    e = tl.load(ids_ptr + p).to(tl.int64)
+    i = tl.arange(0, 128)
+    x = tl.load(x_ptr + (p // top_k) * k + blk * 128 + i).to(tl.float32)
+    r = i % 16
+    slot = blk * 128 + i - r + 4 * ((r >> 1) & 3) + 2 * (r >> 3) + (r & 1)
+    suh = tl.load(suh_gate_ptr + e * k + blk * 128 + i).to(tl.float32)
+    tl.store(xh_ptr + p * k + slot[None, :], _times_hadamard((x * suh)[None, :], 1) * 0.08838834764831845)
+    suh = tl.load(suh_up_ptr + e * k + blk * 128 + i).to(tl.float32)
+    tl.store(xh_ptr + (pairs + p) * k + slot[None, :], _times_hadamard((x * suh)[None, :], 1) * 0.08838834764831845)
+
+
+@triton.jit
+def _moe_gemv_kernel(xh_ptr, words_ptr, ids_ptr, partial_ptr, arrivals_ptr, k, n, steps, arrivals, expert_words,
+                     half, svh_a_ptr, svh_b_ptr, suh_next_ptr, route_ptr, out_ptr, top_k, limit,
+                     K2: tl.constexpr, CB: tl.constexpr, RT: tl.constexpr, CT: tl.constexpr, DOWN: tl.constexpr):
+    # Program (pid_n, pid_k, pair p): one row (the pair's), its expert's trellis. `half` is 0 for
+    # gate and 1 for up (which half of the pair's partial sums), 0 for down.
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    p = tl.program_id(2)
+    e = tl.load(ids_ptr + p).to(tl.int64)
+    z = _gemv_products(xh_ptr + p * k, words_ptr + e * expert_words, 1, k, n, steps, pid_n, pid_k,
+                       K2, CB, 1, RT, CT)
+    parts: tl.constexpr = 1 if DOWN else 2
+    cols = pid_n * CT * 16 + tl.arange(0, CT * 16)[None, :]
+    tl.atomic_add(partial_ptr + (p * parts + half) * n + cols, z, sem="relaxed")
+    tl.debug_barrier()
+    block = pid_n * CT * 16 // 128
+    counter = arrivals_ptr + p * (n // 128) + block
+    arrived = tl.atomic_add(counter, 1, sem="acq_rel")
+    if arrived == arrivals - 1:
+        i = tl.arange(0, 128)
+        c = block * 128 + i
+        zero = tl.zeros([1, 128], tl.float32)
+        if DOWN:
+            z_ptr = partial_ptr + p * n + c[None, :]
+            y = _times_hadamard(tl.atomic_add(z_ptr, zero, sem="acq_rel"), 1)
+            tl.store(z_ptr, zero)
+            scale = 0.08838834764831845 * tl.load(svh_a_ptr + e * n + c).to(tl.float32) * tl.load(route_ptr + p)
+            tl.atomic_add(out_ptr + (p // top_k) * n + c[None, :], y * scale[None, :], sem="relaxed")
+        else:
+            g_ptr = partial_ptr + (2 * p) * n + c[None, :]
+            u_ptr = partial_ptr + (2 * p + 1) * n + c[None, :]
+            gate = _times_hadamard(tl.atomic_add(g_ptr, zero, sem="acq_rel"), 1)
+            up = _times_hadamard(tl.atomic_add(u_ptr, zero, sem="acq_rel"), 1)
+            tl.store(g_ptr, zero)
+            tl.store(u_ptr, zero)
+            gate = gate * (0.08838834764831845 * tl.load(svh_a_ptr + e * n + c).to(tl.float32))[None, :]
+            up = up * (0.08838834764831845 * tl.load(svh_b_ptr + e * n + c).to(tl.float32))[None, :]
+            gate = tl.minimum(gate, limit)
+            up = tl.minimum(tl.maximum(up, -limit), limit)
+            act = gate * tl.sigmoid(gate) * up
+            suh = tl.load(suh_next_ptr + e * n + c).to(tl.float32)
+            act_h = _times_hadamard(act * suh[None, :], 1) * 0.08838834764831845
+            r = i % 16
+            slot = i - r + 4 * ((r >> 1) & 3) + 2 * (r >> 3) + (r & 1)
+            tl.store(out_ptr + p * n + block * 128 + slot[None, :], act_h)
+        tl.store(counter, 0)
+
+
+_MOE_BUFFERS: dict[tuple[torch.device, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _moe_buffers(device: torch.device, pairs: int, n: int, parts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    # Zeroed partial sums [pairs, parts, n] and arrival counters [pairs, n / 128]; the kernels leave
+    # them zeroed, so they are allocated once and never freed (graph-safe, one stream).
+    key = (device, pairs, n, parts)
+    if key not in _MOE_BUFFERS:
+        _MOE_BUFFERS[key] = (torch.zeros(pairs * parts * n, dtype=torch.float32, device=device),
+                             torch.zeros(pairs * (n // 128), dtype=torch.int32, device=device))
+    return _MOE_BUFFERS[key]
+
+
+def _moe_split(device: torch.device, n: int, pairs: int, steps: int, block_n: int) -> int:
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    split = 1
+    while steps % (2 * split) == 0 and (n // block_n) * pairs * split * 2 <= 4 * sms:
+        split *= 2
+    return split
+
+
+def _check_experts(name: str, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor,
+                   codebook: str, experts: int | None) -> int:
+    if trellis.dim() != 4:
+        raise ValueError(f"{name} trellis must be stacked (experts, k/16, n/16, 16K), got {tuple(trellis.shape)}")
+    k2 = trellis_k2(trellis[0], codebook)
+    E, tk, tn, _ = trellis.shape
+    if experts is not None and E != experts:
+        raise ValueError(f"{name} has {E} experts, gate has {experts}")
+    for what, t, size in (("suh", suh, tk * 16), ("svh", svh, tn * 16)):
+        if tuple(t.shape) != (E, size) or t.dtype != torch.float16:
+            raise ValueError(f"{name} {what} must be fp16 ({E}, {size}), got {t.dtype} {tuple(t.shape)}")
+    return k2
+
+
+def exl3_moe_decode(x: torch.Tensor, ids: torch.Tensor, route: torch.Tensor,
+                    gate: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                    up: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                    down: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                    codebook: str, limit: float, *, block_n: int = 128, row_tiles: int = 1) -> torch.Tensor:
+    """Σ_j route[t, j] · down_e(swiglu(gate_e(x_t), up_e(x_t))) for e = ids[t, j], all pairs at once.
+
+    x [m, D] fp16 / bf16; ids [m, top_k] integer expert ids and route [m, top_k] fp32 weights, on the
+    device (no host synchronization: CUDA-graph safe); gate, up = (trellis [E, D/16, I/16, 16K],
+    suh [E, D], svh [E, I]) and down = (trellis [E, I/16, D/16, 16K], suh [E, I], svh [E, D]), each
+    stacked over the layer's experts (one K per layer). Returns fp32 [m, D].
+    """
+    k2 = _check_experts("gate", *gate, codebook, None)
+    E = gate[0].shape[0]
+    if _check_experts("up", *up, codebook, E) != k2 or _check_experts("down", *down, codebook, E) != k2:
+        raise ValueError("gate, up and down must share one K (trellis last dim)")
+    D, I = gate[0].shape[1] * 16, gate[0].shape[2] * 16
+    if up[0].shape != gate[0].shape or tuple(down[0].shape[1:3]) != (I // 16, D // 16):
+        raise ValueError(f"expert shapes disagree: gate {tuple(gate[0].shape)}, up {tuple(up[0].shape)}, "
+                         f"down {tuple(down[0].shape)}")
+    if D % 128 or I % 128:
+        raise ValueError(f"expert dims must be multiples of 128, got {D} x {I}")
+    if x.dim() != 2 or x.shape[1] != D:
+        raise ValueError(f"x must be [m, {D}], got {tuple(x.shape)}")
+    m = x.shape[0]
+    if ids.dim() != 2 or ids.shape[0] != m or tuple(route.shape) != tuple(ids.shape):
+        raise ValueError(f"ids and route must both be [{m}, top_k], got {tuple(ids.shape)} and {tuple(route.shape)}")
+    if block_n not in (16, 32, 64, 128):
+        raise ValueError(f"block_n must be 16, 32, 64 or 128, got {block_n}")
+    top_k = ids.shape[1]
+    P = m * top_k
+    dev = x.device
+    ids = ids.reshape(-1).to(torch.int32).contiguous()
+    route = route.reshape(-1).float().contiguous()
+    x = x.contiguous()
+    words = [t[0].contiguous().view(torch.int32) for t in (gate, up, down)]
+    NW = 4 * k2
+    cb = CODEBOOKS.index(codebook)
+
+    xh = torch.empty((2, P, D), dtype=torch.float32, device=dev)
+    _moe_rotate_kernel[(D // 128, P)](x, ids, gate[1], up[1], xh, D, top_k, P)
+
+    act_h = torch.empty((P, I), dtype=torch.float32, device=dev)
+    steps = D // 16 // row_tiles
+    split = _moe_split(dev, I, P, steps, block_n)
+    partial, counters = _moe_buffers(dev, P, I, 2)
+    for half, (w, src) in enumerate(((words[0], xh[0]), (words[1], xh[1]))):
+        _moe_gemv_kernel[(I // block_n, split, P)](
+            src, w, ids, partial, counters, D, I, steps // split, 2 * split * 128 // block_n,
+            (D // 16) * (I // 16) * NW, half, gate[2], up[2], down[1], route, act_h, top_k, limit,
+            K2=k2, CB=cb, RT=row_tiles, CT=block_n // 16, DOWN=False)
+
+    y = torch.zeros((m, D), dtype=torch.float32, device=dev)
+    steps = I // 16 // row_tiles
+    split = _moe_split(dev, D, P, steps, block_n)
+    partial, counters = _moe_buffers(dev, P, D, 1)
+    _moe_gemv_kernel[(D // block_n, split, P)](
+        act_h, words[2], ids, partial, counters, I, D, steps // split, split * 128 // block_n,
+        (I // 16) * (D // 16) * NW, 0, down[2], down[2], down[1], route, y, top_k, limit,
+        K2=k2, CB=cb, RT=row_tiles, CT=block_n // 16, DOWN=True)
+    return y
 
 # ================================================================ KDA recurrence
 # Per head h the state S[h] is fp32 [d_k, d_v], indexed [key i, value j]. One token:

@@ -325,3 +325,35 @@ def test_fp8_gemv_bad_input_is_named():
         kernels.fp8_gemv(x, lin.weight, lin.scale_inv[:, :1])
     with pytest.raises(ValueError, match="float8_e4m3fn"):
         kernels.fp8_gemv(x, lin.dequantize(), lin.scale_inv)
+
+
+# ---------------------------------------------------------------- EXL3 MoE decode
+
+@needs_exl3
+@pytest.mark.parametrize("m,top_k,k_words,codebook,block_n,row_tiles", [
+    (1, 2, 48, "mcg", 64, 8),     # batch 1, K3, two programs per 128-column block
+    (2, 2, 64, "3inst", 128, 8),  # two tokens sharing expert 2, K4
+])
+def test_moe_decode_matches_expert_twins(m, top_k, k_words, codebook, block_n, row_tiles):
+    from model_glm import swiglu
+
+    E, D, I, limit = 4, 256, 128, 1.0  # a low limit, so both clamps act
+    g = torch.Generator().manual_seed(m)
+    projections = []
+    for k, n in ((D, I), (D, I), (I, D)):
+        parts = [_random_linear(k, n, k_words, seed=int(torch.randint(0, 1 << 30, (1,), generator=g))) for _ in range(E)]
+        projections.append(tuple(torch.stack(t) for t in zip(*parts)))
+    x = (4 * torch.randn(m, D, generator=g)).half().to(DEVICE)
+    ids = torch.tensor([[0, 2, 3][:top_k], [2, 1, 0][:top_k]][:m], device=DEVICE)
+    route = torch.rand(m, top_k, generator=g).to(DEVICE)
+    y = kernels.exl3_moe_decode(x, ids, route, *projections, codebook, limit, block_n=block_n, row_tiles=row_tiles)
+    ref = torch.zeros(m, D, device=DEVICE)
+    for t in range(m):
+        for j in range(top_k):
+            e = int(ids[t, j])
+            gate, up, down = (exl3.EXL3Linear(p[0][e], p[1][e], p[2][e], codebook) for p in projections)
+            xt = x[t:t + 1].float()
+            ref[t] += route[t, j] * down(swiglu(gate(xt), up(xt), limit))[0]
+    assert _rel_err(y, ref) <= 1e-4, f"relative error {_rel_err(y, ref):.2e}"
+    again = kernels.exl3_moe_decode(x, ids, route, *projections, codebook, limit, block_n=block_n, row_tiles=row_tiles)
+    assert _rel_err(again, y) <= 1e-6, "the second call sees the first's partial sums"
