@@ -446,11 +446,14 @@ def run_model(args) -> list[Row]:
                    f"(TTFT {seconds:.2f} s, floor {floor_s:.3f} s: {budget.prefill_flops(T) / T / 1e9:.1f} "
                    f"GFLOP/token, weights {budget.all_bytes / 1e9:.1f} GB)")
 
-    for B in batches:
-        section(f"decode B={B}", lambda B=B: decode(B))
-    section(f"decode long context {long_ctx}", decode_long)
+    # Most telling first: a --budget cut drops the tail.
+    section(f"decode B={batches[0]}", lambda: decode(batches[0]))
     section("prefill warm-up (compiles, untimed)", lambda: prefill(prompts[0] // 4) and None)
-    for T in prompts:
+    section(f"prefill {prompts[0]}", lambda: prefill(prompts[0]))
+    section(f"decode long context {long_ctx}", decode_long)
+    for B in batches[1:]:
+        section(f"decode B={B}", lambda B=B: decode(B))
+    for T in prompts[1:]:
         section(f"prefill {T}", lambda T=T: prefill(T))
     if device.type == "cuda":
         say(f"peak GPU memory {torch.cuda.max_memory_allocated(device) / 1e9:.2f} GB")

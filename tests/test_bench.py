@@ -56,7 +56,7 @@ def test_tiny_model_runs_every_section_on_cpu():
     finally:
         torch.set_num_threads(threads)
     names = [r.what for r in rows]
-    assert names == ["decode B=1 ctx 64", "decode B=4 ctx 64", "decode B=16 ctx 64", "decode B=1 ctx 512",
-                     "prefill 64", "prefill 256"]
+    assert names == ["decode B=1 ctx 64", "prefill 64", "decode B=1 ctx 512", "decode B=4 ctx 64",
+                     "decode B=16 ctx 64", "prefill 256"]
     for r in rows:
         assert 0 < r.measured < r.floor < math.inf, r
