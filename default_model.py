@@ -1,7 +1,7 @@
 """The built-in default model: a small GLM-5.3-Flash-architecture checkpoint.
 
 When the repository ships trained weights (train.py's exports, copied into `default_weights/`),
-`ensure()` returns the SHIPPED_VARIANT folder there. Otherwise it builds a checkpoint on the spot:
+`ensure()` returns the first of SHIPPED_VARIANTS found there. Otherwise it builds a checkpoint on the spot:
 the real file layout (config.json, safetensors shards + index, generation_config.json,
 tokenizer.json, tokenizer_config.json, chat_template.jinja) with random tiny weights. The tokenizer is a byte-level
 BPE trained on Python standard-library files every interpreter ships, plus GLM-5.3-Flash's special
@@ -42,7 +42,7 @@ SPECIAL_TOKENS = (
 EOS_TOKENS = ("<|endoftext|>", "<|user|>", "<|observation|>")  # the three stop tokens (serving.md §1.1)
 NAME = "glm53-default-tiny"
 SHIPPED = ROOT / "default_weights"  # train.py's exports: bf16/, exl3-2bit/, exl3-3bit/, exl3-4bit/
-SHIPPED_VARIANT = "exl3-4bit"  # EXL3 experts: what this engine is for
+SHIPPED_VARIANTS = ("exl3-4bit", "bf16")  # the first one shipped is served (EXL3 experts: what this engine is for)
 
 
 def corpus_texts() -> list[str]:
@@ -108,10 +108,12 @@ def build(path: Path, texts: list[str]) -> None:
 
 
 def shipped() -> Path | None:
-    """The trained checkpoint shipped with the repository, if it is there (complete)."""
-    folder = SHIPPED / SHIPPED_VARIANT
+    """The trained checkpoint shipped with the repository, if one is there (complete)."""
     needed = ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
-    return folder if all((folder / f).is_file() for f in needed) else None
+    for variant in SHIPPED_VARIANTS:
+        if all((SHIPPED / variant / f).is_file() for f in needed):
+            return SHIPPED / variant
+    return None
 
 
 def ensure(cache_dir: str | Path | None = None) -> Path:

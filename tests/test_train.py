@@ -2,6 +2,7 @@
 a few steps lower the loss, resume continues exactly, exports load in the engine, and the default
 model is the shipped one when present (else the random one)."""
 import math
+import shutil
 
 import pytest
 import torch
@@ -120,6 +121,19 @@ def test_split_stacked_is_the_stacked_linear():
         train.split_stacked(stacked, 2, ["a", "b"])
 
 
+def test_stacked_quantization_is_as_good_as_separate():
+    """Quantizing experts as one stacked matrix (shared suh and global scale) costs no accuracy:
+    experts of different scales get their own svh. K=2, fixed scale: the CPU Viterbi is slow."""
+    g = torch.Generator().manual_seed(0)
+    ws = [torch.randn(128, 128, generator=g) * s for s in (0.05, 0.15)]
+    parts = train.split_stacked(exl3.quantize(torch.cat(ws), 2, codebook="mcg", seed=1, scale=1.0), 2, ["a", "b"])
+    for w, name in zip(ws, "ab"):
+        separate = exl3.proxy_error(w, exl3.quantize(w, 2, codebook="mcg", seed=1, scale=1.0))
+        stacked = exl3.proxy_error(w, parts[name])
+        assert stacked < 1.1 * separate, (name, stacked, separate)
+        assert stacked < 0.1  # K=2 on gaussian weights: ~0.07 measured
+
+
 def fake_quantize(weight, bits, codebook="3inst", hessian=None, seed=0, *, scale=None):
     """A valid EXL3 linear of the weight's shape with a random trellis: the real quantizer takes
     ~10 tiles/s on CPU (its own tests cover it); this checks the export's layout."""
@@ -166,10 +180,15 @@ def test_default_model_prefers_the_shipped_export(tmp_path, monkeypatch):
     monkeypatch.setattr(default_model, "SHIPPED", tmp_path / "default_weights")
     built = default_model.ensure(tmp_path / "cache")  # nothing shipped: the random model is built
     assert built.parent == tmp_path / "cache" and (built / "model.safetensors").is_file()
-    shipped = tmp_path / "default_weights" / default_model.SHIPPED_VARIANT
-    shipped.mkdir(parents=True)
-    for f in ("config.json", "tokenizer.json", "tokenizer_config.json"):
-        (shipped / f).write_text((built / f).read_text())
+    files = ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+    bf16, exl3_4 = (tmp_path / "default_weights" / v for v in ("bf16", "exl3-4bit"))
+    bf16.mkdir(parents=True)
+    for f in files[:-1]:
+        (bf16 / f).write_text((built / f).read_text())
     assert default_model.ensure(tmp_path / "cache") == built  # incomplete (no chat template): not used
-    (shipped / "chat_template.jinja").write_text((built / "chat_template.jinja").read_text())
-    assert default_model.ensure(tmp_path / "cache") == shipped
+    (bf16 / files[-1]).write_text((built / files[-1]).read_text())
+    assert default_model.ensure(tmp_path / "cache") == bf16
+    shutil.copytree(built, exl3_4)  # a complete checkpoint (random weights stand in for trained ones)
+    assert default_model.ensure(tmp_path / "cache") == exl3_4  # EXL3 first
+    assert engine.load(None, device="cpu", max_cache_tokens=256, snapshot_bytes=0, progress=False).config.vocab_size \
+        == train.GLMConfig.from_file(exl3_4).vocab_size
