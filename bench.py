@@ -2,7 +2,7 @@
 
     python bench.py model [--layers N] [--bits 3.25|4] [--core fp8|bf16]   synthetic full-size model
     python bench.py model --device cpu --tiny                                the same code on a tiny model
-    python bench.py kernels [--peer]       EXL3 GEMV, KDA decode/prefill, FP8 GEMV (--peer: + exllamav3)
+    python bench.py kernels [--peer]       EXL3 GEMV and fused MoE, KDA decode/prefill, FP8 GEMV (--peer: + exllamav3)
     python bench.py exl3 sweep|quick|compare|sweep+compare|crosscheck [--codebook mcg]
     python bench.py kda [decode] [prefill] [precision]
 
@@ -13,7 +13,9 @@ the other linears FP8 block-128 (`fp8.FP8Linear`) or BF16, and runs `GLMModel.fo
 context (cache filled with random rows, not prefilled), prefill at 1K and 8K. Every figure comes with
 its floor: bytes per step at the copy bandwidth measured here (decode), or the larger of all-weights
 read and FLOPs at the bf16 matmul rate measured here (prefill). Random weights: the numbers are
-speeds, not quality.
+speeds, not quality. Then a profile of one decode step (top operators, kernel launches) and an
+attempt to capture that step in a CUDA graph (it reports why it cannot while the forward pass
+synchronizes with the host).
 
 Timings: decode and prefill are wall time between CUDA synchronizations (eager, as the engine runs);
 kernels use triton.testing.do_bench medians, "graph" = the calls replayed from one CUDA graph.
@@ -458,9 +460,30 @@ def run_model(args) -> list[Row]:
     if device.type == "cuda":
         say(f"peak GPU memory {torch.cuda.max_memory_allocated(device) / 1e9:.2f} GB")
     print_table(rows)
+    if time.time() - START <= args.budget:
+        profile_step(model, cache, tables[0], ctx0, device)
     if device.type == "cuda":  # last: a failed capture must not cost the table
         section("decode step in a CUDA graph", lambda: graph_decode(model, cache, tables[0], ctx0, bw, budget))
     return rows
+
+
+def profile_step(model: GLMModel, cache: CachePool, table: torch.Tensor, ctx: int, device: torch.device) -> None:
+    """Where one batch-1 decode step spends its time: torch.profiler's top operators by self time
+    on the device and on the host, and the number of kernel launches."""
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    try:
+        with profile(activities=activities) as prof:
+            model.forward([SeqChunk(torch.ones(1, dtype=torch.long), ctx, table, 0)], cache)
+            sync(device)
+    except Exception as error:  # the profiler depends on CUPTI being usable
+        say(f"profile: failed: {type(error).__name__}: {error}")
+        return
+    events = prof.key_averages()
+    launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx"))
+    say(f"\nprofile of one decode step, B=1: {launches} kernel launches")
+    for key in (["self_device_time_total"] if device.type == "cuda" else []) + ["self_cpu_time_total"]:
+        say(events.table(sort_by=key, row_limit=12, max_name_column_width=48))
 
 
 def graph_decode(model: GLMModel, cache: CachePool, table: torch.Tensor, ctx: int, bw: float,
