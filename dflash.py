@@ -48,13 +48,15 @@ class TargetPass:
     logits: torch.Tensor  # fp32 [len(logit_rows), vocab]
     hidden: torch.Tensor  # final-norm output of every row [rows, D] (feeds MTP)
     taps: torch.Tensor | None  # [rows, n_taps * D]: contracted residual after each tap layer
-    kda_inputs: dict[int, torch.Tensor]  # KDA layer -> its input rows x [rows, D], for rollback
+    kda_inputs: dict[int, torch.Tensor]  # KDA layer -> its input x at the recorded rows, for rollback
+    recorded: list[int] = field(default_factory=list)  # those rows (of the pass), in order
 
 
 def target_forward(model: GLMModel, batch: list[SeqChunk], cache: CachePool, logit_rows: list[int],
-                   taps: tuple[int, ...] = (), record_kda: bool = False) -> TargetPass:
+                   taps: tuple[int, ...] = (), record_rows: list[int] = ()) -> TargetPass:
     """`GLMModel.forward`'s layer loop, also returning every row's hidden, the DFlash2 taps and the KDA
-    inputs. It calls the model's own sublayers, so its arithmetic is the forward's.
+    layers' inputs at `record_rows` (the verify rows: a prefill chunk in the same pass is not kept).
+    It calls the model's own sublayers, so its arithmetic is the forward's.
     (A model_glm.forward option would make this loop unnecessary: see .notes/requests.md.)"""
     with torch.no_grad():
         cfg = model.config
@@ -65,14 +67,15 @@ def target_forward(model: GLMModel, batch: list[SeqChunk], cache: CachePool, log
         tokens = torch.cat([c.tokens for c in batch])
         X = model.w("embed_tokens.weight")[tokens][:, None, :].repeat(1, cfg.hc_mult, 1)
         tapped, kda_inputs = {}, {}
+        record = torch.tensor(record_rows, dtype=torch.long, device=X.device)
         for L in range(cfg.num_hidden_layers):
             p = f"layers.{L}."
             u, post, C = hc_pre(X, model.w(p + "hc_attn_fn"), model.w(p + "hc_attn_base"),
                                 model.w(p + "hc_attn_scale"), cfg)
             x = rms_norm(u, model.w(p + "input_layernorm.weight"), cfg.rms_norm_eps)
             if cfg.layer_types[L] == "kda":
-                if record_kda:
-                    kda_inputs[L] = x
+                if record_rows:
+                    kda_inputs[L] = x[record]
                 y = model.kda(L, x, batch, spans, cache, None)
             else:
                 y = model.dsa(L, x, batch, spans, cache)
@@ -87,7 +90,7 @@ def target_forward(model: GLMModel, batch: list[SeqChunk], cache: CachePool, log
         hidden = rms_norm(X.float().mean(1).to(X.dtype), model.w("norm.weight"), cfg.rms_norm_eps)
         logits = linear(hidden[logit_rows], model.w("lm_head.weight")).float()
         tap_rows = torch.cat([tapped[L] for L in taps], dim=-1) if taps else None
-        return TargetPass(logits, hidden, tap_rows, kda_inputs)
+        return TargetPass(logits, hidden, tap_rows, kda_inputs, list(record_rows))
 
 
 def save_kda_slots(cache: CachePool, slots: list[int]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
@@ -117,7 +120,8 @@ def rollback_kda(model: GLMModel, cache: CachePool, verify: TargetPass, batch: l
             chunks.append(SeqChunk(c.tokens[:n], c.start, c.block_table, c.slot))
             spans.append((len(rows), len(rows) + n))
             rows += range(offsets[i], offsets[i] + n)
-        idx = torch.tensor(rows, device=cache.device)
+        where = {r: j for j, r in enumerate(verify.recorded)}
+        idx = torch.tensor([where[r] for r in rows], device=cache.device)
         for L in model.config.kda_layers:
             model.kda(L, verify.kda_inputs[L][idx], chunks, spans, cache, None)
 

@@ -617,7 +617,8 @@ class Engine:
             first.append(len(rows))
             rows += range(a, a + n) if seq.draft else [a + n - 1]
         saved = dflash.save_kda_slots(self.cache, [seq.slot for seq, _ in batch if seq.draft])
-        verify = dflash.target_forward(self.model, chunks, self.cache, rows, self.speculator.taps, bool(saved))
+        drafted = [r for (seq, n), a in zip(batch, offsets) if seq.draft for r in range(a, a + n)]
+        verify = dflash.target_forward(self.model, chunks, self.cache, rows, self.speculator.taps, drafted)
         logits = verify.logits
         argmax = logits.argmax(-1).tolist()
         emitted = {i: self._verify(seq, logits[first[i]:first[i] + n]) for i, (seq, n) in enumerate(batch) if seq.draft}

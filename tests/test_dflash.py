@@ -361,7 +361,7 @@ def test_rollback_equals_a_run_that_saw_only_the_accepted_tokens(target):
         model.forward([SeqChunk(torch.tensor(ctx), 0, bt, slot)], cache)
     saved = dflash.save_kda_slots(cache, [0])
     verify_batch = [SeqChunk(torch.tensor(anchor_d), 10, a_bt, 0)]
-    verify = dflash.target_forward(model, verify_batch, cache, list(range(6)), record_kda=True)
+    verify = dflash.target_forward(model, verify_batch, cache, list(range(6)), record_rows=list(range(6)))
     dflash.rollback_kda(model, cache, verify, verify_batch, {0: 2}, saved)
     ref = model.forward([SeqChunk(torch.tensor(anchor_d[:2]), 10, b_bt, 1)], cache, all_logits=True)
     assert torch.allclose(verify.logits[:2], ref.logits, atol=1e-5)
