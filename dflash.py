@@ -532,14 +532,13 @@ class DFlash2Drafter:
                generator: torch.Generator) -> Draft:
         """Walk the top-K candidates of rows 1..k from the anchor: S_r(a, b) = U_r(b) + Σ_j A[a, j] z_r[j] Bc[b, j].
         Greedy takes the argmax; T > 0 samples softmax(S/T) and keeps it as q."""
-        A = self.w("candidate_selector.predecessor_codebook").float()
-        Bc = self.w("candidate_selector.successor_codebook").float()
+        A = self.w("candidate_selector.predecessor_codebook")  # [vocab, rank]: gather rows, never copy it
         U, cand = torch.topk(logits[:k].float(), self.config.selector_top_k, dim=-1)
         z = linear(h[:k], self.w("candidate_selector.hidden_projection.weight")).float()
-        edge = Bc[cand] * z[:, None, :]  # [k, K, rank]
+        edge = self.w("candidate_selector.successor_codebook")[cand].float() * z[:, None, :]  # [k, K, rank]
         tokens, q, prev = [], [], anchor
         for r in range(k):
-            score = U[r] + edge[r] @ A[prev]
+            score = U[r] + edge[r] @ A[prev].float()
             if temperature == 0:
                 j = int(score.argmax())
             else:
