@@ -59,7 +59,7 @@ def say(line: str = "") -> None:
 
 def median_us(fn) -> float:
     import triton
-    return triton.testing.do_bench(fn, warmup=25, rep=300, return_mode="median") * 1e3
+    return triton.testing.do_bench(fn, warmup=10, rep=100, return_mode="median") * 1e3
 
 
 def capture(calls) -> "torch.cuda.CUDAGraph":
@@ -566,8 +566,23 @@ def run_kernels(args) -> None:
                  lambda: x.float() @ lins[0].dequantize().T)
             cublas = [lambda w=w: torch.nn.functional.linear(x, w) for w in dense]
             line("bf16 F.linear (cuBLAS)", f"m={m} {n}x{k}", cublas, 2 * n * k / gbps / 1e3)
+    fp8_sweep(line, gbps)
     if args.peer:
         exl3_compare(argparse.Namespace(codebook=CODEBOOK))
+
+
+def fp8_sweep(line, gbps: float, n: int = 8192, k: int = 4096) -> None:
+    """fp8_gemv launch configurations at batch 1 on one core-sized weight."""
+    import kernels
+    lins = [fp8.FP8Linear.from_weight(torch.randn(n, k, device="cuda") / math.sqrt(k))
+            for _ in range(math.ceil(3 * L2_BYTES / (n * k)))]
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(1, n, device="cuda", dtype=torch.bfloat16)
+    for block_n, warps in itertools.product((32, 64, 128), (4, 8)):
+        launch = dict(block_n=block_n, num_warps=warps)
+        calls = [lambda lin=lin: kernels.fp8_gemv(x, lin.weight, lin.scale_inv, out=out, **launch) for lin in lins]
+        line("fp8_gemv sweep", f"m=1 {n}x{k} {launch}", calls, lins[0].nbytes() / gbps / 1e3,
+             lambda: x.float() @ lins[0].dequantize().T)
 
 
 def moe_line(line, gbps: float, bits: int, E: int = 288, top_k: int = 8, D: int = 4096, I: int = 2048) -> None:
