@@ -12,6 +12,8 @@ every thread element of the main kernel is one mma lane of one 16x16 tile, whose
 come from 4 ring words loaded once; products accumulate elementwise in fp32 and are reduced
 once. k is split over programs; partial sums meet in a zeroed fp32 buffer and the last program
 to arrive at a 128-column block applies H128 and svh (stream-K style fixup, one launch).
+exl3_moe_decode runs the same loop for all selected experts of a MoE layer at once (expert ids
+read on the device), with SwiGLU and the routed sum in the block fixups.
 
 KDA recurrence (spec glm53.md §4.3.6-7). Twins in model_glm.py: `kda_recurrent_step` and
 `kda_chunk_prefill` compute what `model_glm.kda_recurrent` computes token by token.
@@ -158,9 +160,9 @@ def _gemv_products(xh_ptr, words_ptr, m, k, n, steps, pid_n, pid_k,
     # tiles from row tile RT * steps * pid_k. One thread element = one mma lane L of one tile, which
     # owns stream positions 8L .. 8L + 7 (spec §3): rows 2(L%4) + {0, 1, 8, 9} of columns L/4 and
     # L/4 + 8. Its bits lie in 4 consecutive words of the tile ring, loaded once for all 8.
-    # Products accumulate elementwise; rows and lanes are summed once at the end. `arrivals`
-    # programs add into each 128-column block; the last one applies H128 and svh.
-    # Returns this program's partial sums z [MP, CT * 16] (before H128 and svh).
+    # Products accumulate elementwise; rows and lanes are summed once at the end. Returns this
+    # program's partial sums z [MP, CT * 16]; the callers add them up across programs and let the
+    # last program of each 128-column block apply H128 and svh.
     NW: tl.constexpr = 4 * K2
     RING: tl.constexpr = 128 * K2
     tiles_n = n // 16
