@@ -473,7 +473,7 @@ def run_model(args) -> list[Row]:
 
 def profile_step(model: GLMModel, cache: CachePool, table: torch.Tensor, ctx: int, device: torch.device) -> None:
     """Where one batch-1 decode step spends its time: torch.profiler's top operators by self time
-    on the device and on the host, and the number of kernel launches."""
+    on the device and on the host, and the number of device events (kernels and copies)."""
     from torch.profiler import ProfilerActivity, profile
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     try:
@@ -484,8 +484,8 @@ def profile_step(model: GLMModel, cache: CachePool, table: torch.Tensor, ctx: in
         say(f"profile: failed: {type(error).__name__}: {error}")
         return
     events = prof.key_averages()
-    launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx"))
-    say(f"\nprofile of one decode step, B=1: {launches} kernel launches")
+    on_device = sum(e.count for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+    say(f"\nprofile of one decode step, B=1: {on_device} device events (kernels, copies)")
     for key in (["self_device_time_total"] if device.type == "cuda" else []) + ["self_cpu_time_total"]:
         say(events.table(sort_by=key, row_limit=12, max_name_column_width=48))
 
