@@ -582,13 +582,10 @@ class DFlash2Drafter:
 
     def draft(self, requests: list[DraftRequest]) -> list[Draft]:
         """One block pass for all sequences (§2.6): each block sees only its own sequence's context."""
-        cfg = self.config
-        device, dtype = self.w("norm.weight").device, self.w("norm.weight").dtype
-        empty = torch.zeros(0, cfg.num_key_value_heads, cfg.head_dim, device=device, dtype=dtype)
-        cold = DraftContext([empty] * cfg.num_hidden_layers, [empty] * cfg.num_hidden_layers,
-                            torch.zeros(0, dtype=torch.long, device=device))
-        # A sequence with no context yet (its whole prompt came from the prefix cache) drafts cold.
-        ctxs = [self.contexts.get(r.key, cold) for r in requests]
+        cfg, device = self.config, self.w("norm.weight").device
+        # Every drafting sequence has had a forward (admission recomputes at least its last prompt
+        # token), so its context exists; rows a prefix-cache hit skipped are simply not in it.
+        ctxs = [self.contexts[r.key] for r in requests]
         with torch.no_grad():
             kv = [(torch.cat([c.k[i] for c in ctxs]), torch.cat([c.v[i] for c in ctxs])) for i in range(cfg.num_hidden_layers)]
             ctx_pos = torch.cat([c.pos for c in ctxs])

@@ -414,8 +414,8 @@ def test_greedy_speculation_is_token_identical_to_plain_greedy(which, target, mt
     rate = st.spec_accepted_tokens / st.spec_draft_tokens
     print(f"{which}: {st.spec_accepted_tokens}/{st.spec_draft_tokens} drafts accepted, mean accepted length "
           f"{(st.spec_accepted_tokens + st.spec_verify_steps) / st.spec_verify_steps:.2f}")
-    if kind == "random":
-        assert rate < 0.1
+    if kind == "random":  # and the adaptive length falls to one draft per step
+        assert rate < 0.1 and st.spec_draft_tokens < 2 * st.spec_verify_steps
     else:
         assert rate > 0.3 and sum(a.mean_accepted_length for a in acc) / len(acc) > 1.8
 
