@@ -56,7 +56,7 @@ TIMING_STEPS = 12  # steps timed to plan the schedule's length (fewer than the w
 
 # The architecture at a small size (overrides of checkpoint.tiny_config_dict). hidden_size and
 # moe_intermediate_size are 128 because EXL3 needs expert dims in multiples of 128; the BF16 export
-# stays under 16 MiB. Layer pattern as in the full model: KDA, with DSA on every third layer.
+# stays under 16 MiB. Mostly KDA with DSA on every third layer (the full model: every fourth).
 MODEL = dict(
     hidden_size=128, intermediate_size=384, moe_intermediate_size=128,
     num_hidden_layers=6, first_k_dense_replace=1,
@@ -354,8 +354,10 @@ class Trainer:
         self.params = params if params is not None else init_params(self.config, settings.seed, self.device)
         self.model = TrainingModel(self.config, self.params)
         names = sorted(n for n, p in self.params.items() if p.requires_grad)
-        decay = [self.params[n] for n in names if self.params[n].dim() >= 2 and not n.endswith("conv1d.weight")]
-        rest = [self.params[n] for n in names if not (self.params[n].dim() >= 2 and not n.endswith("conv1d.weight"))]
+        # Weight decay on matrices; norms, biases, gates' constants and conv taps are left alone.
+        decays = {n: self.params[n].dim() == 2 for n in names}
+        decay = [self.params[n] for n in names if decays[n]]
+        rest = [self.params[n] for n in names if not decays[n]]
         self.optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": settings.weight_decay},
                                             {"params": rest, "weight_decay": 0.0}],
                                            lr=settings.lr, betas=(0.9, 0.95), eps=1e-8)
