@@ -169,6 +169,9 @@ def accept_drafts(x: torch.Tensor, drafts: list[int], q: torch.Tensor | None, gr
 # Draft length (§3.2 "which draft positions to verify", §7.3)
 
 
+DECAY = 15 / 16  # about the last 16 outcomes count (CuteAFD keeps 16)
+
+
 @dataclass
 class DraftStats:
     """Per request: decayed per-position acceptance counts (policy) and plain totals (reporting)."""
@@ -192,9 +195,6 @@ class DraftStats:
         self.verify_steps += 1
         self.draft_tokens += k
         self.accepted_tokens += acc
-
-
-DECAY = 15 / 16  # about the last 16 outcomes count (CuteAFD keeps 16)
 
 
 def draft_length(stats: DraftStats, row_cost: float, fixed: int | None) -> int:
@@ -508,8 +508,9 @@ class DFlash2Drafter:
         cfg = self.config
         N, B, _ = a.shape
         H, kvh, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        q = rms_norm(linear(a, self.w(p + "q_proj.weight")).view(N, B, H, hd), self.w(p + "q_norm.weight"), cfg.rms_norm_eps)
-        k = rms_norm(linear(a, self.w(p + "k_proj.weight")).view(N, B, kvh, hd), self.w(p + "k_norm.weight"), cfg.rms_norm_eps)
+        eps = cfg.rms_norm_eps
+        q = rms_norm(linear(a, self.w(p + "q_proj.weight")).view(N, B, H, hd), self.w(p + "q_norm.weight"), eps)
+        k = rms_norm(linear(a, self.w(p + "k_proj.weight")).view(N, B, kvh, hd), self.w(p + "k_norm.weight"), eps)
         v = linear(a, self.w(p + "v_proj.weight")).view(N, B, kvh, hd)
         q, k = rope(q, pos, cfg.rope_theta).float(), rope(k, pos, cfg.rope_theta).float()
         rep = H // kvh
@@ -587,7 +588,8 @@ class DFlash2Drafter:
         # token), so its context exists; rows a prefix-cache hit skipped are simply not in it.
         ctxs = [self.contexts[r.key] for r in requests]
         with torch.no_grad():
-            kv = [(torch.cat([c.k[i] for c in ctxs]), torch.cat([c.v[i] for c in ctxs])) for i in range(cfg.num_hidden_layers)]
+            kv = [(torch.cat([c.k[i] for c in ctxs]), torch.cat([c.v[i] for c in ctxs]))
+                  for i in range(cfg.num_hidden_layers)]
             ctx_pos = torch.cat([c.pos for c in ctxs])
             owner = torch.cat([torch.full((len(c.pos),), n, device=device) for n, c in enumerate(ctxs)])
             anchor_pos = torch.tensor([r.position for r in requests], device=device)
@@ -663,8 +665,8 @@ class MTPDrafter:
             for r in requests:
                 pend = self.pending.pop(r.key)
                 n = sum(h.shape[0] for h in pend.hidden)
-                batch.append(SeqChunk(torch.tensor(r.token_ids[pend.start + 1:pend.start + n + 1], device=self.cache.device),
-                                      pend.start, r.block_table, r.slot))
+                next_tokens = torch.tensor(r.token_ids[pend.start + 1:pend.start + n + 1], device=self.cache.device)
+                batch.append(SeqChunk(next_tokens, pend.start, r.block_table, r.slot))
                 hidden.append(torch.cat(pend.hidden))
             out = self.model.mtp_forward(torch.cat(hidden), batch, self.cache)
             live = list(range(len(requests)))
