@@ -394,6 +394,13 @@ def test_engine_rollback_leaves_the_cache_of_a_plain_run(target, drafters):
     for t, got in enumerate(r.logprobs):
         assert abs(got.logprob - float(ref[t, got.token_id])) < 1e-4
     assert eng.stats().blocks_used == 0 and not drafters["trained"].contexts
+    # The drafter's cache holds exactly the committed rows: positions 0 .. tokens - 2 (the last
+    # token is the next anchor), never a rejected draft's.
+    n = len(ids)
+    for o in eng.stream(ids, lp):
+        n += len(o.token_ids)
+        if not o.finished:
+            assert drafters["trained"].contexts[o.request_id].pos.tolist() == list(range(n - 1))
 
 
 # ---------------------------------------------------------------------------------------------
