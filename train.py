@@ -609,9 +609,13 @@ def main(argv: list[str] | None = None) -> None:
         timed.append(time.time() - t0)
         if trainer.total_steps is None and len(timed) == TIMING_STEPS:
             per_step = sum(timed[2:]) / len(timed[2:])  # the first steps carry start-up costs
-            trainer.total_steps = trainer.step_index + max(1, int((budget - (time.time() - t_train)) / per_step))
+            # 5% margin for the held-out checks and state saves, so the schedule runs to its end
+            trainer.total_steps = trainer.step_index + max(1, int(0.95 * (budget - (time.time() - t_train)) / per_step))
             print(f"{per_step:.3f} s per step: planning {trainer.total_steps} steps", flush=True)
         if trainer.step_index % 10 == 0 or trainer.step_index == 1:
+            if not math.isfinite(losses.total.item()):
+                raise FloatingPointError(f"step {trainer.step_index}: the loss is {losses.total.item()}; "
+                                         f"the last good state is {state_path}")
             print(f"step {trainer.step_index}: loss {losses.main.item():.3f} mtp {losses.mtp.item():.3f} "
                   f"lr {trainer.optimizer.param_groups[0]['lr']:.2e} ({timed[-1]:.2f} s/step)", flush=True)
         if trainer.step_index % 50 == 0:
