@@ -137,6 +137,17 @@ class Metrics:
                             [("", s.snapshots)])
             lines += metric("glm53_preemptions_total", "counter", "Sequences preempted for lack of cache.",
                             [("", s.preemptions)])
+            lines += metric("glm53_spec_verify_steps_total", "counter", "Speculative verify passes.",
+                            [(f'{{speculator="{s.speculator}"}}', s.spec_verify_steps)])
+            lines += metric("glm53_spec_draft_tokens_total", "counter", "Draft tokens verified.",
+                            [(f'{{speculator="{s.speculator}"}}', s.spec_draft_tokens)])
+            lines += metric("glm53_spec_accepted_tokens_total", "counter", "Draft tokens accepted.",
+                            [(f'{{speculator="{s.speculator}"}}', s.spec_accepted_tokens)])
+            lines += metric("glm53_spec_tokens_per_step", "gauge",
+                            "Tokens emitted per verify pass: (accepted + steps) / steps; 0 before any.",
+                            [(f'{{speculator="{s.speculator}"}}',
+                              (s.spec_accepted_tokens + s.spec_verify_steps) / s.spec_verify_steps
+                              if s.spec_verify_steps else 0)])
         return "\n".join(lines) + "\n"
 
 
@@ -358,7 +369,9 @@ class Server:
             self.model_name = self.model_name or (default_model.NAME if a.model is None else
                                                   a.model.rstrip("/").split("/")[-1])
             opts = {k: v for k, v in dict(max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
-                                          max_batch_tokens=a.max_batch_tokens, max_cache_tokens=a.max_cache_tokens).items()
+                                          max_batch_tokens=a.max_batch_tokens, max_cache_tokens=a.max_cache_tokens,
+                                          speculator=a.speculator, drafter_path=a.drafter,
+                                          draft_tokens=a.draft_tokens).items()
                     if v is not None}
             dtype = getattr(torch, a.dtype) if a.dtype else None
             print(f"serve: loading {path} ({time.monotonic() - STARTED:.1f} s since start)", flush=True)
@@ -879,6 +892,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-num-seqs", type=int, default=None, help="sequences in one batch")
     ap.add_argument("--max-batch-tokens", type=int, default=None, help="tokens in one forward")
     ap.add_argument("--max-cache-tokens", type=int, default=None, help="paged cache size in tokens")
+    ap.add_argument("--speculator", default=None, choices=["none", "dflash2", "mtp"],
+                    help="speculative decoding: a DFlash2 drafter (--drafter) or the checkpoint's MTP layer")
+    ap.add_argument("--drafter", default=None, help="DFlash2 drafter folder or Hugging Face id (with --speculator dflash2)")
+    ap.add_argument("--draft-tokens", type=int, default=None, help="fixed draft length (default: adaptive)")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch CPU threads (default: torch's choice; 1 is fastest for the tiny default model "
                          "on a busy machine)")

@@ -97,9 +97,9 @@ def client(url):
     return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
-def metrics(url) -> dict[str, float]:
+def metrics(url, headers=None) -> dict[str, float]:
     out = {}
-    for line in requests.get(url + "/metrics", timeout=30).text.splitlines():
+    for line in requests.get(url + "/metrics", timeout=30, headers=headers).text.splitlines():
         if line and not line.startswith("#"):
             name, value = line.rsplit(" ", 1)
             out[name] = float(value)
@@ -471,10 +471,12 @@ def test_load_32_streaming_clients_a_third_disconnect(url):
                 if k.startswith("glm53_requests_total") and 'status="5' in k and v != before.get(k, 0)]
 
 
-def test_command_line_server_starts_shows_progress_and_checks_the_key(server, cache_dir):
-    """`python serve.py` itself: listens at once, prints load progress and the time to ready."""
+def test_command_line_server_starts_shows_progress_and_checks_the_key(server, client, cache_dir):
+    """`python serve.py` itself: listens at once, prints load progress and the time to ready; with
+    `--speculator mtp` its greedy answers equal the plain server's and /metrics counts the drafts."""
     env = {**os.environ, "GLM53_CACHE": str(cache_dir), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "serve.py", "--port", "0", "--api-key", "k1"],
+    proc = subprocess.Popen([sys.executable, "serve.py", "--port", "0", "--api-key", "k1", "--speculator", "mtp",
+                             "--max-model-len", str(MAX_MODEL_LEN)],
                             cwd=Path(serve.__file__).parent, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     lines = []
@@ -493,6 +495,16 @@ def test_command_line_server_starts_shows_progress_and_checks_the_key(server, ca
         assert requests.get(base + "/v1/models", timeout=10).status_code == 401
         models = requests.get(base + "/v1/models", timeout=10, headers={"Authorization": "Bearer k1"}).json()
         assert models["data"][0]["id"] == default_model.NAME
+        ask = dict(model=default_model.NAME, messages=HI, max_tokens=24, temperature=0)
+        plain = client.chat.completions.create(**ask).choices[0].message
+        import openai
+        spec_client = openai.OpenAI(base_url=base + "/v1", api_key="k1", max_retries=0, timeout=120)
+        spec = spec_client.chat.completions.create(**ask).choices[0].message
+        assert (spec.content, spec.model_extra.get("reasoning_content")) == \
+            (plain.content, plain.model_extra.get("reasoning_content"))
+        m = metrics(base, headers={"Authorization": "Bearer k1"})
+        assert m['glm53_spec_verify_steps_total{speculator="mtp"}'] > 0
+        assert m['glm53_spec_draft_tokens_total{speculator="mtp"}'] > 0
     finally:
         proc.terminate()
         proc.wait(timeout=30)
