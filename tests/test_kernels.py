@@ -30,7 +30,9 @@ CONFIGS = [f"K{k}_{cb}" for k in range(1, 9) for cb in kernels.CODEBOOKS] + [
 GEMV_CASES = [("K1_3inst", 128, 16, None), ("K2_mcg", 64, 16, None), ("K3_mul1", 128, 8, 2),
               ("K4_3inst", 128, 16, None), ("K5_mcg", 128, 8, 2), ("K6_mul1", 64, 16, None),
               ("K7_3inst", 128, 16, None), ("K8_mcg", 128, 8, 2), ("K1p5_mul1", 128, 16, None),
-              ("K2p5_mul1", 128, 16, None), ("K3p5_mul1", 128, 8, 2), ("K4_mul1", 32, 16, None)]
+              ("K2p5_mul1", 128, 16, None), ("K3p5_mul1", 128, 8, 2), ("K4_mul1", 32, 16, None),
+              # default launch settings: half rates with several rows went wrong here on the H200
+              ("K2p5_mul1", 128, 1, None), ("K3p5_mul1", 128, 1, None), ("K1p5_mul1", 128, 1, None)]
 
 @pytest.fixture(scope="module")
 def golden(fixtures_dir):
@@ -196,10 +198,16 @@ def prefill_twin(q, k, v, g, beta, S0, block=None):
     return torch.cat(outs).to(q.dtype), S, (torch.stack(saved) if block else None)
 
 
-def _close(actual, expected, what):
+# On the GPU the prefill kernels' tl.dot runs fp32 products in tf32 (10-bit mantissa), a deliberate
+# choice (`bench.py kda precision` measures tf32 against tf32x3/ieee): ~1e-3 relative. The interpreter
+# computes those products in exact fp32, so CPU runs hold the tight bound. Decode has no tl.dot.
+PREFILL_REL = 1e-4 if DEVICE == "cpu" else 5e-3
+
+
+def _close(actual, expected, what, rel=1e-4):
     scale = expected.abs().max().item()
     err = (actual.float() - expected.float()).abs().max().item()
-    assert err <= 1e-4 * scale + 1e-6, f"{what}: max error {err:.3g} vs max |expected| {scale:.3g}"
+    assert err <= rel * scale + 1e-6, f"{what}: max error {err:.3g} vs max |expected| {scale:.3g}"
 
 
 def test_step_matches_twin_and_touches_only_its_slots():
@@ -231,13 +239,13 @@ def test_prefill_matches_recurrence(T, chunk, dk, dv, with_init, block):
     S0 = torch.randn(H, dk, dv).to(DEVICE) if with_init else None
     o, final, states = kernels.kda_chunk_prefill(q, k, v, g, beta, S0, chunk=chunk, block=block, block_v=16)
     o_ref, final_ref, states_ref = prefill_twin(q, k, v, g, beta, S0, block=block)
-    _close(o, o_ref, "o")
-    _close(final, final_ref, "final state")
+    _close(o, o_ref, "o", PREFILL_REL)
+    _close(final, final_ref, "final state", PREFILL_REL)
     if block is None:
         assert states is None and states_ref is None
     else:
         assert states.shape == states_ref.shape == (T // block, H, dk, dv)
-        _close(states, states_ref, "boundary states")
+        _close(states, states_ref, "boundary states", PREFILL_REL)
 
 
 def test_prefill_hard_inputs():
@@ -252,8 +260,8 @@ def test_prefill_hard_inputs():
     o, final, _ = kernels.kda_chunk_prefill(q, k, v, g, beta, None, chunk=32)
     o_ref, final_ref, _ = prefill_twin(q, k, v, g, beta, None)
     assert torch.isfinite(o).all()
-    _close(o, o_ref, "o")
-    _close(final, final_ref, "final state")
+    _close(o, o_ref, "o", PREFILL_REL)
+    _close(final, final_ref, "final state", PREFILL_REL)
 
 
 def test_bf16_inputs_give_bf16_output():
@@ -263,7 +271,7 @@ def test_bf16_inputs_give_bf16_output():
     o, final, _ = kernels.kda_chunk_prefill(q, k, v, g, beta, None, chunk=16)
     o_ref, final_ref, _ = prefill_twin(q, k, v, g, beta, None)
     assert o.dtype == o_ref.dtype == torch.bfloat16
-    _close(final, final_ref, "final state")
+    _close(final, final_ref, "final state", PREFILL_REL)
     assert (o.float() - o_ref.float()).abs().max() <= 1e-2 * o_ref.float().abs().max()
     pool, pool_ref = torch.zeros(2, 2, 16, 16, device=DEVICE), torch.zeros(2, 2, 16, 16, device=DEVICE)
     slots = torch.tensor([1, 0], device=DEVICE)
@@ -354,6 +362,8 @@ def test_moe_decode_matches_expert_twins(m, top_k, k_words, codebook, block_n, r
             gate, up, down = (exl3.EXL3Linear(p[0][e], p[1][e], p[2][e], codebook) for p in projections)
             xt = x[t:t + 1].float()
             ref[t] += route[t, j] * down(swiglu(gate(xt), up(xt), limit))[0]
-    assert _rel_err(y, ref) <= 1e-4, f"relative error {_rel_err(y, ref):.2e}"
+    # On the GPU the twin's EXL3Linear runs the fp16 GEMV (fp16 gate/up/down outputs); the fused
+    # kernel keeps fp32 between projections, so only fp16 rounding separates them there.
+    assert _rel_err(y, ref) <= (1e-4 if DEVICE == "cpu" else 1e-3), f"relative error {_rel_err(y, ref):.2e}"
     again = kernels.exl3_moe_decode(x, ids, route, *projections, codebook, limit, block_n=block_n, row_tiles=row_tiles)
     assert _rel_err(again, y) <= 1e-6, "the second call sees the first's partial sums"
