@@ -33,7 +33,7 @@ from safetensors.torch import save_file
 
 import checkpoint
 from cache import CachePool
-from model_glm import GLMConfig, GLMModel, SeqChunk, hc_post, hc_pre, linear, rms_norm
+from model_glm import GLMConfig, GLMModel, SeqChunk, linear, rms_norm
 
 # Config fields of other DFlash2 checkpoints (§2.1.3) that the GLM drafter does not set.
 _UNSUPPORTED_FIELDS = ("input_embedding_scale", "output_multiplier", "final_logit_softcapping")
@@ -54,43 +54,11 @@ class TargetPass:
 
 def target_forward(model: GLMModel, batch: list[SeqChunk], cache: CachePool, logit_rows: list[int],
                    taps: tuple[int, ...] = (), record_rows: list[int] = ()) -> TargetPass:
-    """`GLMModel.forward`'s layer loop, also returning every row's hidden, the DFlash2 taps and the KDA
-    layers' inputs at `record_rows` (the verify rows: a prefill chunk in the same pass is not kept).
-    It calls the model's own sublayers, so its arithmetic is the forward's.
-    (A model_glm.forward option would make this loop unnecessary: see .notes/requests.md.)"""
+    """`GLMModel.forward` with logits at `logit_rows`, every row's hidden, the DFlash2 taps and the KDA
+    layers' inputs at `record_rows` (the verify rows: a prefill chunk in the same pass is not kept)."""
     with torch.no_grad():
-        cfg = model.config
-        spans, row = [], 0
-        for c in batch:
-            spans.append((row, row + c.tokens.shape[0]))
-            row += c.tokens.shape[0]
-        tokens = torch.cat([c.tokens for c in batch])
-        X = model.w("embed_tokens.weight")[tokens][:, None, :].repeat(1, cfg.hc_mult, 1)
-        tapped, kda_inputs = {}, {}
-        record = torch.tensor(record_rows, dtype=torch.long, device=X.device)
-        for L in range(cfg.num_hidden_layers):
-            p = f"layers.{L}."
-            u, post, C = hc_pre(X, model.w(p + "hc_attn_fn"), model.w(p + "hc_attn_base"),
-                                model.w(p + "hc_attn_scale"), cfg)
-            x = rms_norm(u, model.w(p + "input_layernorm.weight"), cfg.rms_norm_eps)
-            if cfg.layer_types[L] == "kda":
-                if record_rows:
-                    kda_inputs[L] = x[record]
-                y = model.kda(L, x, batch, spans, cache, None)
-            else:
-                y = model.dsa(L, x, batch, spans, cache)
-            X = hc_post(X, y, post, C)
-            u, post, C = hc_pre(X, model.w(p + "hc_ffn_fn"), model.w(p + "hc_ffn_base"),
-                                model.w(p + "hc_ffn_scale"), cfg)
-            h = rms_norm(u, model.w(p + "post_attention_layernorm.weight"), cfg.rms_norm_eps)
-            y = model.mlp(p + "mlp.", h) if cfg.mlp_layer_types[L] == "dense" else model.moe(p + "mlp.", h)
-            X = hc_post(X, y, post, C)
-            if L in taps:  # §2.4: mean of the streams after the layer, fp32 in stream order
-                tapped[L] = (X.float().sum(1) * (1 / cfg.hc_mult)).to(X.dtype)
-        hidden = rms_norm(X.float().mean(1).to(X.dtype), model.w("norm.weight"), cfg.rms_norm_eps)
-        logits = linear(hidden[logit_rows], model.w("lm_head.weight")).float()
-        tap_rows = torch.cat([tapped[L] for L in taps], dim=-1) if taps else None
-        return TargetPass(logits, hidden, tap_rows, kda_inputs, list(record_rows))
+        out = model.forward(batch, cache, logit_rows=list(logit_rows), taps=taps, kda_input_rows=list(record_rows))
+    return TargetPass(out.logits, out.hidden, out.taps, out.kda_inputs, list(record_rows))
 
 
 def save_kda_slots(cache: CachePool, slots: list[int]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
@@ -123,7 +91,7 @@ def rollback_kda(model: GLMModel, cache: CachePool, verify: TargetPass, batch: l
         where = {r: j for j, r in enumerate(verify.recorded)}
         idx = torch.tensor([where[r] for r in rows], device=cache.device)
         for L in model.config.kda_layers:
-            model.kda(L, verify.kda_inputs[L][idx], chunks, spans, cache, None)
+            model.kda(L, verify.kda_inputs[L][idx], chunks, spans, cache)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -560,6 +560,7 @@ class Engine:
 
     # --- one iteration ----------------------------------------------------------------------
 
+    @torch.no_grad()
     def step(self) -> list[RequestOutput]:
         outputs, self.cancelled = self.cancelled, []
         batch = self._schedule()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Union
 
@@ -298,11 +298,12 @@ class SeqChunk:
 
 @dataclass
 class ForwardOutput:
-    logits: torch.Tensor  # fp32 [len(batch), vocab], or [sum n, vocab] with all_logits
-    hidden: torch.Tensor  # final-norm output of the same rows
-    # per chunk: (pos, kda_state [n_kda, H, d, d], conv_state [n_kda, 3, K-1, H*d]) after each
-    # position that ends a cache block; None unless asked for
-    block_states: list[list[tuple[int, torch.Tensor, torch.Tensor]]] | None
+    logits: torch.Tensor  # fp32 [len(batch), vocab], [sum n, vocab] with all_logits, or the logit_rows
+    hidden: torch.Tensor  # final-norm output of the same rows ([sum n, D] every row with logit_rows)
+    # [sum n, len(taps) * D]: the streams' mean after each tapped layer (DFlash2 §2.4), or None
+    taps: torch.Tensor | None = None
+    # KDA layer -> its input x at kda_input_rows (replayed by speculative decoding's rollback)
+    kda_inputs: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -509,13 +510,18 @@ class GLMModel:
 
     # -- whole model (§4.1) ------------------------------------------------------------------
 
-    @torch.no_grad()
-    def forward(self, batch: list[SeqChunk], cache: CachePool, all_logits: bool = False,
-                want_block_states: bool = False) -> ForwardOutput:
+    def forward(self, batch: list[SeqChunk], cache: CachePool, all_logits: bool = False, *,
+                logit_rows: list[int] | None = None, taps: tuple[int, ...] = (),
+                kda_input_rows: list[int] = ()) -> ForwardOutput:
+        """Runs the chunks through the trunk. Logits of the last row of each chunk, of every row
+        (all_logits), or of `logit_rows` (rows of the flattened batch; `hidden` then holds every
+        row). `taps` and `kda_input_rows` serve speculative decoding (dflash.py). Records autograd
+        when the weights require grad: inference callers run it under torch.no_grad()."""
         cfg = self.config
         spans = self._check_batch(batch, cache)
         tokens = torch.cat([c.tokens for c in batch]).to(self.w("embed_tokens.weight").device)
-        collected = [dict() for _ in batch] if want_block_states else None
+        record = _as_index(list(kda_input_rows), tokens.device) if len(kda_input_rows) else None
+        tapped, kda_inputs = {}, {}
 
         X = self.w("embed_tokens.weight")[tokens][:, None, :].repeat(1, cfg.hc_mult, 1)
         for L in range(cfg.num_hidden_layers):
@@ -524,7 +530,9 @@ class GLMModel:
                                 self.w(p + "hc_attn_scale"), cfg)
             x = rms_norm(u, self.w(p + "input_layernorm.weight"), cfg.rms_norm_eps)
             if cfg.layer_types[L] == "kda":
-                y = self.kda(L, x, batch, spans, cache, collected)
+                if record is not None:
+                    kda_inputs[L] = x[record]
+                y = self.kda(L, x, batch, spans, cache)
             else:
                 y = self.dsa(L, x, batch, spans, cache)
             X = hc_post(X, y, post, C)
@@ -534,24 +542,26 @@ class GLMModel:
             h = rms_norm(u, self.w(p + "post_attention_layernorm.weight"), cfg.rms_norm_eps)
             y = self.mlp(p + "mlp.", h) if cfg.mlp_layer_types[L] == "dense" else self.moe(p + "mlp.", h)
             X = hc_post(X, y, post, C)
+            if L in taps:  # DFlash2 §2.4: mean of the streams after the layer, fp32 in stream order
+                tapped[L] = (X.float().sum(1) * (1 / cfg.hc_mult)).to(X.dtype)
 
-        rows = slice(None) if all_logits else torch.tensor([b - 1 for _, b in spans])
-        h = rms_norm(X[rows].float().mean(1).to(X.dtype), self.w("norm.weight"), cfg.rms_norm_eps)
-        logits = linear(h, self.w("lm_head.weight")).float()
-        block_states = None
-        if collected is not None:
-            block_states = [[(pos, torch.stack(kda), torch.stack(conv))
-                             for pos, (kda, conv) in sorted(per_chunk.items())]
-                            for per_chunk in collected]
-        return ForwardOutput(logits, h, block_states)
+        if logit_rows is not None:
+            h = rms_norm(X.float().mean(1).to(X.dtype), self.w("norm.weight"), cfg.rms_norm_eps)
+            logits = linear(h[logit_rows], self.w("lm_head.weight")).float()
+        else:
+            rows = slice(None) if all_logits else torch.tensor([b - 1 for _, b in spans])
+            h = rms_norm(X[rows].float().mean(1).to(X.dtype), self.w("norm.weight"), cfg.rms_norm_eps)
+            logits = linear(h, self.w("lm_head.weight")).float()
+        tap_rows = torch.cat([tapped[L] for L in taps], dim=-1) if taps else None
+        return ForwardOutput(logits, h, tap_rows, kda_inputs)
 
     # -- §4.3 KDA ------------------------------------------------------------------------------
 
     def kda(self, L: int, x: torch.Tensor, batch: list[SeqChunk], spans: list[tuple[int, int]],
-            cache: CachePool, collected: list[dict] | None) -> torch.Tensor:
+            cache: CachePool) -> torch.Tensor:
         cfg = self.config
         p = f"layers.{L}.self_attn."
-        H, d, K = cfg.linear_num_heads, cfg.linear_head_dim, cfg.linear_conv_kernel
+        H, d = cfg.linear_num_heads, cfg.linear_head_dim
         pre_conv = [linear(x, self.w(p + f"{n}_proj.weight")) for n in "qkv"]  # q̃, k̃, ṽ
         f = linear(linear(x, self.w(p + "f_a_proj.weight")), self.w(p + "f_b_proj.weight"))
         o_g = linear(linear(x, self.w(p + "g_a_proj.weight")), self.w(p + "g_b_proj.weight"))
@@ -561,33 +571,55 @@ class GLMModel:
 
         row = cache.kda_index(L)
         out = torch.empty(x.shape[0], H, d, dtype=torch.float32, device=x.device)
-        for i, (chunk, (a, b)) in enumerate(zip(batch, spans)):
-            if chunk.start == 0:
-                cache.conv_state[row, chunk.slot] = 0
-                cache.kda_state[row, chunk.slot] = 0
-            history = cache.conv_state[row, chunk.slot]
-            windows = [torch.cat([history[j], pre_conv[j][a:b].to(history.dtype)]) for j in range(3)]
-            q, k, v = (short_conv(windows[j], conv_w[j]).float().view(-1, H, d) for j in range(3))
-            q = l2_norm(q) * d ** -0.5
-            k = l2_norm(k)
-            S = cache.kda_state[row, chunk.slot]
-            seg_out = []
-            for s0, s1 in _kda_segments(chunk.start, b - a, cache.block_size):
-                r0, r1 = s0 - chunk.start, s1 - chunk.start
-                step = kda_recurrent if s1 - s0 == 1 else kda_chunk
-                o, S = step(q[r0:r1], k[r0:r1], v[r0:r1], g[a + r0:a + r1], beta[a + r0:a + r1], S)
-                seg_out.append(o)
-                if collected is not None and s1 % cache.block_size == 0:
-                    state = collected[i].setdefault(s1 - 1, ([], []))
-                    state[0].append(S.clone())
-                    state[1].append(torch.stack([w[r1:r1 + K - 1] for w in windows]))
-            out[a:b] = torch.cat(seg_out)
-            cache.kda_state[row, chunk.slot] = S
-            cache.conv_state[row, chunk.slot] = torch.stack([w[-(K - 1):] for w in windows])
+        for group in _kda_groups(batch, spans, cache.block_size):
+            rows = _as_index([r for i in group for r in range(*spans[i])], x.device)
+            out[rows] = self._kda_side_by_side(row, [batch[i] for i in group], [t[rows] for t in pre_conv],
+                                               g[rows], beta[rows], conv_w, cache)
 
         o = rms_norm(out, self.w(p + "o_norm.weight").float(), cfg.rms_norm_eps)
         o = o * torch.sigmoid(o_g.float().view(-1, H, d))
         return linear(o.flatten(1).to(x.dtype), self.w(p + "o_proj.weight"))
+
+    def _kda_side_by_side(self, row: int, chunks: list[SeqChunk], pre_conv: list[torch.Tensor],
+                          g: torch.Tensor, beta: torch.Tensor, conv_w: list[Weight],
+                          cache: CachePool) -> torch.Tensor:
+        """§4.3 for B chunks of n tokens whose KDA segments line up (see _kda_groups): the equations
+        are per head, so the sequences go side by side on the head axis (the depthwise conv on the
+        channel axis) and one pass serves them all; B = 1 is the plain per-sequence case. Rows in
+        (chunk, token) order; returns o [B*n, H, d] before the output norm."""
+        cfg = self.config
+        H, d, K = cfg.linear_num_heads, cfg.linear_head_dim, cfg.linear_conv_kernel
+        B, n = len(chunks), g.shape[0] // len(chunks)
+        fresh = [c.slot for c in chunks if c.start == 0]
+        if fresh:
+            cache.conv_state[row, _as_index(fresh, g.device)] = 0
+            cache.kda_state[row, _as_index(fresh, g.device)] = 0
+        slots = _as_index([c.slot for c in chunks], g.device)
+
+        def side_by_side(t: torch.Tensor) -> torch.Tensor:  # [B*n, H, ...] -> [n, B*H, ...]
+            return t.view(B, n, H, *t.shape[2:]).transpose(0, 1).reshape(n, B * H, *t.shape[2:])
+
+        history = cache.conv_state[row, slots]  # [B, 3, K-1, H*d]
+        windows = [torch.cat([history[:, j], pre_conv[j].view(B, n, H * d).to(history.dtype)], dim=1)
+                   for j in range(3)]  # [B, K-1+n, H*d]
+        q, k, v = (short_conv(windows[j].transpose(0, 1).reshape(K - 1 + n, B * H * d),
+                              conv_w[j].repeat(B, 1, 1)).float().view(n, B * H, d) for j in range(3))
+        q = l2_norm(q) * d ** -0.5
+        k = l2_norm(k)
+        g, beta = side_by_side(g), side_by_side(beta)
+        S = cache.kda_state[row, slots].flatten(0, 1).clone()  # [B*H, d, d]; autograd may keep it
+        seg_out = []
+        start = chunks[0].start
+        for s0, s1 in _kda_segments(start, n, cache.block_size):
+            r0, r1 = s0 - start, s1 - start
+            step = kda_recurrent if s1 - s0 == 1 else kda_chunk
+            o, S = step(q[r0:r1], k[r0:r1], v[r0:r1], g[r0:r1], beta[r0:r1], S)
+            seg_out.append(o)
+        # The pool keeps values, not autograd history (training runs a batch in one forward): a graph
+        # through the pool would copy all of it at every write during backward.
+        cache.kda_state[row, slots] = S.detach().reshape(B, H, d, d)
+        cache.conv_state[row, slots] = torch.stack([w[:, -(K - 1):] for w in windows], dim=1).detach()
+        return torch.cat(seg_out).view(n, B, H, d).transpose(0, 1).reshape(B * n, H, d)
 
     # -- §4.4 DSA ------------------------------------------------------------------------------
 
@@ -661,7 +693,6 @@ class GLMModel:
 
     # -- §4.7 MTP --------------------------------------------------------------------------------
 
-    @torch.no_grad()
     def mtp_forward(self, hidden: torch.Tensor, batch: list[SeqChunk], cache: CachePool,
                     all_logits: bool = False) -> ForwardOutput:
         """One MTP step. hidden [sum n, D]: the trunk's final-norm output h_t for each position t of
@@ -686,7 +717,7 @@ class GLMModel:
         r2 = r1 + self.moe(p + "mlp.", rms_norm(r1, self.w(p + "post_attention_layernorm.weight"), eps))
         rows = slice(None) if all_logits else torch.tensor([b - 1 for _, b in spans])
         h = rms_norm(r2[rows], self.w(p + "shared_head.norm.weight"), eps)
-        return ForwardOutput(linear(h, self.w("lm_head.weight")).float(), h, None)
+        return ForwardOutput(linear(h, self.w("lm_head.weight")).float(), h)
 
     # -- checks ------------------------------------------------------------------------------------
 
@@ -730,6 +761,23 @@ def _kda_segments(start: int, n: int, block_size: int) -> list[tuple[int, int]]:
         cuts.append((pos, nxt))
         pos = nxt
     return cuts
+
+
+def _kda_groups(batch: list[SeqChunk], spans: list[tuple[int, int]], block_size: int) -> list[list[int]]:
+    """Chunk indices grouped by their KDA segments relative to their start (equal start and length,
+    or single-token decode steps anywhere): a group runs side by side in one pass."""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, (c, (a, b)) in enumerate(zip(batch, spans)):
+        key = tuple(s1 - s0 for s0, s1 in _kda_segments(c.start, b - a, block_size))
+        groups.setdefault(key, []).append(i)
+    return list(groups.values())
+
+
+def _as_index(values: list[int], device: torch.device) -> slice | torch.Tensor:
+    """A run of consecutive ints as a slice (no host-to-device copy, a view), else an index tensor."""
+    if values == list(range(values[0], values[0] + len(values))):
+        return slice(values[0], values[0] + len(values))
+    return torch.tensor(values, dtype=torch.long, device=device)
 
 
 def _check_weights(cfg: GLMConfig, weights: dict[str, Weight]) -> None:

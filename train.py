@@ -10,11 +10,8 @@ template, so the model has seen the chat format it is served in. The tokenizer i
 
 Training runs the engine's own forward code, `GLMModel.forward` and `GLMModel.mtp_forward` with a
 fresh CachePool per batch, over weights that are leaf tensors requiring grad, so the math lives in
-model_glm.py. Two departures, both in `TrainingModel` / `_grad_forward`: the two methods carry
-@torch.no_grad(), so their undecorated functions are called; and the KDA layer runs all sequences
-of the batch side by side through model_glm's KDA functions (GLMModel.kda loops over sequences,
-which makes a step launch-bound, and saves a view of the cache state that a later cache write
-overwrites, which autograd refuses). The loss is next-token cross-entropy plus MTP_WEIGHT x the MTP
+model_glm.py (GLMModel.kda runs the batch's equal-length sequences side by side, so a step is not
+launch-bound; `TrainingModel` only counts expert loads). The loss is next-token cross-entropy plus MTP_WEIGHT x the MTP
 layer's next-next-token loss. The routers' e_score_correction_bias is not trained by gradient (it
 only chooses experts): it follows DeepSeek-V3's auxiliary-loss-free balancing rule.
 """
@@ -42,8 +39,7 @@ import checkpoint
 import default_model
 import exl3
 from cache import CachePool
-from model_glm import (GLMConfig, GLMModel, SeqChunk, _kda_segments, kda_chunk, kda_gate, kda_recurrent, l2_norm,
-                       linear, rms_norm, route, short_conv)
+from model_glm import GLMConfig, GLMModel, SeqChunk, route
 
 HOLDOUT_EVERY = 20  # files 0, 20, 40, ... of the sorted list are held out
 SKIP_DIRS = {"site-packages", "test", "tests", "idle_test", "__pycache__", "encodings"}  # encodings: codec tables
@@ -236,16 +232,9 @@ def init_params(config: GLMConfig, seed: int, device: torch.device) -> dict[str,
 
 
 class TrainingModel(GLMModel):
-    """GLMModel for training batches (sequences of equal length, all starting at position 0):
-
-    - counts, per MoE layer, how many tokens each expert received (for the bias rule);
-    - runs the KDA layer for all sequences at once. GLMModel.kda loops over sequences and costs
-      ~900 kernel launches per 256-token sequence, which makes a GPU step launch-bound; the KDA
-      equations are per head, so the sequences go side by side on the head axis (and the depthwise
-      conv on the channel axis) through the same functions (short_conv, l2_norm, kda_gate,
-      kda_chunk, rms_norm). The steps are those of GLMModel.kda, in its order; a test holds the
-      two equal. The cache's KDA state is not written (a training cache is thrown away).
-    """
+    """GLMModel that counts, per MoE layer, how many tokens each expert received (for the bias rule).
+    A training batch (sequences of one length, all at position 0) runs its KDA layers side by side
+    in one pass: GLMModel.kda groups such chunks itself."""
 
     def __init__(self, config: GLMConfig, weights: dict):
         super().__init__(config, weights)
@@ -257,50 +246,6 @@ class TrainingModel(GLMModel):
             counts = torch.bincount(experts.flatten(), minlength=self.config.n_routed_experts).float()
             self.loads[p] = self.loads.get(p, 0) + counts
         return super().moe(p, h)
-
-    def kda(self, L: int, x: torch.Tensor, batch: list[SeqChunk], spans: list[tuple[int, int]],
-            cache: CachePool, collected: list[dict] | None) -> torch.Tensor:
-        T = spans[0][1]
-        if collected is not None or any(c.start != 0 or b - a != T for c, (a, b) in zip(batch, spans)):
-            raise ValueError("TrainingModel: a batch is sequences of one length, all starting at 0")
-        cfg, B = self.config, len(batch)
-        p = f"layers.{L}.self_attn."
-        H, d, K = cfg.linear_num_heads, cfg.linear_head_dim, cfg.linear_conv_kernel
-        pre_conv = [linear(x, self.w(p + f"{n}_proj.weight")) for n in "qkv"]  # q̃, k̃, ṽ [B*T, H*d]
-        f = linear(linear(x, self.w(p + "f_a_proj.weight")), self.w(p + "f_b_proj.weight"))
-        o_g = linear(linear(x, self.w(p + "g_a_proj.weight")), self.w(p + "g_b_proj.weight"))
-        g = kda_gate(f, self.w(p + "A_log"), self.w(p + "dt_bias"), cfg.linear_lower_bound, H, d)
-        beta = torch.sigmoid(linear(x, self.w(p + "b_proj.weight")).float())
-
-        def seq_major(t: torch.Tensor) -> torch.Tensor:  # [B*T, H, ...] -> [T, B*H, ...]
-            return t.view(B, T, H, *t.shape[2:]).transpose(0, 1).reshape(T, B * H, *t.shape[2:])
-
-        qkv = []
-        for j, n in enumerate("qkv"):
-            rows = pre_conv[j].view(B, T, H * d).transpose(0, 1).reshape(T, B * H * d)
-            window = torch.cat([rows.new_zeros(K - 1, B * H * d), rows])  # a fresh sequence: zero history
-            conv = short_conv(window, self.w(p + f"{n}_conv1d.weight").repeat(B, 1, 1))
-            qkv.append(conv.float().view(T, B * H, d))
-        q = l2_norm(qkv[0]) * d ** -0.5
-        k = l2_norm(qkv[1])
-        v = qkv[2]
-        g, beta = seq_major(g), seq_major(beta)
-        S = torch.zeros(B * H, d, d, dtype=torch.float32, device=x.device)
-        out = []
-        for s0, s1 in _kda_segments(0, T, cache.block_size):
-            step = kda_recurrent if s1 - s0 == 1 else kda_chunk
-            o, S = step(q[s0:s1], k[s0:s1], v[s0:s1], g[s0:s1], beta[s0:s1], S)
-            out.append(o)
-        out = torch.cat(out).view(T, B, H, d).transpose(0, 1).reshape(B * T, H, d)
-
-        o = rms_norm(out, self.w(p + "o_norm.weight").float(), cfg.rms_norm_eps)
-        o = o * torch.sigmoid(o_g.float().view(-1, H, d))
-        return linear(o.flatten(1).to(x.dtype), self.w(p + "o_proj.weight"))
-
-
-def _grad_forward(model: GLMModel, method: str):
-    """GLMModel.forward / mtp_forward without their @torch.no_grad() (functools.wraps keeps the original)."""
-    return getattr(GLMModel, method).__wrapped__.__get__(model)
 
 
 @dataclass
@@ -322,14 +267,11 @@ def compute_losses(model: GLMModel, tokens: torch.Tensor, grad: bool = True) -> 
     tables = [torch.arange(i * per_seq, (i + 1) * per_seq, device=device) for i in range(B)]
     trunk = [SeqChunk(tokens[i, :T], 0, tables[i], i) for i in range(B)]
     nxt = [SeqChunk(tokens[i, 1:T + 1], 0, tables[i], i) for i in range(B)]
-    if grad:
-        forward, mtp_forward = _grad_forward(model, "forward"), _grad_forward(model, "mtp_forward")
-    else:
-        forward, mtp_forward = model.forward, model.mtp_forward
-    out = forward(trunk, cache, all_logits=True)
-    main = F.cross_entropy(out.logits, tokens[:, 1:T + 1].reshape(-1))
-    draft = mtp_forward(out.hidden, nxt, cache, all_logits=True)
-    mtp = F.cross_entropy(draft.logits, tokens[:, 2:].reshape(-1))
+    with torch.set_grad_enabled(grad):
+        out = model.forward(trunk, cache, all_logits=True)
+        main = F.cross_entropy(out.logits, tokens[:, 1:T + 1].reshape(-1))
+        draft = model.mtp_forward(out.hidden, nxt, cache, all_logits=True)
+        mtp = F.cross_entropy(draft.logits, tokens[:, 2:].reshape(-1))
     return Losses(main, mtp)
 
 

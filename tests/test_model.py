@@ -254,7 +254,7 @@ def test_mtp_matches_hand_computation(oracle):
 
 
 # ---------------------------------------------------------------------------------------------
-# Batching, cache, block states
+# Batching, cache, KDA slots, autograd
 
 def test_batch_of_different_lengths_equals_each_alone(oracle, monkeypatch):
     _, cfg, model, ids, _ = oracle
@@ -283,27 +283,42 @@ def test_batch_of_different_lengths_equals_each_alone(oracle, monkeypatch):
         assert (got[i] - alone[i][-1]).abs().max() <= 1e-5, f"sequence {i}"
 
 
-def test_block_states_equal_a_run_stopped_there(oracle):
+def test_equal_chunks_run_side_by_side_like_each_alone(oracle, monkeypatch):
+    """Chunks whose KDA segments line up (equal start and length; decode steps anywhere) share one
+    KDA pass, stacked on the head axis; a chunk of another shape in the same batch runs on its own."""
+    _, cfg, model, ids, _ = oracle
+    passes = []
+    side_by_side = GLMModel._kda_side_by_side
+    monkeypatch.setattr(GLMModel, "_kda_side_by_side",
+                        lambda self, row, chunks, *a: passes.append(len(chunks)) or side_by_side(self, row, chunks, *a))
+    seqs = [ids[:70], ids[90:160], ids[200:270], ids[30:75]]  # 70: a KDA chunk and a piece
+    slots = [1, 0, 3, 2]
+    pool, alone_pool = new_pool(cfg), new_pool(cfg)
+    batch = [SeqChunk(s, 0, table(i), slot) for i, (s, slot) in enumerate(zip(seqs, slots))]
+    got = model.forward(batch, pool, all_logits=True).logits
+    assert passes == [3, 1] * len(cfg.kda_layers)
+    a = 0
+    for c in batch:
+        alone = model.forward([c], alone_pool, all_logits=True).logits
+        assert (got[a:a + len(c.tokens)] - alone).abs().max() <= 1e-5
+        a += len(c.tokens)
+    # One decode step of all four (positions 70, 70, 70, 45): one KDA pass.
+    passes.clear()
+    step = [SeqChunk(ids[300 + i:301 + i], len(s), table(i), slot) for i, (s, slot) in enumerate(zip(seqs, slots))]
+    got = model.forward(step, pool).logits
+    assert passes == [4] * len(cfg.kda_layers)
+    for i, c in enumerate(step):
+        assert (got[i] - model.forward([c], alone_pool).logits[0]).abs().max() <= 1e-5
+    assert (pool.kda_state - alone_pool.kda_state).abs().max() <= 1e-5
+    assert (pool.conv_state - alone_pool.conv_state).abs().max() <= 1e-5
+
+
+def test_slot_state_restores_and_start_zero_resets(oracle):
     _, cfg, model, ids, _ = oracle
     pool = new_pool(cfg)
-    out = model.forward([SeqChunk(ids[:100], 0, table(0), 0)], pool, want_block_states=True)
-    positions = [pos for pos, _, _ in out.block_states[0]]
-    assert positions == [15, 31, 47, 63, 79, 95]
-    for pos, kda_state, conv_state in out.block_states[0]:
-        if pos not in (31, 63, 95):
-            continue
-        stopped = new_pool(cfg)
-        model.forward([SeqChunk(ids[:pos + 1], 0, table(1), 2)], stopped)
-        assert torch.allclose(kda_state, stopped.kda_state[:, 2], atol=1e-6, rtol=0)
-        assert torch.allclose(conv_state, stopped.conv_state[:, 2], atol=1e-6, rtol=0)
-    # A decode step that ends a block reports the state after it, as the slot holds it now.
-    for t in range(100, 112):
-        out = model.forward([SeqChunk(ids[t:t + 1], t, table(0), 0)], pool, want_block_states=True)
-    (pos, kda_state, conv_state), = out.block_states[0]
-    assert pos == 111
-    assert torch.equal(kda_state, pool.kda_state[:, 0]) and torch.equal(conv_state, pool.conv_state[:, 0])
-    # Restoring a snapshot into another slot continues exactly like the original sequence.
-    pool.kda_state[:, 3], pool.conv_state[:, 3] = kda_state, conv_state
+    model.forward([SeqChunk(ids[:112], 0, table(0), 0)], pool)
+    # Copying a slot's KDA state and conv window into another slot continues exactly like the original.
+    pool.kda_state[:, 3], pool.conv_state[:, 3] = pool.kda_state[:, 0], pool.conv_state[:, 0]
     a = model.forward([SeqChunk(ids[112:130], 112, table(0), 0)], pool).logits
     b = model.forward([SeqChunk(ids[112:130], 112, table(0), 3)], pool).logits
     assert torch.equal(a, b)
@@ -311,6 +326,19 @@ def test_block_states_equal_a_run_stopped_there(oracle):
     fresh = model.forward([SeqChunk(ids[200:230], 0, table(1), 0)], new_pool(cfg), all_logits=True).logits
     reused = model.forward([SeqChunk(ids[200:230], 0, table(0), 3)], pool, all_logits=True).logits
     assert torch.equal(fresh, reused)
+
+
+def test_forward_records_autograd_and_the_pool_keeps_values(oracle):
+    """No no_grad inside forward (train.py backpropagates through it); the pool never holds a graph."""
+    _, cfg, model, ids, _ = oracle
+    weights = {n: w.detach().clone().requires_grad_(n == "layers.0.self_attn.A_log") for n, w in model.weights.items()}
+    pool = new_pool(cfg)
+    out = GLMModel(cfg, weights).forward([SeqChunk(ids[:40], 0, table(0), 0), SeqChunk(ids[50:90], 0, table(1), 1)],
+                                         pool, all_logits=True)
+    out.logits.sum().backward()
+    grad = weights["layers.0.self_attn.A_log"].grad
+    assert grad is not None and grad.abs().sum() > 0
+    assert not pool.kda_state.requires_grad and not pool.conv_state.requires_grad
 
 
 def test_cache_pool_layout_and_sizes(oracle):

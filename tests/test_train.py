@@ -58,26 +58,27 @@ def test_corpus_is_fixed_and_split(tok, corpus):
 
 
 def test_training_model_is_the_engine_model(tok, corpus):
-    """TrainingModel's batched KDA gives GLMModel's logits and MTP logits (fp32, 3 sequences)."""
+    """A training batch (3 sequences side by side in KDA) gives the logits and MTP logits of the
+    engine's model run on each sequence alone (fp32)."""
     t = micro_trainer(tok)
     for _ in range(2):  # trained a little, so the layers are not at their init
         t.step(corpus.train)
     plain = train.GLMModel(t.config, t.weights())
     tokens = train.train_batch(corpus.train, 10, train.Settings(seq_len=70, batch_size=3))  # 70: two KDA chunks
     T = 70
-    outs = []
-    for model in (t.model, plain):
+
+    def run(model, rows):
         cache = train.CachePool(t.config, num_blocks=6, num_slots=3, block_size=train.BLOCK, dtype=torch.float32)
-        chunks = [train.SeqChunk(tokens[i, :T], 0, torch.arange(2 * i, 2 * i + 2), i) for i in range(3)]
+        chunks = [train.SeqChunk(tokens[i, :T], 0, torch.arange(2 * i, 2 * i + 2), i) for i in rows]
         out = model.forward(chunks, cache, all_logits=True)
-        nxt = [train.SeqChunk(tokens[i, 1:T + 1], 0, torch.arange(2 * i, 2 * i + 2), i) for i in range(3)]
-        outs.append((out.logits, model.mtp_forward(out.hidden, nxt, cache, all_logits=True).logits))
-    torch.testing.assert_close(outs[0][0], outs[1][0], rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(outs[0][1], outs[1][1], rtol=1e-4, atol=1e-4)
-    with pytest.raises(ValueError, match="one length"):
-        cache = train.CachePool(t.config, num_blocks=6, num_slots=3, block_size=train.BLOCK, dtype=torch.float32)
-        t.model.forward([train.SeqChunk(tokens[0, :T], 0, torch.arange(2), 0),
-                         train.SeqChunk(tokens[1, :T - 1], 0, torch.arange(2, 4), 1)], cache)
+        nxt = [train.SeqChunk(tokens[i, 1:T + 1], 0, torch.arange(2 * i, 2 * i + 2), i) for i in rows]
+        return out.logits, model.mtp_forward(out.hidden, nxt, cache, all_logits=True).logits
+
+    with torch.no_grad():
+        batched = run(t.model, range(3))
+        alone = [torch.cat(x) for x in zip(*(run(plain, [i]) for i in range(3)))]
+    torch.testing.assert_close(batched[0], alone[0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(batched[1], alone[1], rtol=1e-4, atol=1e-4)
 
 
 def test_gradients_reach_every_part_and_loss_drops(tok, corpus):
