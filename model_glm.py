@@ -520,6 +520,9 @@ class GLMModel:
         cfg = self.config
         spans = self._check_batch(batch, cache)
         tokens = torch.cat([c.tokens for c in batch]).to(self.w("embed_tokens.weight").device)
+        bad = [L for L in taps if not 0 <= L < cfg.num_hidden_layers]
+        if bad:
+            raise ValueError(f"forward: taps {bad} are not trunk layers 0..{cfg.num_hidden_layers - 1}")
         record = _as_index(list(kda_input_rows), tokens.device) if len(kda_input_rows) else None
         tapped, kda_inputs = {}, {}
 

@@ -313,6 +313,23 @@ def test_equal_chunks_run_side_by_side_like_each_alone(oracle, monkeypatch):
     assert (pool.conv_state - alone_pool.conv_state).abs().max() <= 1e-5
 
 
+def test_logit_rows_taps_and_kda_inputs(oracle):
+    """What speculative decoding reads from forward: logits at chosen rows with every row's hidden,
+    the streams' mean after a layer (after the last one it is what the final norm normalizes), and
+    each KDA layer's input at chosen rows."""
+    _, cfg, model, ids, _ = oracle
+    batch = lambda: [SeqChunk(ids[:30], 0, table(0), 0), SeqChunk(ids[40:50], 0, table(1), 1)]
+    full = model.forward(batch(), new_pool(cfg), all_logits=True)
+    L = cfg.num_hidden_layers - 1
+    out = model.forward(batch(), new_pool(cfg), logit_rows=[3, 29, 35], taps=(0, L), kda_input_rows=[31, 32])
+    assert torch.equal(out.hidden, full.hidden) and out.taps.shape == (40, 2 * cfg.hidden_size)
+    assert (out.logits - full.logits[[3, 29, 35]]).abs().max() <= 1e-5
+    normed = model_glm.rms_norm(out.taps[:, cfg.hidden_size:], model.weights["norm.weight"], cfg.rms_norm_eps)
+    assert (normed - full.hidden).abs().max() <= 1e-5
+    assert sorted(out.kda_inputs) == list(cfg.kda_layers)
+    assert all(x.shape == (2, cfg.hidden_size) for x in out.kda_inputs.values())
+
+
 def test_slot_state_restores_and_start_zero_resets(oracle):
     _, cfg, model, ids, _ = oracle
     pool = new_pool(cfg)
@@ -339,6 +356,8 @@ def test_forward_records_autograd_and_the_pool_keeps_values(oracle):
     grad = weights["layers.0.self_attn.A_log"].grad
     assert grad is not None and grad.abs().sum() > 0
     assert not pool.kda_state.requires_grad and not pool.conv_state.requires_grad
+    with pytest.raises(ValueError, match=r"taps \[4\] are not trunk layers 0..3"):
+        model.forward([SeqChunk(ids[:4], 0, table(0), 0)], pool, taps=(1, 4))
 
 
 def test_cache_pool_layout_and_sizes(oracle):
