@@ -47,14 +47,9 @@ def test_layer_subsets_keep_the_pattern(fixtures_dir):
 
 
 def test_tiny_model_runs_every_section_on_cpu():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # this shared 2-core box: one thread is several times faster
-    try:
-        with torch.inference_mode():
-            rows = bench.run_model(bench.parse(["model", "--device", "cpu", "--tiny", "--steps", "2",
-                                                "--context", "64", "--budget", "600"]))
-    finally:
-        torch.set_num_threads(threads)
+    with torch.inference_mode():
+        rows = bench.run_model(bench.parse(["model", "--device", "cpu", "--tiny", "--steps", "2",
+                                            "--context", "64", "--budget", "600"]))
     names = [r.what for r in rows]
     assert names == ["decode B=1 ctx 64", "prefill 64", "decode B=1 ctx 512", "decode B=4 ctx 64",
                      "decode B=16 ctx 64", "prefill 256"]

@@ -29,14 +29,6 @@ MASK = 511
 FIXTURE_CONFIG = "glm53/dflash2.config.json"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def drafter_config_dict(layers: int = 5, window: int = 64) -> dict:
     """The published config's key structure (dflash2.config.json), scaled to the tiny target."""
     return {"architectures": ["DFlash2DraftModel"], "attention_bias": False, "dtype": "bfloat16",

@@ -20,16 +20,6 @@ BS = 16  # block size: a multiple of index_kpool (4), small so short prompts spa
 EOS = 1  # tiny config's eos_token_id
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # The tiny model's matmuls are far below threading break-even; on a shared 2-core machine two
-    # threads made a step ~15x slower.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def make_tokenizer(vocab_size: int) -> Tokenizer:
     """A byte-level BPE with exactly the tiny model's vocabulary: <pad>=0, <eos>=1, then bytes and merges."""
     rng = random.Random(0)

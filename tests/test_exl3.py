@@ -23,15 +23,6 @@ def golden(fixtures_dir):
         return {k: torch.from_numpy(z[k]) for k in z.files}
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # The Viterbi is many small passes; on a shared 2-core box OpenMP spinning makes 2 threads far slower
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
-
-
 def parts(golden, config):
     return {name: golden[f"{config}.{name}"] for name in
             ("trellis", "suh", "svh", "inner", "full", "x1", "y1", "x4", "y4", "x300", "y300")}

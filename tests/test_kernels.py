@@ -10,6 +10,7 @@ import torch
 
 import fp8
 import kernels
+from bench import kda_twin
 from model_glm import kda_recurrent
 
 try:
@@ -183,19 +184,6 @@ def step_twin(q, k, v, g, beta, pool, slots):
     return torch.stack(outs).to(q.dtype)
 
 
-def prefill_twin(q, k, v, g, beta, S0, block=None):
-    """model_glm.kda_recurrent over the sequence from S0 (zeros if None): (o, final, boundary states)."""
-    T, H, dk = q.shape
-    S = torch.zeros(H, dk, v.shape[-1], device=q.device) if S0 is None else S0.clone()
-    cuts = sorted({T} | (set(range(block, T + 1, block)) if block else set()))
-    outs, saved, t0 = [], [], 0
-    for t1 in cuts:
-        o, S = kda_recurrent(*(x[t0:t1].float() for x in (q, k, v, g, beta)), S)
-        outs.append(o)
-        if block and t1 % block == 0:
-            saved.append(S)
-        t0 = t1
-    return torch.cat(outs).to(q.dtype), S, (torch.stack(saved) if block else None)
 
 
 # On the GPU the prefill kernels' tl.dot runs fp32 products in tf32 (10-bit mantissa), a deliberate
@@ -238,7 +226,7 @@ def test_prefill_matches_recurrence(T, chunk, dk, dv, with_init, block):
     q, k, v, g, beta = _inputs((T,), H, dk, dv, seed=T + chunk)
     S0 = torch.randn(H, dk, dv).to(DEVICE) if with_init else None
     o, final, states = kernels.kda_chunk_prefill(q, k, v, g, beta, S0, chunk=chunk, block=block, block_v=16)
-    o_ref, final_ref, states_ref = prefill_twin(q, k, v, g, beta, S0, block=block)
+    o_ref, final_ref, states_ref = kda_twin(q, k, v, g, beta, S0, block=block)
     _close(o, o_ref, "o", PREFILL_REL)
     _close(final, final_ref, "final state", PREFILL_REL)
     if block is None:
@@ -258,7 +246,7 @@ def test_prefill_hard_inputs():
     k = _l2(k[:1] + 0.05 * k)
     beta = torch.full_like(beta, 0.999)
     o, final, _ = kernels.kda_chunk_prefill(q, k, v, g, beta, None, chunk=32)
-    o_ref, final_ref, _ = prefill_twin(q, k, v, g, beta, None)
+    o_ref, final_ref, _ = kda_twin(q, k, v, g, beta, None)
     assert torch.isfinite(o).all()
     _close(o, o_ref, "o", PREFILL_REL)
     _close(final, final_ref, "final state", PREFILL_REL)
@@ -269,7 +257,7 @@ def test_bf16_inputs_give_bf16_output():
     q, k, v, g, beta = _inputs((20,), 2, 16, 16, seed=9)
     q, k, v = (x.bfloat16() for x in (q, k, v))
     o, final, _ = kernels.kda_chunk_prefill(q, k, v, g, beta, None, chunk=16)
-    o_ref, final_ref, _ = prefill_twin(q, k, v, g, beta, None)
+    o_ref, final_ref, _ = kda_twin(q, k, v, g, beta, None)
     assert o.dtype == o_ref.dtype == torch.bfloat16
     _close(final, final_ref, "final state", PREFILL_REL)
     assert (o.float() - o_ref.float()).abs().max() <= 1e-2 * o_ref.float().abs().max()

@@ -103,17 +103,8 @@ def run_chunks(model: GLMModel, pool: CachePool, ids: torch.Tensor, sizes: list[
     return torch.cat(rows)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # The tiny model's ops are far below threading break-even; a second thread only adds contention.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
-def oracle(one_thread, tmp_path_factory):
+def oracle(tmp_path_factory):
     ref, cfg, weights = build_oracle(tmp_path_factory.mktemp("oracle"))
     ids = torch.randint(2, TEXT["vocab_size"], (PREFILL + DECODE,), generator=torch.Generator().manual_seed(7))
     return ref, cfg, GLMModel(cfg, weights), ids, hf_logits(ref, ids, DECODE)

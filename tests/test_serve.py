@@ -66,8 +66,6 @@ def test_default_model_is_deterministic_and_in_the_real_layout(cache_dir, tmp_pa
 def server(cache_dir):
     old = os.environ.get("GLM53_CACHE")
     os.environ["GLM53_CACHE"] = str(cache_dir)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny ops: one thread is much faster than two on a shared 2-core machine
     t0 = time.monotonic()
     srv = serve.Server(serve.parse_args(["--port", "0", "--max-model-len", str(MAX_MODEL_LEN)]))
     srv.serve_in_thread()
@@ -79,7 +77,6 @@ def server(cache_dir):
     print(f"\nserver ready {time.monotonic() - t0:.2f} s after start (model already built)")
     yield srv
     srv.shutdown()
-    torch.set_num_threads(threads)
     if old is None:
         os.environ.pop("GLM53_CACHE")
     else:
