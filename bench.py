@@ -5,6 +5,7 @@
     python bench.py kernels [--peer]       EXL3 GEMV and fused MoE, KDA decode/prefill, FP8 GEMV (--peer: + exllamav3)
     python bench.py exl3 sweep|quick|compare|sweep+compare|crosscheck [--codebook mcg]
     python bench.py kda [decode] [prefill] [precision]
+    python bench.py speculative [--device cpu]   the default model at batch 1: plain vs MTP drafting
 
 `model` builds GLM-5.3-Flash (shapes from the fixture config.json, no files) directly on the device:
 routed experts as EXL3 random trellises (--bits 3.25: a quarter of the MoE layers K4, the rest K3),
@@ -989,21 +990,56 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     e = sub.add_parser("exl3", help="EXL3 GEMV launch sweep / exllamav3 comparison")
     e.add_argument("mode", choices=["sweep", "quick", "compare", "sweep+compare", "crosscheck"])
     e.add_argument("--codebook", default="mcg", choices=exl3.CODEBOOKS)
+    sp = sub.add_parser("speculative", help="the default model at batch 1: plain vs MTP speculative decoding")
+    sp.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     d = sub.add_parser("kda", help="KDA kernels at the real shapes: correctness and timings")
     d.add_argument("sections", nargs="*", help="decode, prefill, precision (default: decode prefill)")
     return parser.parse_args(argv)
+
+
+# ================================================================ speculative decoding (default model)
+
+SPEC_PROMPTS = ("What does json.dumps do?", "Explain the Python topic 'assert'.", "What does os.path.join do?",
+                "How do I sort a list?", "What is a generator?", "Explain the Python topic 'with'.")
+
+
+def run_speculative(args) -> None:
+    """Batch 1, one request at a time, 64 greedy tokens each: tok/s of the best of 3 passes, the
+    draft acceptance, and whether the speculative tokens equal the plain ones (they must)."""
+    import engine
+    prompts = [[{"role": "user", "content": q}] for q in SPEC_PROMPTS]
+    params = engine.SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    tokens, rate = {}, {}
+    for spec in ("none", "mtp"):
+        e = engine.load(device=args.device, progress=False, speculator=spec)
+        e.generate(prompts[:1], engine.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        best = math.inf
+        for _ in range(3):
+            t = time.perf_counter()
+            out = [e.generate([q], params)[0] for q in prompts]
+            best = min(best, time.perf_counter() - t)
+        tokens[spec] = [r.token_ids for r in out]
+        rate[spec] = sum(map(len, tokens[spec])) / best
+        s = e.stats()
+        accept = (f", {(s.spec_accepted_tokens + s.spec_verify_steps) / s.spec_verify_steps:.2f} tokens per "
+                  f"verify step ({s.spec_accepted_tokens} of {s.spec_draft_tokens} drafts accepted)"
+                  if s.spec_verify_steps else "")
+        say(f"{spec}: {rate[spec]:.1f} tok/s{accept}")
+    say(f"speculative tokens identical to plain: {tokens['mtp'] == tokens['none']}; "
+        f"speedup {rate['mtp'] / rate['none']:.2f}x")
 
 
 def main(argv: list[str] | None = None) -> None:
     # The model nearly fills the GPU: let the allocator grow segments instead of fragmenting.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     args = parse(argv)
-    if args.command != "model" or args.device != "cpu":
+    if args.command not in ("model", "speculative") or args.device != "cpu":
         if not torch.cuda.is_available():
             sys.exit(f"bench.py {args.command} needs CUDA (only `model --device cpu --tiny` runs without)")
     torch.manual_seed(0)
     with torch.inference_mode():
-        {"model": run_model, "kernels": run_kernels, "exl3": run_exl3, "kda": run_kda}[args.command](args)
+        {"model": run_model, "kernels": run_kernels, "exl3": run_exl3, "kda": run_kda,
+         "speculative": run_speculative}[args.command](args)
 
 
 if __name__ == "__main__":
