@@ -24,12 +24,11 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 import exl3
+import fp8
 
 TEXT_PREFIXES = ("model.language_model.", "model.")
 VISION_PREFIX = "model.visual."
 HEAD_NAME = "lm_head.weight"
-FP8_BLOCK = 128
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
 FLOAT = frozenset({"BF16", "F16", "F32"})
 LINEAR = FLOAT | {"F8_E4M3"}
 EXL3_SUFFIXES = exl3.TENSOR_KEYS
@@ -199,10 +198,6 @@ def _text_prefix(keys: list[str]) -> str:
     return TEXT_PREFIXES[1]
 
 
-def _scale_grid(shape: tuple[int, ...]) -> tuple[int, int]:
-    return (math.ceil(shape[0] / FP8_BLOCK), math.ceil(shape[1] / FP8_BLOCK))
-
-
 def _fmt(shape) -> str:
     return "[" + ", ".join(str(x) for x in shape) + "]"
 
@@ -267,9 +262,9 @@ def _claim(spec: TensorSpec, key: str, inventory: Mapping[str, tuple[str, tuple]
             problems.append(f"{scale_key}: missing (FP8 weight {key} needs its block scales)")
         else:
             s_dtype, s_shape = inventory[scale_key]
-            if s_dtype != "F32" or tuple(s_shape) != _scale_grid(spec.shape):
+            if s_dtype != "F32" or tuple(s_shape) != fp8.scale_grid(*spec.shape):
                 problems.append(f"{scale_key}: is {s_dtype} {_fmt(s_shape)}, "
-                                f"expected F32 {_fmt(_scale_grid(spec.shape))}")
+                                f"expected F32 {_fmt(fp8.scale_grid(*spec.shape))}")
         return Stored("fp8", keys)
     elif "weight_scale_inv" in keys:  # a scale next to an unquantized weight: left unclaimed
         del keys["weight_scale_inv"]
@@ -372,13 +367,6 @@ def read_inventory(files: list[Path]) -> tuple[dict[str, tuple[str, tuple]], dic
     return inventory, where
 
 
-def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """W[i, j] = float(W_fp8[i, j]) * scale_inv[i // 128, j // 128] (spec §3: scale_inv multiplies)."""
-    out_f, in_f = weight.shape
-    scale = scale_inv.float().repeat_interleave(FP8_BLOCK, 0)[:out_f].repeat_interleave(FP8_BLOCK, 1)[:, :in_f]
-    return (weight.float() * scale).to(dtype)
-
-
 def load_weights(path: str | Path, config: Any, dtype: torch.dtype = torch.bfloat16,
                  device: str | torch.device = "cpu", progress: bool = True) -> dict[str, Any]:
     """Language-model weights by in-memory name: tensors in `dtype` (fp32 ones stay fp32), FP8
@@ -401,27 +389,13 @@ def load_weights(path: str | Path, config: Any, dtype: torch.dtype = torch.bfloa
             want = torch.float32 if plan.specs[name].fp32 else dtype
             w = get(s.keys["weight"]).to(device)
             if s.format == "fp8":
-                w = dequantize_fp8(w, get(s.keys["weight_scale_inv"]).to(device), want)
+                w = fp8.dequantize_fp8_block(w, get(s.keys["weight_scale_inv"]).to(device), want)
             weights[name] = w.to(want)
     return weights
 
 
 # ---------------------------------------------------------------------------------------------
 # Writing
-
-def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block-128 E4M3: per 128x128 block, scale_inv = amax / 448, W_fp8 = W / scale_inv."""
-    out_f, in_f = weight.shape
-    go, gi = _scale_grid(weight.shape)
-    w = weight.float()
-    padded = torch.zeros(go * FP8_BLOCK, gi * FP8_BLOCK, device=w.device)
-    padded[:out_f, :in_f] = w
-    amax = padded.view(go, FP8_BLOCK, gi, FP8_BLOCK).abs().amax(dim=(1, 3))
-    scale_inv = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    full = scale_inv.repeat_interleave(FP8_BLOCK, 0)[:out_f].repeat_interleave(FP8_BLOCK, 1)[:, :in_f]
-    q = (w / full).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return q, scale_inv.contiguous()
-
 
 def _config_object(config_dict: dict) -> Any:
     # Imported here, not at the top: model_glm sits above this module (DESIGN.md).
@@ -466,7 +440,7 @@ def _encode(config: Any, weights: Mapping[str, Any], experts: str, core: str, bi
             linears[name] = lin
             out |= {f"{name.removesuffix('.weight')}.{k}": t for k, t in lin.tensors().items()}
         elif fmt == "fp8" and fp8_in_official_release(config, name):
-            out[name], out[name + "_scale_inv"] = quantize_fp8(w)
+            out[name], out[name + "_scale_inv"] = fp8.quantize_fp8_block(w, "amax")
         elif specs[name].fp32:
             out[name] = w.float().contiguous()
         else:
@@ -508,13 +482,13 @@ def write_checkpoint(path: str | Path, config_dict: dict, weights: Mapping[str, 
     tensors = {(k if k == HEAD_NAME else prefix + k): t for k, t in tensors.items()}
 
     cfg = dict(config_dict)
-    fp8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-           "weight_block_size": [FP8_BLOCK, FP8_BLOCK]}
+    fp8_config = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                  "weight_block_size": [fp8.BLOCK, fp8.BLOCK]}
     any_fp8 = core == "fp8" or experts == "fp8"
     if linears:
-        cfg["quantization_config"] = _exl3_quantization_config(linears, fp8 if any_fp8 else None)
+        cfg["quantization_config"] = _exl3_quantization_config(linears, fp8_config if any_fp8 else None)
     elif any_fp8:
-        cfg["quantization_config"] = fp8
+        cfg["quantization_config"] = fp8_config
     else:
         cfg.pop("quantization_config", None)
 

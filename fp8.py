@@ -22,7 +22,8 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 SCALE_RULES = ("amax", "pow2")
 
 
-def _scale_grid(out_f: int, in_f: int) -> tuple[int, int]:
+def scale_grid(out_f: int, in_f: int) -> tuple[int, int]:
+    """The shape of `weight_scale_inv` for a weight [out, in]: one per 128 x 128 block."""
     return -(-out_f // BLOCK), -(-in_f // BLOCK)
 
 
@@ -44,7 +45,7 @@ def quantize_fp8_block(w: torch.Tensor, scale_rule: str = "amax") -> tuple[torch
     if w.dim() != 2 or not w.is_floating_point():
         raise ValueError(f"weight must be a float [out, in] matrix, got {w.dtype} {tuple(w.shape)}")
     out_f, in_f = w.shape
-    go, gi = _scale_grid(out_f, in_f)
+    go, gi = scale_grid(out_f, in_f)
     wf = w.float()
     padded = F.pad(wf, (0, gi * BLOCK - in_f, 0, go * BLOCK - out_f))
     amax = padded.view(go, BLOCK, gi, BLOCK).abs().amax(dim=(1, 3))
@@ -79,7 +80,7 @@ class FP8Linear:
             raise ValueError(f"{label}.weight must be float8_e4m3fn [out, in], got "
                              f"{self.weight.dtype} {tuple(self.weight.shape)}")
         self.out_features, self.in_features = self.weight.shape
-        grid = _scale_grid(self.out_features, self.in_features)
+        grid = scale_grid(self.out_features, self.in_features)
         if tuple(self.scale_inv.shape) != grid:
             raise ValueError(f"{label}.weight_scale_inv has shape {tuple(self.scale_inv.shape)}, weight "
                              f"{tuple(self.weight.shape)} needs {grid} (one per 128 x 128 block)")

@@ -10,6 +10,7 @@ from safetensors.torch import save_file
 
 import checkpoint
 import exl3
+import fp8
 from checkpoint import CheckpointError
 import tiny
 from model_glm import GLMConfig
@@ -213,9 +214,9 @@ def test_roundtrip_bf16(tmp_path, tiny_config, tiny_ref):
 def test_dequantize_fp8_formula():
     g = torch.Generator().manual_seed(0)
     w = torch.randn(300, 200, generator=g)
-    q, s = checkpoint.quantize_fp8(w)
+    q, s = fp8.quantize_fp8_block(w, "amax")
     assert q.dtype == torch.float8_e4m3fn and s.shape == (3, 2)
-    d = checkpoint.dequantize_fp8(q, s, torch.float32)
+    d = fp8.dequantize_fp8_block(q, s, torch.float32)
     for i, j in ((0, 0), (127, 128), (128, 127), (299, 199), (256, 5)):
         assert d[i, j] == q[i, j].float() * s[i // 128, j // 128]
     assert (d - w).abs().max() > 0
@@ -233,6 +234,9 @@ def test_roundtrip_fp8(tmp_path, tiny_config, tiny_ref):
     for name, grid in grids.items():
         assert files[prefix + name].dtype == torch.float8_e4m3fn, name
         assert tuple(files[prefix + name + "_scale_inv"].shape) == grid, name
+        q, s = fp8.quantize_fp8_block(tiny_ref[name], "amax")  # the writer stores fp8.py's amax rule
+        assert torch.equal(files[prefix + name].view(torch.uint8), q.view(torch.uint8)), name
+        assert torch.equal(files[prefix + name + "_scale_inv"], s), name
     for name in ("layers.2.self_attn.o_proj.weight", "layers.3.self_attn.kv_b_proj.weight",
                  "layers.1.self_attn.indexer.wk.weight", "layers.1.mlp.gate.weight", "lm_head.weight"):
         key = name if name == "lm_head.weight" else prefix + name

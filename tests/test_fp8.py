@@ -2,7 +2,6 @@
 import pytest
 import torch
 
-import checkpoint
 import fp8
 
 
@@ -11,14 +10,22 @@ def _weight(out_f: int, in_f: int, seed: int) -> torch.Tensor:
     return torch.randn(out_f, in_f, generator=g) * torch.rand(out_f, 1, generator=g) * 3
 
 
-def test_amax_rule_is_the_checkpoint_writers():
+def test_amax_rule_is_the_official_formula():
+    """Bit for bit what the checkpoint writer stored before it used fp8.py: scale_inv = amax / 448 per
+    zero-padded 128 x 128 block (1 for an all-zero block), W_fp8 = W / scale_inv cast to e4m3."""
     w = _weight(200, 300, seed=1)
+    w[128:, 256:] = 0
     q, s = fp8.quantize_fp8_block(w, "amax")
-    q_ck, s_ck = checkpoint.quantize_fp8(w)
     assert s.shape == (2, 3) and q.dtype == torch.float8_e4m3fn
-    assert torch.equal(s, s_ck) and torch.equal(q.view(torch.uint8), q_ck.view(torch.uint8))
-    assert torch.equal(fp8.dequantize_fp8_block(q, s, torch.bfloat16),
-                       checkpoint.dequantize_fp8(q_ck, s_ck, torch.bfloat16))
+    padded = torch.zeros(256, 384)
+    padded[:200, :300] = w
+    amax = padded.view(2, 128, 3, 128).abs().amax(dim=(1, 3))
+    s_ref = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+    full = s_ref.repeat_interleave(128, 0)[:200].repeat_interleave(128, 1)[:, :300]
+    q_ref = (w / full).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    assert torch.equal(s, s_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    assert s[1, 2] == 1
+    assert torch.equal(fp8.dequantize_fp8_block(q, s, torch.bfloat16), (q_ref.float() * full).to(torch.bfloat16))
 
 
 @pytest.mark.parametrize("rule", fp8.SCALE_RULES)
