@@ -283,7 +283,7 @@ def build_weights(cfg: GLMConfig, bits: dict[int, int], core: str, dtype: torch.
             weights[name] = torch.randn(spec.shape, dtype=dtype, device=device, generator=gen)
         else:  # small tensors: checkpoint's initializer (A_log, dt_bias, mHC, norms, router ...)
             g = torch.Generator().manual_seed(seed + len(weights))
-            weights[name] = checkpoint._random_init(name, spec, g).to(
+            weights[name] = checkpoint.random_init(name, spec, g).to(
                 device=device, dtype=torch.float32 if spec.fp32 else dtype)
     for L, k in bits.items():
         weights |= _random_experts(cfg, L, k, device, gen)

@@ -582,7 +582,7 @@ def tiny_config_dict(**overrides: Any) -> dict:
             "tie_word_embeddings": False, "text_config": text, "vision_config": dict(_TINY_VISION)}
 
 
-def _random_init(name: str, spec: TensorSpec, g: torch.Generator) -> torch.Tensor:
+def random_init(name: str, spec: TensorSpec, g: torch.Generator) -> torch.Tensor:
     """Random values on a sensible scale; the tensors transformers initialises to constants
     (A_log, kpool ape/gate, hc base, e_score_correction_bias) get spread so no path is degenerate."""
     shape = spec.shape
@@ -615,6 +615,6 @@ def random_weights(config: Any, seed: int = 0) -> dict[str, torch.Tensor]:
     out = {}
     for name, spec in expected_tensors(config).items():
         g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-        w = _random_init(name, spec, g)
+        w = random_init(name, spec, g)
         out[name] = w if spec.fp32 else w.to(torch.bfloat16).float()
     return out

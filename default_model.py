@@ -97,10 +97,11 @@ def _key(texts: list[str]) -> str:
 
 def build(path: Path, texts: list[str]) -> None:
     import checkpoint
+    from model_glm import GLMConfig
 
     tok = build_tokenizer(texts)
     config_dict = model_config(tok)
-    weights = checkpoint.random_weights(checkpoint._config_object(config_dict), SEED)
+    weights = checkpoint.random_weights(GLMConfig.from_dict(config_dict), SEED)
     checkpoint.write_checkpoint(path, config_dict, weights)
     tok.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(), indent=2) + "\n")
