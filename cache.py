@@ -75,7 +75,3 @@ class CachePool:
     def bytes_per_sequence(self) -> int:
         """KDA bytes one sequence slot costs (recurrent + conv state), whatever its length."""
         return sum(t[:, 0].numel() * t.element_size() for t in (self.kda_state, self.conv_state))
-
-    def total_bytes(self) -> int:
-        return sum(t.numel() * t.element_size()
-                   for t in (self.latent, self.index_k, self.gate, self.pooled, self.kda_state, self.conv_state))
