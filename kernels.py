@@ -876,16 +876,21 @@ def _kda_chunk_output_kernel(qg_ptr, aqk_ptr, u_ptr, states_ptr, o_ptr, T,
 
 # ---------------------------------------------------------------- argument checks
 
-def _check_step(q, k, v, g, beta, state, slots) -> None:
+def _check_qkvgb(q, k, v, g, beta, rows: str) -> tuple[int, int, int, int]:
+    """Both KDA kernels' inputs: q, k, g [N, H, d_k], v [N, H, d_v], beta [N, H]; `rows` names N."""
     if q.dim() != 3:
-        raise ValueError(f"q must be [B, H, d_k], got {tuple(q.shape)}")
-    B, H, dk = q.shape
-    for name, x, shape in (("k", k, (B, H, dk)), ("g", g, (B, H, dk)), ("beta", beta, (B, H))):
+        raise ValueError(f"q must be [{rows}, H, d_k], got {tuple(q.shape)}")
+    N, H, dk = q.shape
+    for name, x, shape in (("k", k, (N, H, dk)), ("g", g, (N, H, dk)), ("beta", beta, (N, H))):
         if tuple(x.shape) != shape:
             raise ValueError(f"{name} shape {tuple(x.shape)} does not match q {tuple(q.shape)}: expected {shape}")
-    if v.dim() != 3 or tuple(v.shape[:2]) != (B, H):
-        raise ValueError(f"v shape {tuple(v.shape)} does not match q {tuple(q.shape)}: expected ({B}, {H}, d_v)")
-    dv = v.shape[-1]
+    if v.dim() != 3 or tuple(v.shape[:2]) != (N, H):
+        raise ValueError(f"v shape {tuple(v.shape)} does not match q {tuple(q.shape)}: expected ({N}, {H}, d_v)")
+    return N, H, dk, v.shape[-1]
+
+
+def _check_step(q, k, v, g, beta, state, slots) -> None:
+    B, H, dk, dv = _check_qkvgb(q, k, v, g, beta, "B")
     if state.dim() != 4 or tuple(state.shape[1:]) != (H, dk, dv):
         raise ValueError(f"state shape {tuple(state.shape)}: expected (num_slots, {H}, {dk}, {dv})")
     if tuple(slots.shape) != (B,):
@@ -893,15 +898,7 @@ def _check_step(q, k, v, g, beta, state, slots) -> None:
 
 
 def _check_prefill(q, k, v, g, beta, initial_state) -> tuple[int, int, int, int]:
-    if q.dim() != 3:
-        raise ValueError(f"q must be [T, H, d_k], got {tuple(q.shape)}")
-    T, H, dk = q.shape
-    for name, x, shape in (("k", k, (T, H, dk)), ("g", g, (T, H, dk)), ("beta", beta, (T, H))):
-        if tuple(x.shape) != shape:
-            raise ValueError(f"{name} shape {tuple(x.shape)} does not match q {tuple(q.shape)}: expected {shape}")
-    if v.dim() != 3 or tuple(v.shape[:2]) != (T, H):
-        raise ValueError(f"v shape {tuple(v.shape)} does not match q {tuple(q.shape)}: expected ({T}, {H}, d_v)")
-    dv = v.shape[-1]
+    T, H, dk, dv = _check_qkvgb(q, k, v, g, beta, "T")
     if T == 0:
         raise ValueError("q has no tokens (T = 0)")
     if initial_state is not None:
