@@ -10,7 +10,7 @@ import torch
 
 import fp8
 import kernels
-from bench import kda_twin
+from bench import kda_twin, rel_err
 from model_glm import kda_recurrent
 
 try:
@@ -44,10 +44,6 @@ def _golden(golden, config: str, name: str) -> torch.Tensor:
     return torch.from_numpy(golden[f"{config}.{name}"]).to(DEVICE)
 
 
-def _rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((y.double() - ref.double()).norm() / ref.double().norm()).item()
-
-
 def _random_linear(k: int, n: int, width: int, seed: int):
     g = torch.Generator().manual_seed(seed)
     trellis = torch.randint(-2**15, 2**15, (k // 16, n // 16, width), generator=g, dtype=torch.int32)
@@ -79,7 +75,7 @@ def test_gemv_matches_exllamav3_batch4(golden, config, block_n, row_tiles, split
                       _golden(golden, config, "svh"), config.split("_")[1], out=out,
                       block_n=block_n, row_tiles=row_tiles, split_k=split_k)
     assert torch.isfinite(out).all(), "some outputs were not written"
-    err = _rel_err(out, _golden(golden, config, "y4"))
+    err = rel_err(out, _golden(golden, config, "y4"))
     assert err <= 1e-3, f"{config}: relative error {err:.2e} against exllamav3's y4"
 
 
@@ -90,7 +86,7 @@ def test_gemv_split_buffers_are_left_clean(golden):
     x = _random_x(2, 256, seed=1)
     first = kernels.exl3_gemv(x, *args, "mcg", block_n=64, row_tiles=8, split_k=2)
     second = kernels.exl3_gemv(x, *args, "mcg", block_n=64, row_tiles=8, split_k=2)
-    assert _rel_err(second, first) <= 1e-6
+    assert rel_err(second, first) <= 1e-6
 
 
 @needs_exl3
@@ -112,7 +108,7 @@ def test_gemv_matches_torch_twin(m, width, codebook, split_k):
     kernels.exl3_gemv(x, trellis, suh, svh, codebook, out=out, row_tiles=8 // split_k, split_k=split_k)
     assert torch.isfinite(out).all(), "some outputs were not written"
     ref = x.float() @ exl3.dequantize(trellis, suh, svh, codebook).float()
-    err = _rel_err(out, ref)
+    err = rel_err(out, ref)
     assert err <= 1e-3, f"relative error {err:.2e} against x @ exl3.dequantize"
 
 
@@ -122,7 +118,7 @@ def test_gemv_more_rows_than_one_launch_takes():
     x = _random_x(2 * kernels.GEMV_ROWS + 1, 128, seed=6)
     y = kernels.exl3_gemv(x, trellis, suh, svh, "mul1", row_tiles=8)
     ref = x.float() @ exl3.dequantize(trellis, suh, svh, "mul1").float()
-    assert _rel_err(y, ref) <= 1e-3
+    assert rel_err(y, ref) <= 1e-3
 
 
 @needs_exl3
@@ -140,7 +136,7 @@ def test_large_shapes_on_gpu(k, n, width, codebook):
         for _ in range(3):  # repeated calls: a moving error would mean a split-k race
             out = torch.full((m, n), float("nan"), dtype=torch.float16, device=DEVICE)
             kernels.exl3_gemv(x, trellis, suh, svh, codebook, out=out)
-            err = _rel_err(out, ref)
+            err = rel_err(out, ref)
             assert err <= 1e-3, f"m={m}: relative error {err:.2e}"
 
 
@@ -352,6 +348,6 @@ def test_moe_decode_matches_expert_twins(m, top_k, k_words, codebook, block_n, r
             ref[t] += route[t, j] * down(swiglu(gate(xt), up(xt), limit))[0]
     # On the GPU the twin's EXL3Linear runs the fp16 GEMV (fp16 gate/up/down outputs); the fused
     # kernel keeps fp32 between projections, so only fp16 rounding separates them there.
-    assert _rel_err(y, ref) <= (1e-4 if DEVICE == "cpu" else 1e-3), f"relative error {_rel_err(y, ref):.2e}"
+    assert rel_err(y, ref) <= (1e-4 if DEVICE == "cpu" else 1e-3), f"relative error {rel_err(y, ref):.2e}"
     again = kernels.exl3_moe_decode(x, ids, route, *projections, codebook, limit, block_n=block_n, row_tiles=row_tiles)
-    assert _rel_err(again, y) <= 1e-6, "the second call sees the first's partial sums"
+    assert rel_err(again, y) <= 1e-6, "the second call sees the first's partial sums"
