@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import checkpoint
+import exl3
 import model_glm
 from cache import CachePool
 from model_glm import GLMConfig, GLMModel, SeqChunk
@@ -140,7 +141,7 @@ def test_sparse_selection_matters(oracle):
     assert (got - expected[:PREFILL]).abs().max() > 0.1
 
 
-def random_exl3(k: int, n: int, g: torch.Generator, exl3) -> "exl3.EXL3Linear":
+def random_exl3(k: int, n: int, g: torch.Generator) -> exl3.EXL3Linear:
     """A K=4 EXL3 linear with a random trellis (exl3.quantize takes minutes per matrix on CPU; any
     trellis is a valid EXL3 weight). suh/svh of ±0.3 give weights of about the oracle's scale."""
     trellis = torch.randint(-2 ** 15, 2 ** 15, (k // 16, n // 16, 64), generator=g).to(torch.int16)
@@ -150,7 +151,6 @@ def random_exl3(k: int, n: int, g: torch.Generator, exl3) -> "exl3.EXL3Linear":
 
 def test_exl3_experts_match_transformers_on_dequantized_weights(tmp_path):
     """Routed experts as EXL3Linear on our side; transformers gets their dequantized weights."""
-    exl3 = pytest.importorskip("exl3")
     # EXL3 needs in/out features in multiples of 128.
     ref, cfg, weights = build_oracle(tmp_path, seed=3, hidden_size=128, moe_intermediate_size=128,
                                      n_routed_experts=4, num_hidden_layers=2, layer_types=TEXT["layer_types"][:2],
@@ -161,8 +161,7 @@ def test_exl3_experts_match_transformers_on_dequantized_weights(tmp_path):
     with torch.no_grad():
         for e in range(cfg.n_routed_experts):
             p = f"layers.1.mlp.experts.{e}."
-            lins = {"gate": random_exl3(D, I, g, exl3), "up": random_exl3(D, I, g, exl3),
-                    "down": random_exl3(I, D, g, exl3)}
+            lins = {"gate": random_exl3(D, I, g), "up": random_exl3(D, I, g), "down": random_exl3(I, D, g)}
             for n, lin in lins.items():
                 weights[p + f"{n}_proj.weight"] = lin
             # W as the EXL3Linear applies it (fp32): its rows are the images of the unit vectors.
