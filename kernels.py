@@ -266,10 +266,7 @@ def exl3_decode(trellis: torch.Tensor, codebook: str, out: torch.Tensor | None =
     k2 = trellis_k2(trellis, codebook)
     tiles_k, tiles_n, _ = trellis.shape
     shape = (tiles_k * 16, tiles_n * 16)
-    if out is None:
-        out = torch.empty(shape, dtype=torch.float16, device=trellis.device)
-    elif out.shape != shape or out.dtype != torch.float16 or not out.is_contiguous():
-        raise ValueError(f"out must be contiguous fp16 {shape}, got {out.dtype} {tuple(out.shape)}")
+    out = _out_buffer(out, shape, torch.float16, trellis.device)
     words = trellis.contiguous().view(torch.int32)
     block_rows, block_cols = 64, 128
     grid = (triton.cdiv(tiles_k * 16, block_rows), triton.cdiv(tiles_n * 16, block_cols))
@@ -322,13 +319,9 @@ def exl3_gemv(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: to
         raise ValueError(f"suh must be fp16 ({k},), got {suh.dtype} {tuple(suh.shape)}")
     if svh.shape != (n,) or svh.dtype != torch.float16:
         raise ValueError(f"svh must be fp16 ({n},), got {svh.dtype} {tuple(svh.shape)}")
-    if block_n not in (16, 32, 64, 128):
-        raise ValueError(f"block_n must be 16, 32, 64 or 128, got {block_n}")
+    _check_block_n(block_n)
     m = x.shape[0]
-    if out is None:
-        out = torch.empty((m, n), dtype=torch.float16, device=x.device)
-    elif out.shape != (m, n) or out.dtype != torch.float16 or not out.is_contiguous():
-        raise ValueError(f"out must be contiguous fp16 ({m}, {n}), got {out.dtype} {tuple(out.shape)}")
+    out = _out_buffer(out, (m, n), torch.float16, x.device)
     split = split_k or _default_split(x.device, n, tiles_k // row_tiles, block_n)
     if tiles_k % (split * row_tiles):
         raise ValueError(f"split_k {split} x row_tiles {row_tiles} must divide the {tiles_k} row tiles of 16")
@@ -492,8 +485,7 @@ def exl3_moe_decode(x: torch.Tensor, ids: torch.Tensor, route: torch.Tensor,
     m = x.shape[0]
     if ids.dim() != 2 or ids.shape[0] != m or tuple(route.shape) != tuple(ids.shape):
         raise ValueError(f"ids and route must both be [{m}, top_k], got {tuple(ids.shape)} and {tuple(route.shape)}")
-    if block_n not in (16, 32, 64, 128):
-        raise ValueError(f"block_n must be 16, 32, 64 or 128, got {block_n}")
+    _check_block_n(block_n)
     top_k = ids.shape[1]
     P = m * top_k
     dev = x.device
@@ -909,6 +901,21 @@ def _check_prefill(q, k, v, g, beta, initial_state) -> tuple[int, int, int, int]
     return T, H, dk, dv
 
 
+def _check_block_n(block_n: int) -> None:
+    if block_n not in (16, 32, 64, 128):
+        raise ValueError(f"block_n must be 16, 32, 64 or 128, got {block_n}")
+
+
+def _out_buffer(out: torch.Tensor | None, shape: tuple[int, int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A new result tensor, or the caller's `out` (a static buffer for CUDA graphs) once it fits."""
+    if out is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    if out.shape != shape or out.dtype != dtype or not out.is_contiguous():
+        name = {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(dtype, str(dtype))
+        raise ValueError(f"out must be contiguous {name} {shape}, got {out.dtype} {tuple(out.shape)}")
+    return out
+
+
 def _check_pow2(name: str, n: int) -> None:
     if n < 16 or n & (n - 1):
         raise ValueError(f"{name} = {n}: the Triton kernels need a power of two >= 16")
@@ -977,13 +984,9 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, out
                          f"got {scale_inv.dtype} {tuple(scale_inv.shape)}")
     if x.dim() != 2 or x.shape[1] != k or x.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"x must be bf16 or fp16 [m, {k}], got {x.dtype} {tuple(x.shape)}")
-    if block_n not in (16, 32, 64, 128):
-        raise ValueError(f"block_n must be 16, 32, 64 or 128, got {block_n}")
+    _check_block_n(block_n)
     m = x.shape[0]
-    if out is None:
-        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    elif out.shape != (m, n) or out.dtype != x.dtype or not out.is_contiguous():
-        raise ValueError(f"out must be contiguous {x.dtype} ({m}, {n}), got {out.dtype} {tuple(out.shape)}")
+    out = _out_buffer(out, (m, n), x.dtype, x.device)
     x, weight, scale_inv = x.contiguous(), weight.contiguous(), scale_inv.contiguous()
     n_tiles, k_blocks = triton.cdiv(n, block_n), grid_shape[1]
     split = split_k or _fp8_default_split(x.device, n_tiles, k_blocks)
