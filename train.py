@@ -225,10 +225,14 @@ def model_config(tok: Tokenizer, overrides: dict | None = None) -> dict:
     return checkpoint.tiny_config_dict(**over)
 
 
+def as_params(weights: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """Leaf tensors on `device`; all but the routing biases (moved by the bias rule) require grad."""
+    return {n: w.to(device).requires_grad_(not n.endswith("e_score_correction_bias")) for n, w in weights.items()}
+
+
 def init_params(config: GLMConfig, seed: int, device: torch.device) -> dict[str, torch.Tensor]:
-    """fp32 leaf tensors: checkpoint.random_weights' values; all but the routing biases require grad."""
-    return {n: w.to(device).requires_grad_(not n.endswith("e_score_correction_bias"))
-            for n, w in checkpoint.random_weights(config, seed).items()}
+    """fp32 leaf tensors: checkpoint.random_weights' values."""
+    return as_params(checkpoint.random_weights(config, seed), device)
 
 
 class TrainingModel(GLMModel):
@@ -346,8 +350,7 @@ class Trainer:
     def load(cls, path: Path, device: str | torch.device) -> "Trainer":
         st = torch.load(path, map_location="cpu", weights_only=False)
         device = torch.device(device)
-        params = {n: p.to(device).requires_grad_(not n.endswith("e_score_correction_bias"))
-                  for n, p in st["params"].items()}
+        params = as_params(st["params"], device)
         t = cls(st["config_dict"], Settings(**st["settings"]), device, params)
         t.optimizer.load_state_dict(st["optimizer"])
         t.step_index, t.data_pos, t.total_steps = st["step"], st["data_pos"], st["total_steps"]
