@@ -14,7 +14,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import requests
-import torch
 
 import chat
 import default_model
