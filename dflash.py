@@ -370,7 +370,7 @@ def load_drafter(path: str | Path, target: GLMModel, dtype: torch.dtype | None =
     cfg = DFlash2Config.from_file(path)
     cfg.check_target(target.config)
     files = checkpoint.checkpoint_files(path)
-    found, where = checkpoint.read_inventory(files)
+    found, _ = checkpoint.read_inventory(files)
     check_drafter_tensors(cfg, found)
     dtype = dtype or target.dtype
     device = target.w("embed_tokens.weight").device
