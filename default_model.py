@@ -103,6 +103,11 @@ def build(path: Path, texts: list[str]) -> None:
     config_dict = model_config(tok)
     weights = checkpoint.random_weights(GLMConfig.from_dict(config_dict), SEED)
     checkpoint.write_checkpoint(path, config_dict, weights)
+    write_extras(path, tok)
+
+
+def write_extras(path: Path, tok: Tokenizer) -> None:
+    """What a checkpoint folder holds besides the weights and configs: tokenizer and chat template."""
     tok.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(), indent=2) + "\n")
     shutil.copyfile(TEMPLATE, path / "chat_template.jinja")

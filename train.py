@@ -23,7 +23,6 @@ import inspect
 import json
 import math
 import os
-import shutil
 import sysconfig
 import time
 import zlib
@@ -400,12 +399,6 @@ def quantize_experts(config: GLMConfig, weights: dict[str, torch.Tensor], bits: 
     return out
 
 
-def write_extras(path: Path, tok: Tokenizer) -> None:
-    tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps(default_model.tokenizer_config(), indent=2) + "\n")
-    shutil.copyfile(default_model.TEMPLATE, path / "chat_template.jinja")
-
-
 def export(out: Path, config_dict: dict, weights: dict[str, torch.Tensor], tok: Tokenizer,
            bits: tuple[float, ...] = BITS, scale: float | None = None) -> dict[str, Path]:
     """out/bf16 and out/exl3-<K>bit for each K: folders engine.load reads. Returns {variant: folder}."""
@@ -420,7 +413,7 @@ def export(out: Path, config_dict: dict, weights: dict[str, torch.Tensor], tok: 
                                     {n: experts.get(n, w) for n, w in weights.items()}, experts="exl3", codebook=CODEBOOK)
         print(f"exported EXL3 {k}-bit experts in {time.time() - t0:.1f} s", flush=True)
     for folder in folders.values():
-        write_extras(folder, tok)
+        default_model.write_extras(folder, tok)
     return folders
 
 
