@@ -249,12 +249,10 @@ def parse_tool_call(body: str, tools: list[dict] | None = None) -> ToolCall | No
     return ToolCall(name=name, arguments=args)
 
 
-def _held_back(text: str, tag: str) -> int:
-    """Length of the longest suffix of `text` that could be the start of `tag`."""
-    for n in range(min(len(text), len(tag) - 1), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0
+def held_back(text: str, tags: list[str]) -> int:
+    """Length of the longest tail of `text` that could still grow into one of `tags` (a tag or stop
+    string split across stream chunks)."""
+    return max((k for s in tags for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
 
 
 class StreamParser:
@@ -311,7 +309,7 @@ class StreamParser:
             self._emit(kind, before, out)
             self.pending, self.state = rest, next_state
             return True
-        keep = _held_back(self.pending, tag)
+        keep = held_back(self.pending, [tag])
         self._emit(kind, self.pending[: len(self.pending) - keep], out)
         self.pending = self.pending[len(self.pending) - keep:]
         return False

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
+import chat
 import dflash
 from cache import CachePool
 from model_glm import GLMConfig, GLMModel, SeqChunk
@@ -250,11 +251,6 @@ class Detokenizer:
             return ""
         self.prefix, self.read = self.read, len(self.ids)
         return after[len(before):]
-
-
-def held_back(text: str, stops: list[str]) -> int:
-    """Length of the longest tail of `text` that could still grow into a stop string."""
-    return max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -495,7 +491,6 @@ class Engine:
         if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
             if self.chat_template is None:
                 raise ValueError("chat messages need a chat template; the checkpoint has no chat_template.jinja")
-            import chat
             text = chat.render(self.chat_template, chat.normalize_messages(prompt), **chat_kwargs)
             return self.tokenizer.encode(text, add_special_tokens=False).ids
         if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
@@ -814,7 +809,7 @@ class Engine:
 
     def _output(self, seq: Sequence, token_ids: list[int], logprobs: list[TokenLogprob] | None) -> RequestOutput:
         finished = seq.finish_reason is not None
-        end = len(seq.text) if finished else len(seq.text) - held_back(seq.text, seq.params.stop)
+        end = len(seq.text) if finished else len(seq.text) - chat.held_back(seq.text, seq.params.stop)
         text, seq.emitted = seq.text[seq.emitted:max(end, seq.emitted)], max(end, seq.emitted)
         usage = Usage(seq.prompt_len, len(seq.output_ids), max(seq.cached_tokens, 0)) if finished else None
         st = seq.draft_stats

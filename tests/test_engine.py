@@ -12,6 +12,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+import chat
 import engine as E
 import tiny
 from model_glm import GLMConfig, GLMModel
@@ -154,10 +155,10 @@ def test_incremental_detokenization_never_emits_broken_utf8():
 
 
 def test_held_back_keeps_possible_stop_prefixes():
-    assert E.held_back("hello ##", ["###"]) == 2
-    assert E.held_back("hello #", ["###", "#!"]) == 1
-    assert E.held_back("hello", ["###"]) == 0
-    assert E.held_back("ab", []) == 0
+    assert chat.held_back("hello ##", ["###"]) == 2
+    assert chat.held_back("hello #", ["###", "#!"]) == 1
+    assert chat.held_back("hello", ["###"]) == 0
+    assert chat.held_back("ab", []) == 0
 
 
 # ---------------------------------------------------------------------------------------------
