@@ -8,19 +8,12 @@ import numpy as np
 import pytest
 import torch
 
+import exl3
 import fp8
 import kernels
 from bench import kda_twin, rel_err
 from model_glm import kda_recurrent
 
-try:
-    import exl3
-    EXL3_MISSING = ""
-except ImportError as error:  # written in parallel; the twin tests need it
-    exl3 = None
-    EXL3_MISSING = f"exl3.py is not importable yet: {error}"
-
-needs_exl3 = pytest.mark.skipif(exl3 is None, reason=EXL3_MISSING)
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="large shapes only on a GPU")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -89,7 +82,6 @@ def test_gemv_split_buffers_are_left_clean(golden):
     assert rel_err(second, first) <= 1e-6
 
 
-@needs_exl3
 @pytest.mark.parametrize("width,codebook", [(48, "3inst"), (32, "mcg"), (56, "mul1"), (128, "mul1")])
 def test_decode_matches_torch_twin(width, codebook):
     trellis, _, _ = _random_linear(256, 384, width, seed=width)
@@ -98,7 +90,6 @@ def test_decode_matches_torch_twin(width, codebook):
     assert torch.equal(out.view(torch.int16), exl3.unpack(trellis, codebook).view(torch.int16))
 
 
-@needs_exl3
 @pytest.mark.parametrize("m,width,codebook,split_k", [(3, 64, "mcg", 2), (1, 40, "mul1", 1),
                                                       (8, 48, "3inst", 1)])
 def test_gemv_matches_torch_twin(m, width, codebook, split_k):
@@ -112,7 +103,6 @@ def test_gemv_matches_torch_twin(m, width, codebook, split_k):
     assert err <= 1e-3, f"relative error {err:.2e} against x @ exl3.dequantize"
 
 
-@needs_exl3
 def test_gemv_more_rows_than_one_launch_takes():
     trellis, suh, svh = _random_linear(128, 128, 32, seed=5)
     x = _random_x(2 * kernels.GEMV_ROWS + 1, 128, seed=6)
@@ -121,7 +111,6 @@ def test_gemv_more_rows_than_one_launch_takes():
     assert rel_err(y, ref) <= 1e-3
 
 
-@needs_exl3
 @needs_gpu
 @pytest.mark.parametrize("k,n,width,codebook", [(4096, 2048, 64, "mcg"), (2048, 4096, 48, "3inst"),
                                                 (4096, 12288, 48, "mul1")])
@@ -321,7 +310,6 @@ def test_fp8_gemv_bad_input_is_named():
 
 # ---------------------------------------------------------------- EXL3 MoE decode
 
-@needs_exl3
 @pytest.mark.parametrize("m,top_k,k_words,codebook,block_n,row_tiles", [
     (1, 2, 48, "mcg", 64, 8),     # batch 1, K3, two programs per 128-column block
     (2, 2, 64, "3inst", 128, 8),  # two tokens sharing expert 2, K4
