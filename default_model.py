@@ -43,6 +43,7 @@ EOS_TOKENS = ("<|endoftext|>", "<|user|>", "<|observation|>")  # the three stop 
 NAME = "glm53-default-tiny"
 SHIPPED = ROOT / "default_weights"  # train.py's exports: bf16/, exl3-2bit/, exl3-3bit/, exl3-4bit/
 SHIPPED_VARIANTS = ("exl3-4bit", "bf16")  # the first one shipped is served (EXL3 experts: what this engine is for)
+SHIPPED_DRAFTER = SHIPPED / "dflash2"  # train.py --drafter's DFlash2 drafter for the shipped model
 
 
 def corpus_texts() -> list[str]:
@@ -119,6 +120,13 @@ def shipped() -> Path | None:
     for variant in SHIPPED_VARIANTS:
         if all((SHIPPED / variant / f).is_file() for f in needed):
             return SHIPPED / variant
+    return None
+
+
+def shipped_drafter() -> Path | None:
+    """The DFlash2 drafter trained against the shipped checkpoint, if one is there (complete)."""
+    if all((SHIPPED_DRAFTER / f).is_file() for f in ("config.json", "model.safetensors")):
+        return SHIPPED_DRAFTER
     return None
 
 
