@@ -5,7 +5,7 @@
     python bench.py kernels [--peer]       EXL3 GEMV and fused MoE, KDA decode/prefill, FP8 GEMV (--peer: + exllamav3)
     python bench.py exl3 sweep|quick|compare|sweep+compare|crosscheck [--codebook mcg]
     python bench.py kda [decode] [prefill] [precision]
-    python bench.py speculative [--device cpu]   the default model at batch 1: plain vs MTP drafting
+    python bench.py speculative [--device cpu]   the default model at batch 1: plain vs MTP vs DFlash2
 
 `model` builds GLM-5.3-Flash (shapes from the fixture config.json, no files) directly on the device:
 routed experts as EXL3 random trellises (--bits 3.25: a quarter of the MoE layers K4, the rest K3),
@@ -990,8 +990,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     e = sub.add_parser("exl3", help="EXL3 GEMV launch sweep / exllamav3 comparison")
     e.add_argument("mode", choices=["sweep", "quick", "compare", "sweep+compare", "crosscheck"])
     e.add_argument("--codebook", default="mcg", choices=exl3.CODEBOOKS)
-    sp = sub.add_parser("speculative", help="the default model at batch 1: plain vs MTP speculative decoding")
+    sp = sub.add_parser("speculative", help="the default model at batch 1: plain vs MTP vs DFlash2 speculative decoding")
     sp.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    sp.add_argument("--draft-tokens", type=int, default=None, help="fixed drafts per step (default: adaptive)")
     d = sub.add_parser("kda", help="KDA kernels at the real shapes: correctness and timings")
     d.add_argument("sections", nargs="*", help="decode, prefill, precision (default: decode prefill)")
     return parser.parse_args(argv)
@@ -1004,14 +1005,25 @@ SPEC_PROMPTS = ("What does json.dumps do?", "Explain the Python topic 'assert'."
 
 
 def run_speculative(args) -> None:
-    """Batch 1, one request at a time, 64 greedy tokens each: tok/s of the best of 3 passes, the
-    draft acceptance, and whether the speculative tokens equal the plain ones (they must)."""
+    """Batch 1, one request at a time, 64 greedy tokens each, for no speculation, MTP (the model's own
+    layer) and DFlash2 (the drafter train.py --drafter trained against it): tok/s of the best of 3
+    passes, tokens per verify step (accepted drafts + the target's token), the fraction of verified
+    drafts accepted, the speedup over plain decoding, and whether the speculative tokens equal the
+    plain ones (greedy verification makes them equal; a difference is a bug)."""
+    import default_model
     import engine
     prompts = [[{"role": "user", "content": q}] for q in SPEC_PROMPTS]
     params = engine.SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    drafter = default_model.shipped_drafter()
+    specs = {"none": {}, "mtp": {}, "dflash2": {"drafter_path": drafter}}
+    if drafter is None:
+        say(f"dflash2: skipped, no trained drafter in {default_model.SHIPPED_DRAFTER} "
+            f"(python train.py --drafter --target default_weights/bf16 --out build/drafter ...)")
+        del specs["dflash2"]
     tokens, rate = {}, {}
-    for spec in ("none", "mtp"):
-        e = engine.load(device=args.device, progress=False, speculator=spec)
+    for spec, opts in specs.items():
+        e = engine.load(device=args.device, progress=False, speculator=spec, draft_tokens=args.draft_tokens
+                        if spec != "none" else None, **opts)
         e.generate(prompts[:1], engine.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
         best = math.inf
         for _ in range(3):
@@ -1021,12 +1033,24 @@ def run_speculative(args) -> None:
         tokens[spec] = [r.token_ids for r in out]
         rate[spec] = sum(map(len, tokens[spec])) / best
         s = e.stats()
-        accept = (f", {(s.spec_accepted_tokens + s.spec_verify_steps) / s.spec_verify_steps:.2f} tokens per "
-                  f"verify step ({s.spec_accepted_tokens} of {s.spec_draft_tokens} drafts accepted)"
-                  if s.spec_verify_steps else "")
-        say(f"{spec}: {rate[spec]:.1f} tok/s{accept}")
-    say(f"speculative tokens identical to plain: {tokens['mtp'] == tokens['none']}; "
-        f"speedup {rate['mtp'] / rate['none']:.2f}x")
+        line = f"{spec}: {rate[spec]:.1f} tok/s"
+        if spec != "none":
+            line += (f", {(s.spec_accepted_tokens + s.spec_verify_steps) / max(1, s.spec_verify_steps):.2f} tokens "
+                     f"per verify step, {s.spec_accepted_tokens} of {s.spec_draft_tokens} drafts accepted "
+                     f"({100 * s.spec_accepted_tokens / max(1, s.spec_draft_tokens):.1f}%), "
+                     f"speedup {rate[spec] / rate['none']:.2f}x, tokens identical to plain: "
+                     f"{same_tokens(tokens[spec], tokens['none'])}")
+        say(line)
+        del e
+
+
+def same_tokens(spec: list[list[int]], plain: list[list[int]]) -> str:
+    """"True", or which replies differ and where (bf16 verify rows can break near-ties differently)."""
+    diff = [(i, next((j for j, (a, b) in enumerate(zip(x, y)) if a != b), min(len(x), len(y))))
+            for i, (x, y) in enumerate(zip(spec, plain)) if x != y]
+    if not diff:
+        return "True"
+    return f"False ({len(diff)} of {len(plain)} replies; first difference at (reply, token) {diff[0]})"
 
 
 def main(argv: list[str] | None = None) -> None:
