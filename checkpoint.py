@@ -16,7 +16,7 @@ import zlib
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 from safetensors import safe_open
@@ -367,13 +367,41 @@ def read_inventory(files: list[Path]) -> tuple[dict[str, tuple[str, tuple]], dic
     return inventory, where
 
 
+_FLOAT_BYTES = {"BF16": 2, "F16": 2, "F32": 4}
+
+
+def weight_bytes(path: str | Path, config: Any, dtype: torch.dtype = torch.bfloat16) -> dict[str, int]:
+    """Bytes each weight will take once loaded (what `load_weights` makes of it), by in-memory name,
+    from the headers alone: plain and FP8 tensors in `dtype` (fp32 ones in fp32; FP8 is dequantized),
+    an EXL3 linear as its int16 trellis, fp16 suh/svh and its bias as stored. placement.py plans
+    devices from these. (On CPU an EXL3 linear also keeps its decoded Ŵ, not counted here.)"""
+    inventory, _ = read_inventory(checkpoint_files(Path(path)))
+    plan = check_inventory(inventory, config)
+    size = torch.empty((), dtype=dtype).element_size()
+    out = {}
+    for name, s in plan.stored.items():
+        spec = plan.specs[name]
+        if s.format == "exl3":
+            out_f, in_f = spec.shape
+            out[name] = 2 * math.prod(inventory[s.keys["trellis"]][1]) + 2 * (in_f + out_f)
+            if "bias" in s.keys:
+                b_dtype, b_shape = inventory[s.keys["bias"]]
+                out[name] += _FLOAT_BYTES[b_dtype] * math.prod(b_shape)
+        else:
+            out[name] = math.prod(spec.shape) * (4 if spec.fp32 else size)
+    return out
+
+
 def load_weights(path: str | Path, config: Any, dtype: torch.dtype = torch.bfloat16,
-                 device: str | torch.device = "cpu", progress: bool = True) -> dict[str, Any]:
+                 device: str | torch.device | Callable[[str], torch.device] = "cpu",
+                 progress: bool = True) -> dict[str, Any]:
     """Language-model weights by in-memory name: tensors in `dtype` (fp32 ones stay fp32), FP8
-    dequantized, EXL3 linears as `exl3.EXL3Linear`. The inventory is checked before any data is read."""
+    dequantized, EXL3 linears as `exl3.EXL3Linear`. The inventory is checked before any data is read.
+    `device` is one device for every weight, or a function of the in-memory name (a placement)."""
     files = checkpoint_files(Path(path))
     inventory, where = read_inventory(files)
     plan = check_inventory(inventory, config)
+    device_of = device if callable(device) else (lambda name, d=torch.device(device): d)
     weights: dict[str, Any] = {}
     with ExitStack() as stack:
         handles = {f: stack.enter_context(safe_open(f, framework="pt")) for f in files}
@@ -382,6 +410,7 @@ def load_weights(path: str | Path, config: Any, dtype: torch.dtype = torch.bfloa
             return handles[where[key]].get_tensor(key)
 
         for name, s in tqdm(plan.stored.items(), desc="loading weights", unit="tensor", disable=not progress):
+            device = device_of(name)
             if s.format == "exl3":
                 parts = {suffix: get(key) for suffix, key in s.keys.items()}
                 weights[name] = exl3.EXL3Linear.from_tensors(parts, name=name).to(device)

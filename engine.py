@@ -35,8 +35,10 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
+import cache as cache_mod
 import chat
 import dflash
+import placement
 from cache import CachePool
 from model_glm import GLMConfig, GLMModel, SeqChunk
 
@@ -426,13 +428,17 @@ class Engine:
             raise ValueError(f"max_batch_tokens ({max_batch_tokens}) and max_num_seqs ({max_num_seqs}) must be >= 1")
         self.block_size, self.max_num_seqs, self.max_batch_tokens = block_size, max_num_seqs, max_batch_tokens
         num_slots = max_num_seqs + 1  # the last slot belongs to score(), so scoring never waits
-        # Per-block and per-slot sizes from the pool's own layout, built on the meta device (no memory).
-        probe = CachePool(self.config, 1, 1, block_size=block_size, dtype=self.dtype, device="meta")
-        block_bytes, slot_bytes = probe.bytes_per_token() * block_size, probe.bytes_per_sequence()
-        num_blocks = self._size_pool(num_blocks, max_cache_tokens, memory_fraction, block_bytes,
-                                     slot_bytes * num_slots)
+        plan = model.placement
+        # Per-block and per-slot bytes of each device's cache rows (its layers' rows).
+        per_device = [[0, 0] for _ in plan.devices]
+        for L, d in enumerate(plan.layer_device):
+            b, s = cache_mod.layer_bytes(self.config, L, block_size, self.dtype)
+            per_device[d][0] += b
+            per_device[d][1] += s
+        block_bytes, slot_bytes = sum(b for b, _ in per_device), sum(s for _, s in per_device)
+        num_blocks = self._size_pool(num_blocks, max_cache_tokens, memory_fraction, per_device, num_slots)
         self.cache = CachePool(self.config, num_blocks, num_slots, block_size=block_size, dtype=self.dtype,
-                               device=self.device)
+                               device=list(plan.devices), layer_device=dict(enumerate(plan.layer_device)))
         if 0 < snapshot_bytes < slot_bytes:
             raise ValueError(f"snapshot_bytes={snapshot_bytes} cannot hold one KDA snapshot ({slot_bytes} bytes); "
                              f"0 turns the prefix cache off")
@@ -468,14 +474,22 @@ class Engine:
             return drafter
         raise ValueError(f"speculator={name!r}: expected 'none', 'dflash2' or 'mtp'")
 
-    def _size_pool(self, num_blocks, max_cache_tokens, memory_fraction, block_bytes, state_bytes) -> int:
+    def _size_pool(self, num_blocks, max_cache_tokens, memory_fraction, per_device: list[list[int]],
+                   num_slots: int) -> int:
+        """Blocks in the pool: as asked, else (CUDA) what every device's free memory allows for its
+        layers' rows, else 64K tokens."""
         if num_blocks is None and max_cache_tokens is not None:
             num_blocks = -(-max_cache_tokens // self.block_size)
-        if num_blocks is None and self.device.type == "cuda":
+        devices = self.model.placement.devices
+        if num_blocks is None and any(d.type == "cuda" for d in devices):
             if not 0 < memory_fraction <= 1:
                 raise ValueError(f"memory_fraction={memory_fraction} must be in (0, 1]")
-            free, _ = torch.cuda.mem_get_info(self.device)
-            num_blocks = int((free * memory_fraction - state_bytes) // block_bytes)
+            fits = []
+            for d, (block_bytes, slot_bytes) in zip(devices, per_device):
+                if d.type == "cuda" and block_bytes:
+                    free, _ = torch.cuda.mem_get_info(d)
+                    fits.append(int((free * memory_fraction - slot_bytes * num_slots) // block_bytes))
+            num_blocks = min(fits)
         if num_blocks is None:
             num_blocks = 65536 // self.block_size
         if num_blocks < 1:
@@ -727,8 +741,9 @@ class Engine:
         seq.slot = self.free_slots.pop()
         if hit:  # (a chunk that starts at 0 makes the model reset the slot itself)
             snap = self.blocks.snapshots.get(seq.block_hashes[hit - 1])
-            self.cache.kda_state[:, seq.slot].copy_(snap.kda_state)
-            self.cache.conv_state[:, seq.slot].copy_(snap.conv_state)
+            # assignment, not copy_: with rows on several devices a read is a copy (cache.LayerRows)
+            self.cache.kda_state[:, seq.slot] = snap.kda_state
+            self.cache.conv_state[:, seq.slot] = snap.conv_state
         if seq.cached_tokens < 0:
             seq.cached_tokens = hit * bs
         self.counters["prefix_query_tokens"] += seq.prompt_len
@@ -898,7 +913,9 @@ class Engine:
 
 
 def load(path_or_hf_id: str | Path | None = None, device: str | torch.device | None = None,
-         dtype: torch.dtype | None = None, *, num_blocks: int | None = None, max_cache_tokens: int | None = None,
+         dtype: torch.dtype | None = None, *, devices: str | Seq[str | torch.device] | None = None,
+         split_experts: bool = False, memory_per_device: int | Seq[int] | None = None,
+         num_blocks: int | None = None, max_cache_tokens: int | None = None,
          memory_fraction: float = 0.9, max_num_seqs: int = 16, max_batch_tokens: int = 2048, block_size: int = 64,
          max_model_len: int | None = None, snapshot_bytes: int = 4 << 30,
          snapshot_device: str | torch.device = "cpu", progress: bool = True, speculator: str = "none",
@@ -907,6 +924,13 @@ def load(path_or_hf_id: str | Path | None = None, device: str | torch.device | N
 
     `speculator`: "none", "mtp" (the checkpoint's MTP layer) or "dflash2" (a DFlash2 drafter folder or
     Hugging Face id in `drafter_path`); `draft_tokens` fixes the draft length (default adaptive).
+
+    One process may drive several devices: `devices` ("cuda:0,cuda:1" or a list; instead of
+    `device`) places layers, and with `split_experts` also half the routed experts of every MoE layer,
+    on each (placement.py). The plan is printed before any weight is read and refused, with the
+    numbers, when a device cannot hold its weights and cache; a device may use `memory_per_device`
+    bytes (one number or one per device), by default `memory_fraction` of a CUDA device's free
+    memory (CPU: not limited).
 
     The cache pool holds `num_blocks` blocks, or enough for `max_cache_tokens`, or (on CUDA)
     `memory_fraction` of the memory left free after the weights, or 64K tokens on CPU. Prefix-cache
@@ -918,10 +942,24 @@ def load(path_or_hf_id: str | Path | None = None, device: str | torch.device | N
         path = Path(default_model.ensure())
     else:
         path = checkpoint.resolve_model_path(path_or_hf_id)
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    if device is not None and devices is not None:
+        raise ValueError(f"device={device!r} and devices={devices!r}: give one of them")
+    devs = placement.parse_devices(devices if devices is not None else
+                                   [device or ("cuda" if torch.cuda.is_available() else "cpu")])
+    dtype = dtype or (torch.bfloat16 if devs[0].type == "cuda" else torch.float32)
     config = GLMConfig.from_file(path)
-    model = GLMModel(config, checkpoint.load_weights(path, config, dtype, device, progress))
+    if num_blocks is None and max_cache_tokens is None and all(d.type == "cpu" for d in devs):
+        num_blocks = 65536 // block_size  # what the engine would pick; planned for up front
+    # The cache the plan reserves: as asked, else (CUDA, sized after loading) one full batch.
+    tokens = num_blocks * block_size if num_blocks else max_cache_tokens or max(max_model_len or 0, max_batch_tokens)
+    reserve = {}
+    for L in range(config.num_hidden_layers + config.num_nextn_predict_layers):
+        b, s = cache_mod.layer_bytes(config, L, block_size, dtype)
+        reserve[L] = -(-tokens // block_size) * b + (max_num_seqs + 1) * s
+    plan = placement.plan(config, checkpoint.weight_bytes(path, config, dtype), devs, split_experts=split_experts,
+                          budgets=_budgets(devs, memory_per_device, memory_fraction), cache=reserve)
+    print(plan.describe(), flush=True)
+    model = GLMModel(config, checkpoint.load_weights(path, config, dtype, plan.device_of, progress), plan)
     if not (path / "tokenizer.json").is_file():
         raise FileNotFoundError(f"{path / 'tokenizer.json'} is missing: the engine needs the checkpoint's tokenizer")
     tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
@@ -934,6 +972,17 @@ def load(path_or_hf_id: str | Path | None = None, device: str | torch.device | N
                   max_num_seqs=max_num_seqs, max_batch_tokens=max_batch_tokens, block_size=block_size,
                   max_model_len=max_model_len, snapshot_bytes=snapshot_bytes, snapshot_device=snapshot_device,
                   speculator=speculator, drafter=drafter, draft_tokens=draft_tokens)
+
+
+def _budgets(devices: tuple[torch.device, ...], memory_per_device: int | Seq[int] | None,
+             memory_fraction: float) -> list[int | None]:
+    """Bytes each device may use: as given, else memory_fraction of a CUDA device's free memory."""
+    if memory_per_device is not None:
+        given = [memory_per_device] * len(devices) if isinstance(memory_per_device, int) else list(memory_per_device)
+        if len(given) != len(devices):
+            raise ValueError(f"memory_per_device has {len(given)} entries for {len(devices)} devices")
+        return given
+    return [int(torch.cuda.mem_get_info(d)[0] * memory_fraction) if d.type == "cuda" else None for d in devices]
 
 
 def _eos_ids(path: Path, config: GLMConfig) -> list[int]:

@@ -16,7 +16,9 @@ import torch
 import torch.nn.functional as F
 
 import checkpoint
+import placement as placement_mod
 from cache import CachePool
+from placement import Placement
 
 # A linear weight: a dense [out, in] tensor or a callable (exl3.EXL3Linear) computing x W^T.
 Weight = Union[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]
@@ -489,13 +491,21 @@ def route(h: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor,
 
 class GLMModel:
     """GLM-5.3-Flash text model over a weight dict (DESIGN.md: checkpoint names without the
-    `model.language_model.` prefix; each linear weight a Tensor [out, in] or an EXL3Linear)."""
+    `model.language_model.` prefix; each linear weight a Tensor [out, in] or an EXL3Linear).
 
-    def __init__(self, config: GLMConfig, weights: dict[str, Weight]):
+    `placement` says which device holds each layer (and, with the expert split, each routed
+    expert); the weights must already be there (checkpoint.load_weights with the placement's
+    device_of). None: everything on the embedding's device. The streams X move to each layer's
+    device; logits, `hidden`, taps and KDA inputs come back on the first device."""
+
+    def __init__(self, config: GLMConfig, weights: dict[str, Weight], placement: Placement | None = None):
         self.config = config
         self.weights = weights
         _check_weights(config, weights)
         self.dtype = weights["embed_tokens.weight"].dtype
+        self.placement = placement or placement_mod.plan(config, placement_mod.sizes_of(weights),
+                                                         [weights["embed_tokens.weight"].device])
+        _check_devices(self.placement, weights)
 
     @property
     def has_mtp(self) -> bool:
@@ -523,18 +533,20 @@ class GLMModel:
         bad = [L for L in taps if not 0 <= L < cfg.num_hidden_layers]
         if bad:
             raise ValueError(f"forward: taps {bad} are not trunk layers 0..{cfg.num_hidden_layers - 1}")
-        record = _as_index(list(kda_input_rows), tokens.device) if len(kda_input_rows) else None
+        record = _as_index(list(kda_input_rows), "cpu") if len(kda_input_rows) else None
         tapped, kda_inputs = {}, {}
 
         X = self.w("embed_tokens.weight")[tokens][:, None, :].repeat(1, cfg.hc_mult, 1)
+        first = X.device
         for L in range(cfg.num_hidden_layers):
             p = f"layers.{L}."
+            X = X.to(self.placement.device(L))
             u, post, C = hc_pre(X, self.w(p + "hc_attn_fn"), self.w(p + "hc_attn_base"),
                                 self.w(p + "hc_attn_scale"), cfg)
             x = rms_norm(u, self.w(p + "input_layernorm.weight"), cfg.rms_norm_eps)
             if cfg.layer_types[L] == "kda":
                 if record is not None:
-                    kda_inputs[L] = x[record]
+                    kda_inputs[L] = x[record].to(first)
                 y = self.kda(L, x, batch, spans, cache)
             else:
                 y = self.dsa(L, x, batch, spans, cache)
@@ -546,8 +558,9 @@ class GLMModel:
             y = self.mlp(p + "mlp.", h) if cfg.mlp_layer_types[L] == "dense" else self.moe(p + "mlp.", h)
             X = hc_post(X, y, post, C)
             if L in taps:  # DFlash2 §2.4: mean of the streams after the layer, fp32 in stream order
-                tapped[L] = (X.float().sum(1) * (1 / cfg.hc_mult)).to(X.dtype)
+                tapped[L] = (X.float().sum(1) * (1 / cfg.hc_mult)).to(X.dtype).to(first)
 
+        X = X.to(first)
         if logit_rows is not None:
             h = rms_norm(X.float().mean(1).to(X.dtype), self.w("norm.weight"), cfg.rms_norm_eps)
             logits = linear(h[logit_rows], self.w("lm_head.weight")).float()
@@ -565,6 +578,7 @@ class GLMModel:
         cfg = self.config
         p = f"layers.{L}.self_attn."
         H, d = cfg.linear_num_heads, cfg.linear_head_dim
+        x = x.to(self.placement.device(L))  # speculative rollback replays inputs kept on the first device
         pre_conv = [linear(x, self.w(p + f"{n}_proj.weight")) for n in "qkv"]  # q̃, k̃, ṽ
         f = linear(linear(x, self.w(p + "f_a_proj.weight")), self.w(p + "f_b_proj.weight"))
         o_g = linear(linear(x, self.w(p + "g_a_proj.weight")), self.w(p + "g_b_proj.weight"))
@@ -685,13 +699,23 @@ class GLMModel:
         return linear(swiglu(gate, up, self.config.swiglu_limit), self.w(p + "down_proj.weight"))
 
     def moe(self, p: str, h: torch.Tensor) -> torch.Tensor:
+        """`p` = "layers.L.mlp.". Each device of the placement's expert groups sums its own selected
+        experts; the partial sums are added on the layer's device (h's)."""
         experts, weights = route(h, self.w(p + "gate.weight"), self.w(p + "gate.e_score_correction_bias"),
                                  self.config)
-        out = torch.zeros(h.shape, dtype=torch.float32, device=h.device)
-        for e in experts.unique().tolist():
-            tok, k = (experts == e).nonzero(as_tuple=True)
-            y = self.mlp(p + f"experts.{e}.", h[tok])
-            out.index_add_(0, tok, y.float() * weights[tok, k, None])
+        selected = experts.unique().tolist()
+        out = None
+        for device, ids in self.placement.expert_groups(int(p.split(".")[1])):
+            mine = [e for e in selected if e in ids]
+            if not mine:
+                continue
+            hd, ed, wd = h.to(device), experts.to(device), weights.to(device)
+            partial = torch.zeros(h.shape, dtype=torch.float32, device=device)
+            for e in mine:
+                tok, k = (ed == e).nonzero(as_tuple=True)
+                y = self.mlp(p + f"experts.{e}.", hd[tok])
+                partial.index_add_(0, tok, y.float() * wd[tok, k, None])
+            out = partial.to(h.device) if out is None else out + partial.to(h.device)
         return (out + self.mlp(p + "shared_experts.", h).float()).to(h.dtype)
 
     # -- §4.7 MTP --------------------------------------------------------------------------------
@@ -710,16 +734,17 @@ class GLMModel:
             raise ValueError(f"mtp_forward: hidden has {hidden.shape[0]} rows, batch has {spans[-1][1]} tokens")
         L, eps = cfg.mtp_layer, cfg.rms_norm_eps
         p = f"layers.{L}."
-        tokens = torch.cat([c.tokens for c in batch]).to(hidden.device)
-        e = self.w("embed_tokens.weight")[tokens]
-        hidden = hidden.to(e.dtype)
+        embed = self.w("embed_tokens.weight")
+        first, device = embed.device, self.placement.device(L)
+        e = embed[torch.cat([c.tokens for c in batch]).to(first)].to(device)
+        hidden = hidden.to(device, e.dtype)
         z = linear(torch.cat([rms_norm(e, self.w(p + "enorm.weight"), eps),
                               rms_norm(hidden, self.w(p + "hnorm.weight"), eps)], dim=-1),
                    self.w(p + "eh_proj.weight"))
         r1 = z + self.dsa(L, rms_norm(z, self.w(p + "input_layernorm.weight"), eps), batch, spans, cache)
         r2 = r1 + self.moe(p + "mlp.", rms_norm(r1, self.w(p + "post_attention_layernorm.weight"), eps))
         rows = slice(None) if all_logits else torch.tensor([b - 1 for _, b in spans])
-        h = rms_norm(r2[rows], self.w(p + "shared_head.norm.weight"), eps)
+        h = rms_norm(r2[rows], self.w(p + "shared_head.norm.weight"), eps).to(first)
         return ForwardOutput(linear(h, self.w("lm_head.weight")).float(), h)
 
     # -- checks ------------------------------------------------------------------------------------
@@ -794,3 +819,13 @@ def _check_weights(cfg: GLMConfig, weights: dict[str, Weight]) -> None:
             raise ValueError(f"weight {name!r} has shape {got}, expected {spec.shape}")
     if not isinstance(weights["embed_tokens.weight"], torch.Tensor):
         raise ValueError("weight 'embed_tokens.weight' must be a tensor")
+
+
+def _check_devices(placement: Placement, weights: dict[str, Weight]) -> None:
+    """Every weight sits where the placement says (a copy per call would hide a loading mistake)."""
+    for name, w in weights.items():
+        # a tensor, an EXL3Linear (trellis) or an FP8Linear (weight)
+        got = w.device if isinstance(w, torch.Tensor) else getattr(w, "trellis", getattr(w, "weight", None)).device
+        want = placement.device_of(name)
+        if got != want:
+            raise ValueError(f"weight {name!r} is on {got}, the placement puts it on {want}")

@@ -375,7 +375,8 @@ class Server:
                     if v is not None}
             dtype = getattr(torch, a.dtype) if a.dtype else None
             print(f"serve: loading {path} ({time.monotonic() - STARTED:.1f} s since start)", flush=True)
-            self.engine = engine_mod.load(str(path), device=a.device, dtype=dtype, **opts)
+            self.engine = engine_mod.load(str(path), device=a.device, devices=a.devices, split_experts=a.split_experts,
+                                          dtype=dtype, **opts)
             self.engine_mod = engine_mod
             self.added_ids = set(self.engine.tokenizer.get_added_tokens_decoder())
             gen = path / "generation_config.json"
@@ -887,6 +888,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     ap.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
     ap.add_argument("--device", default=None, help="cuda, cuda:1, cpu (default: cuda if available)")
+    ap.add_argument("--devices", default=None, type=_devices,
+                    help="several devices for one model, e.g. cuda:0,cuda:1 (layers split between them)")
+    ap.add_argument("--split-experts", action="store_true",
+                    help="with --devices: also split the routed experts of every MoE layer between the devices")
     ap.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--max-model-len", type=int, default=None, help="context limit in tokens")
     ap.add_argument("--max-num-seqs", type=int, default=None, help="sequences in one batch")
@@ -899,7 +904,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=None,
                     help="torch CPU threads (default: torch's choice; 1 is fastest for the tiny default model "
                          "on a busy machine)")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.device is not None and args.devices is not None:
+        ap.error("give --device or --devices, not both")
+    if args.split_experts and args.devices is None:
+        ap.error("--split-experts needs --devices")
+    return args
+
+
+def _devices(text: str) -> tuple[torch.device, ...]:
+    import placement  # with the engine's modules, after the port is open (see Server.load)
+    try:
+        return placement.parse_devices(text)
+    except placement.PlacementError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def main(argv: list[str] | None = None) -> None:

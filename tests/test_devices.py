@@ -1,0 +1,193 @@
+"""One process, several devices (placement.py): the plan, its refusal, and a split that changes no output.
+
+Two "cpu" entries run exactly the multi-device code path (per-layer device strings, .to() copies of
+the streams, cache rows in runs per device, partial expert sums added on the layer's device) on a
+machine without GPUs. References are the same checkpoint on one device.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import checkpoint
+import engine as E
+import placement
+import serve
+import tiny
+from cache import CachePool, LayerRows
+from model_glm import GLMConfig, GLMModel, SeqChunk
+from test_engine import make_tokenizer
+
+BS = 16
+OPTS = dict(dtype=torch.float32, progress=False, num_blocks=16, block_size=BS, max_num_seqs=2)
+GREEDY = E.SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    return torch.randint(2, 512, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    path = tiny.make_tiny_checkpoint(tmp_path_factory.mktemp("devices") / "ckpt", experts="exl3")
+    make_tokenizer(512).save(str(path / "tokenizer.json"))
+    return path
+
+
+@pytest.fixture(scope="module")
+def one(ckpt):
+    return E.load(ckpt, device="cpu", **OPTS)
+
+
+# ---------------------------------------------------------------------------------------------
+# The plan
+
+
+def test_weight_bytes_are_what_loading_makes(ckpt):
+    cfg = GLMConfig.from_file(ckpt)
+    for dtype in (torch.float32, torch.bfloat16):
+        planned = checkpoint.weight_bytes(ckpt, cfg, dtype)
+        loaded = placement.sizes_of(checkpoint.load_weights(ckpt, cfg, dtype, progress=False))
+        assert planned == loaded
+
+
+def test_plan_is_printed_and_balanced(ckpt, capsys):
+    eng = E.load(ckpt, devices=["cpu", "cpu"], **OPTS)
+    printed = capsys.readouterr().out
+    p = eng.model.placement
+    assert "placement: 2 device(s), layer split" in printed
+    assert "[0] cpu     embed_tokens, norm, lm_head; layers 0-" in printed and "MTP layer 4" in printed
+    assert p.layer_device == tuple(sorted(p.layer_device)) and set(p.layer_device) == {0, 1}
+    # Weights and cache rows are where the plan says.
+    for name in ("embed_tokens.weight", "lm_head.weight", "layers.3.self_attn.q_a_proj.weight"):
+        assert eng.model.placement.index_of(name) == (0 if "layers" not in name else p.layer_device[3])
+    assert isinstance(eng.cache.kda_state, LayerRows) and isinstance(eng.cache.latent, LayerRows)
+
+
+def test_layer_split_is_the_best_contiguous_cut(ckpt):
+    cfg = GLMConfig.from_file(ckpt)
+    sizes = checkpoint.weight_bytes(ckpt, cfg, torch.float32)
+    p = placement.plan(cfg, sizes, ["cpu", "cpu"])
+    n_layers = len(p.layer_device)
+    head = sum(b for k, b in sizes.items() if not k.startswith("layers."))
+    layer = [sum(b for k, b in sizes.items() if k.startswith(f"layers.{L}.")) for L in range(n_layers)]
+    assert sum(p.weight_bytes) == sum(sizes.values()) and p.weight_bytes[0] == head + sum(
+        layer[L] for L in range(n_layers) if p.layer_device[L] == 0)
+    best = min(max(head + sum(layer[:c]), sum(layer[c:])) for c in range(n_layers + 1))
+    assert max(p.weight_bytes) == best
+
+
+def test_unequal_budgets_move_layers(ckpt):
+    cfg = GLMConfig.from_file(ckpt)
+    sizes = checkpoint.weight_bytes(ckpt, cfg, torch.float32)
+    even = placement.plan(cfg, sizes, ["cpu", "cpu"], budgets=[1 << 30, 1 << 30])
+    small_second = placement.plan(cfg, sizes, ["cpu", "cpu"], budgets=[1 << 30, 1 << 27])
+    assert small_second.layer_device.count(1) < even.layer_device.count(1)
+
+
+def test_a_plan_that_does_not_fit_is_refused_before_loading(ckpt, monkeypatch):
+    def no_read(*args, **kwargs):
+        raise AssertionError("weights were read before the plan was checked")
+    monkeypatch.setattr(checkpoint, "load_weights", no_read)
+    cfg = GLMConfig.from_file(ckpt)
+    total = sum(checkpoint.weight_bytes(ckpt, cfg, torch.float32).values())
+    with pytest.raises(placement.PlacementError) as err:
+        E.load(ckpt, devices="cpu,cpu", memory_per_device=total // 4, **OPTS)
+    msg = str(err.value)
+    assert "placement does not fit: [0] cpu needs" in msg and f"has {placement._size(total // 4)}" in msg
+    assert "[1] cpu" in msg  # the whole plan follows, every device with its numbers
+    with pytest.raises(ValueError, match="memory_per_device has 3 entries for 2 devices"):
+        E.load(ckpt, devices="cpu,cpu", memory_per_device=[1, 2, 3], **OPTS)
+
+
+@pytest.mark.parametrize("spec,why", [
+    ("gpu", "'gpu' is not a device"), ("meta", "only cpu and cuda"), ("", "'' is not a device"),
+    (f"cuda:{torch.cuda.device_count()}", f"this machine has {torch.cuda.device_count()} CUDA device"),
+])
+def test_bad_device_lists(spec, why):
+    with pytest.raises(placement.PlacementError, match=why):
+        placement.parse_devices(spec)
+
+
+def test_serve_devices_flag(capsys):
+    args = serve.parse_args(["--devices", "cpu, cpu", "--split-experts"])
+    assert args.devices == (torch.device("cpu"), torch.device("cpu")) and args.split_experts
+    for argv, why in ((["--devices", "cpu,tpu"], "not a device"),
+                      (["--devices", f"cuda:{torch.cuda.device_count()}"], "CUDA device"),
+                      (["--device", "cpu", "--devices", "cpu,cpu"], "give --device or --devices"),
+                      (["--split-experts"], "--split-experts needs --devices")):
+        with pytest.raises(SystemExit):
+            serve.parse_args(argv)
+        assert why in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------
+# The cache rows
+
+
+def test_layer_rows_read_and_write_across_runs():
+    cfg = GLMConfig.from_dict(tiny.tiny_config_dict())
+    pool = CachePool(cfg, 2, 3, block_size=BS, dtype=torch.float32, device=["cpu", "cpu"],
+                     layer_device={0: 0, 1: 0, 2: 1, 3: 1, 4: 1})
+    kda = pool.kda_state  # KDA layers 0 (device 0) and 2 (device 1)
+    assert isinstance(kda, LayerRows) and [p.shape[0] for p in kda.parts] == [1, 1]
+    assert [p.shape[0] for p in pool.latent.parts] == [1, 2]  # DSA layer 1, then layer 3 and MTP
+    value = torch.randn(kda.shape[0], *kda.shape[2:])
+    kda[:, 1] = value
+    assert torch.equal(kda[:, 1], value) and torch.equal(kda[1, 1], value[1])
+    assert torch.equal(kda.parts[1][0, 1], value[1]) and not kda[:, 0].any()
+    kda[0, 2] = 1.0
+    assert kda.parts[0][0, 2].eq(1).all()
+    with pytest.raises(TypeError, match="an int or ':'"):
+        kda[0:1]
+    assert pool.bytes_per_sequence() == CachePool(cfg, 2, 3, block_size=BS, dtype=torch.float32).bytes_per_sequence()
+
+
+# ---------------------------------------------------------------------------------------------
+# A split changes no output
+
+
+@pytest.mark.parametrize("split_experts", [False, True])
+def test_split_matches_one_device(ckpt, one, split_experts):
+    two = E.load(ckpt, devices=["cpu", "cpu"], split_experts=split_experts, **OPTS)
+    assert two.model.placement.split_experts == split_experts
+    prompts = [prompt(1, 23), prompt(2, 9)]
+    assert [r.token_ids for r in two.generate(prompts, GREEDY)] == [r.token_ids for r in one.generate(prompts, GREEDY)]
+    ids = prompt(3, 40)
+    ref, got = one.score(ids, chunk_tokens=17), two.score(ids, chunk_tokens=17)
+    if split_experts:  # the routed sum is added in two partials: only the rounding may differ
+        torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
+    else:  # same arithmetic in the same order
+        assert torch.equal(got, ref)
+
+
+def test_mtp_and_rollback_across_devices(ckpt, one):
+    """MTP drafts (the MTP layer on the second device, embedding and head on the first) and the
+    KDA rollback (inputs kept on the first device, replayed on each layer's) give the plain tokens."""
+    two = E.load(ckpt, devices=["cpu", "cpu"], split_experts=True, speculator="mtp", draft_tokens=2, **OPTS)
+    assert two.model.placement.layer_device[-1] == 1
+    ids = prompt(4, 11)
+    r = two.generate([ids], GREEDY)[0]
+    assert r.token_ids == one.generate([ids], GREEDY)[0].token_ids and r.acceptance.verify_steps > 0
+
+
+def test_prefix_cache_snapshots_across_devices(ckpt, one):
+    two = E.load(ckpt, devices=["cpu", "cpu"], **OPTS)
+    ids = prompt(5, 2 * BS + 3)
+    first = two.generate([ids], GREEDY)[0]
+    again = two.generate([ids], GREEDY)[0]  # restores the KDA snapshot into rows on both devices
+    assert again.usage.cached_tokens > 0 and again.token_ids == first.token_ids
+    assert first.token_ids == one.generate([ids], GREEDY)[0].token_ids
+
+
+def test_model_rejects_weights_off_their_planned_device():
+    cfg = GLMConfig.from_dict(tiny.tiny_config_dict())
+    weights = tiny.random_weights(cfg)
+    plan = placement.plan(cfg, placement.sizes_of(weights), ["cpu", "meta"])
+    with pytest.raises(ValueError, match="is on cpu, the placement puts it on meta"):
+        GLMModel(cfg, weights, plan)
+    model = GLMModel(cfg, weights)
+    assert model.placement.devices == (torch.device("cpu"),) and set(model.placement.layer_device) == {0}
+    out = model.forward([SeqChunk(torch.tensor(prompt(6, 5)), 0, torch.tensor([0]), 0)],
+                        CachePool(cfg, 1, 1, block_size=BS, dtype=torch.float32))
+    assert out.logits.shape == (1, cfg.vocab_size)
