@@ -65,7 +65,7 @@ def _state(words_ptr, tile_word0, w, o, K2: tl.constexpr):
 
 
 @triton.jit
-def _codebook(state, CB: tl.constexpr):
+def _codebook(state, CB: tl.constexpr, zero=0):
     # spec §2.3; CB 0 = 3INST, 1 = MCG, 2 = MUL1. All products are mod 2^32 (uint32).
     if CB == 2:
         x = state * 0x83DCD12D
@@ -77,7 +77,7 @@ def _codebook(state, CB: tl.constexpr):
             x = state * 89226354 + 64248484
         else:
             x = state * 0xCBAC1FED
-        x = (x & 0x8FFF8FFF) ^ 0x3B603B60
+        x = (x & 0x8FFF8FFF) ^ (zero | 0x3B603B60)
         lo = (x & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True)
         hi = (x >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
         value = lo + hi  # fp16 add: the exact sum rounded once (both halves lie in ±[0.125, 2))
@@ -140,12 +140,18 @@ def _pick(v0, v1, v2, v3, q: tl.constexpr):
 
 
 @triton.jit
-def _load_step(words_ptr, off0, off1, off2, off3, xh_ptr, x_slot, row_ok):
-    # The 4 ring words of every lane of RT x CT tiles, and the 4 activations each lane multiplies.
+def _load_step(words_ptr, off0, off1, off2, off3, xh_ptr, x_slot, row_ok, NL: tl.constexpr):
+    # The NL ring words of every lane of RT x CT tiles, and the 4 activations each lane multiplies.
     w0 = tl.load(words_ptr + off0).to(tl.uint32, bitcast=True)
-    w1 = tl.load(words_ptr + off1).to(tl.uint32, bitcast=True)
-    w2 = tl.load(words_ptr + off2).to(tl.uint32, bitcast=True)
-    w3 = tl.load(words_ptr + off3).to(tl.uint32, bitcast=True)
+    w1 = w0
+    w2 = w0
+    w3 = w0
+    if NL > 1:
+        w1 = tl.load(words_ptr + off1).to(tl.uint32, bitcast=True)
+    if NL > 2:
+        w2 = tl.load(words_ptr + off2).to(tl.uint32, bitcast=True)
+    if NL > 3:
+        w3 = tl.load(words_ptr + off3).to(tl.uint32, bitcast=True)
     x0 = tl.load(xh_ptr + x_slot, mask=row_ok, other=0.0)
     x1 = tl.load(xh_ptr + x_slot + 1, mask=row_ok, other=0.0)
     x2 = tl.load(xh_ptr + x_slot + 2, mask=row_ok, other=0.0)
@@ -154,20 +160,87 @@ def _load_step(words_ptr, off0, off1, off2, off3, xh_ptr, x_slot, row_ok):
 
 
 @triton.jit
+def _funnel(hi, lo, o):
+    # The 32 bits from bit o (0..31, MSB first) of the 64-bit stream hi lo.
+    return ((((hi.to(tl.uint64) << 32) | lo.to(tl.uint64)) << o.to(tl.uint64)) >> 32).to(tl.uint32)
+
+
+@triton.jit
+def _bits16(r0, r1, r2, r3, p: tl.constexpr):
+    # The 16 bits from bit p (compile-time, MSB first) of the stream r0 r1 r2 r3, as a state.
+    hi = _pick(r0, r1, r2, r3, p // 32)
+    s: tl.constexpr = p % 32
+    if s == 0:
+        state = hi >> 16
+    elif s <= 16:
+        state = (hi >> (16 - s)) & 0xFFFF
+    else:
+        state = ((hi << s) | (_pick(r0, r1, r2, r3, p // 32 + 1) >> (32 - s))) >> 16
+    return state
+
+
+@triton.jit
+def _step_products(w0, w1, w2, w3, x0, x1, x2, x3, o, zero, acc_left, acc_right,
+                   K2: tl.constexpr, CB: tl.constexpr):
+    # One step: every lane's 8 states from its words w (see _gemv_products), times its activations.
+    SPAN: tl.constexpr = ((8 * K2) >> 1) - (K2 >> 1) + 16
+    STATIC: tl.constexpr = (4 * K2) % 32 == 0
+    BASE: tl.constexpr = ((K2 >> 1) + 16) % 32 if STATIC else 0
+    NR: tl.constexpr = (SPAN + 31) // 32
+    if STATIC:
+        r0, r1, r2, r3 = w0, w1, w2, w3
+    else:
+        r0 = _funnel(w0, w1, o)
+        r1 = r0
+        r2 = r0
+        if NR > 1:
+            r1 = _funnel(w1, w2, o)
+        if NR > 2:
+            r2 = _funnel(w2, w3, o)
+        r3 = r0
+    for j in tl.static_range(8):
+        state = _bits16(r0, r1, r2, r3, BASE + (((j + 1) * K2) >> 1) - (K2 >> 1))
+        value = _codebook(state, CB, zero).to(tl.float32)
+        x = _pick(x0, x1, x2, x3, 2 * ((j >> 1) & 1) + (j & 1))
+        if j < 4:
+            acc_left += x * value[None]
+        else:
+            acc_right += x * value[None]
+    return acc_left, acc_right
+
+
+@triton.jit
 def _gemv_products(xh_ptr, words_ptr, m, k, n, steps, pid_n, pid_k,
                    K2: tl.constexpr, CB: tl.constexpr, MP: tl.constexpr, RT: tl.constexpr, CT: tl.constexpr):
     # Program (pid_n, pid_k): output tiles [CT * pid_n, CT * (pid_n + 1)), `steps` steps of RT row
     # tiles from row tile RT * steps * pid_k. One thread element = one mma lane L of one tile, which
     # owns stream positions 8L .. 8L + 7 (spec §3): rows 2(L%4) + {0, 1, 8, 9} of columns L/4 and
-    # L/4 + 8. Its bits lie in 4 consecutive words of the tile ring, loaded once for all 8.
-    # Products accumulate elementwise; rows and lanes are summed once at the end. Returns this
-    # program's partial sums z [MP, CT * 16]; the callers add them up across programs and let the
-    # last program of each 128-column block apply H128 and svh.
+    # L/4 + 8. Products accumulate elementwise; rows and lanes are summed once at the end. Returns
+    # this program's partial sums z [MP, CT * 16]; the callers add them up across programs and let
+    # the last program of each 128-column block apply H128 and svh.
+    #
+    # Position 8L + j ends at ring bit E = 4 L K2 + (((j + 1) K2) >> 1), so relative to the start
+    # b_L of the lane's first state, state j starts at the compile-time bit ((j + 1) K2 >> 1) - (K2 >> 1).
+    # Only b_L's offset in its word depends on the lane (unless 4 K2 is a multiple of 32): the lane's
+    # NL words are shifted once per step so that they start at b_L ("realigned"), after which every
+    # state is a shift by a constant (no per-lane shifts or word selects per weight).
     NW: tl.constexpr = 4 * K2
     RING: tl.constexpr = 128 * K2
+    SPAN: tl.constexpr = ((8 * K2) >> 1) - (K2 >> 1) + 16  # bits from b_L to the end of state 7
+    STATIC: tl.constexpr = (4 * K2) % 32 == 0
+    BASE: tl.constexpr = ((K2 >> 1) + 16) % 32 if STATIC else 0  # first state's bit in the stream
+    NR: tl.constexpr = (SPAN + 31) // 32  # realigned words
+    NL: tl.constexpr = (BASE + SPAN + 31) // 32 if STATIC else NR + 1  # loaded words
     tiles_n = n // 16
+    # A zero the compiler cannot see through: with it, the codebook's two LOP3 constants are one
+    # immediate and one loop-invariant register, instead of a constant re-materialized for every
+    # weight (11 of 166 loop instructions at K4).
+    zero = (k >> 31).to(tl.uint32)
     lane = tl.arange(0, 32)[None, None, :]
-    first = (((((8 * lane + 1) * K2) >> 1) + RING - 16) % RING) >> 5
+    b = (((8 * lane + 1) * K2) >> 1) + RING - 16
+    b = tl.where(b >= RING, b - RING, b)
+    first = b >> 5
+    o = (b & 31).to(tl.uint32)
     tile_word0 = (tl.arange(0, RT)[:, None, None] * tiles_n + pid_n * CT + tl.arange(0, CT)[None, :, None]) * NW
     off0 = tile_word0 + first
     off1 = tile_word0 + (first + 1) % NW
@@ -182,28 +255,25 @@ def _gemv_products(xh_ptr, words_ptr, m, k, n, steps, pid_n, pid_k,
     tile0 = pid_k * steps * RT
     words_ptr += tile0 * tiles_n * NW
     xh_ptr += tile0 * 16
+    step_words: tl.constexpr = RT * NW
     # Each step prefetches the next step's words and activations (the loop is otherwise
-    # latency-bound); the last step re-reads its own instead of reading past the split.
-    w0, w1, w2, w3, x0, x1, x2, x3 = _load_step(words_ptr, off0, off1, off2, off3, xh_ptr, x_slot, row_ok)
-    for step_index in range(steps):
+    # latency-bound); the last step re-reads its own instead of reading past the split. Two steps
+    # per iteration, so that the prefetched registers need no copying.
+    w0, w1, w2, w3, x0, x1, x2, x3 = _load_step(words_ptr, off0, off1, off2, off3, xh_ptr, x_slot, row_ok, NL)
+    for step_index in range(0, steps, 2):
         ahead = tl.minimum(step_index + 1, steps - 1)
         n0, n1, n2, n3, nx0, nx1, nx2, nx3 = _load_step(
-            words_ptr + ahead * (RT * tiles_n * NW), off0, off1, off2, off3, xh_ptr + ahead * (RT * 16),
-            x_slot, row_ok)
-        for j in tl.static_range(8):
-            start = ((((8 * lane + j + 1) * K2) >> 1) + RING - 16) % RING
-            step = ((start >> 5) - first + NW) % NW  # 0, 1 or 2 words past the lane's first
-            o = (start & 31).to(tl.uint32)
-            hi = tl.where(step == 0, w0, tl.where(step == 1, w1, w2))
-            lo = tl.where(step == 0, w1, tl.where(step == 1, w2, w3))
-            window = (hi << o) | ((lo >> 1) >> (31 - o))
-            value = _codebook(window >> 16, CB).to(tl.float32)
-            x = _pick(x0, x1, x2, x3, 2 * ((j >> 1) & 1) + (j & 1))
-            if j < 4:
-                acc_left += x * value[None]
-            else:
-                acc_right += x * value[None]
-        w0, w1, w2, w3, x0, x1, x2, x3 = n0, n1, n2, n3, nx0, nx1, nx2, nx3
+            words_ptr + ahead * tiles_n * step_words, off0, off1, off2, off3, xh_ptr + ahead * (RT * 16),
+            x_slot, row_ok, NL)
+        acc_left, acc_right = _step_products(w0, w1, w2, w3, x0, x1, x2, x3, o, zero, acc_left, acc_right,
+                                             K2, CB)
+        ahead = tl.minimum(step_index + 2, steps - 1)
+        w0, w1, w2, w3, x0, x1, x2, x3 = _load_step(
+            words_ptr + ahead * tiles_n * step_words, off0, off1, off2, off3, xh_ptr + ahead * (RT * 16),
+            x_slot, row_ok, NL)
+        if step_index + 1 < steps:
+            acc_left, acc_right = _step_products(n0, n1, n2, n3, nx0, nx1, nx2, nx3, o, zero, acc_left,
+                                                 acc_right, K2, CB)
 
     # Sum the row tiles and the 4 lanes that share a column; columns are c = L/4 (left), L/4 + 8.
     left = tl.sum(tl.reshape(tl.sum(acc_left, axis=1), [MP, CT, 8, 4]), axis=3)
