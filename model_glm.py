@@ -6,6 +6,7 @@ and is meant to be stepped through in a debugger. Names follow the spec (q̃ →
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from dataclasses import dataclass, field
@@ -312,6 +313,12 @@ class ForwardOutput:
 # Building blocks
 # ---------------------------------------------------------------------------------------------
 
+def on_device(device: torch.device) -> contextlib.AbstractContextManager:
+    """Makes a CUDA device current: Triton kernels (EXL3, FP8) launch on the current device, not on
+    their tensors' device, so each layer's work runs under its own device."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
 def linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
     """x W^T for a dense [out, in] weight; a quantized weight (EXL3Linear) computes it itself."""
     if isinstance(w, torch.Tensor):
@@ -540,34 +547,37 @@ class GLMModel:
         first = X.device
         for L in range(cfg.num_hidden_layers):
             p = f"layers.{L}."
-            X = X.to(self.placement.device(L))
-            u, post, C = hc_pre(X, self.w(p + "hc_attn_fn"), self.w(p + "hc_attn_base"),
-                                self.w(p + "hc_attn_scale"), cfg)
-            x = rms_norm(u, self.w(p + "input_layernorm.weight"), cfg.rms_norm_eps)
-            if cfg.layer_types[L] == "kda":
-                if record is not None:
-                    kda_inputs[L] = x[record].to(first)
-                y = self.kda(L, x, batch, spans, cache)
-            else:
-                y = self.dsa(L, x, batch, spans, cache)
-            X = hc_post(X, y, post, C)
+            device = self.placement.device(L)
+            X = X.to(device)
+            with on_device(device):
+                u, post, C = hc_pre(X, self.w(p + "hc_attn_fn"), self.w(p + "hc_attn_base"),
+                                    self.w(p + "hc_attn_scale"), cfg)
+                x = rms_norm(u, self.w(p + "input_layernorm.weight"), cfg.rms_norm_eps)
+                if cfg.layer_types[L] == "kda":
+                    if record is not None:
+                        kda_inputs[L] = x[record].to(first)
+                    y = self.kda(L, x, batch, spans, cache)
+                else:
+                    y = self.dsa(L, x, batch, spans, cache)
+                X = hc_post(X, y, post, C)
 
-            u, post, C = hc_pre(X, self.w(p + "hc_ffn_fn"), self.w(p + "hc_ffn_base"),
-                                self.w(p + "hc_ffn_scale"), cfg)
-            h = rms_norm(u, self.w(p + "post_attention_layernorm.weight"), cfg.rms_norm_eps)
-            y = self.mlp(p + "mlp.", h) if cfg.mlp_layer_types[L] == "dense" else self.moe(p + "mlp.", h)
-            X = hc_post(X, y, post, C)
-            if L in taps:  # DFlash2 §2.4: mean of the streams after the layer, fp32 in stream order
-                tapped[L] = (X.float().sum(1) * (1 / cfg.hc_mult)).to(X.dtype).to(first)
+                u, post, C = hc_pre(X, self.w(p + "hc_ffn_fn"), self.w(p + "hc_ffn_base"),
+                                    self.w(p + "hc_ffn_scale"), cfg)
+                h = rms_norm(u, self.w(p + "post_attention_layernorm.weight"), cfg.rms_norm_eps)
+                y = self.mlp(p + "mlp.", h) if cfg.mlp_layer_types[L] == "dense" else self.moe(p + "mlp.", h)
+                X = hc_post(X, y, post, C)
+                if L in taps:  # DFlash2 §2.4: mean of the streams after the layer, fp32 in stream order
+                    tapped[L] = (X.float().sum(1) * (1 / cfg.hc_mult)).to(X.dtype).to(first)
 
         X = X.to(first)
-        if logit_rows is not None:
-            h = rms_norm(X.float().mean(1).to(X.dtype), self.w("norm.weight"), cfg.rms_norm_eps)
-            logits = linear(h[logit_rows], self.w("lm_head.weight")).float()
-        else:
-            rows = slice(None) if all_logits else torch.tensor([b - 1 for _, b in spans])
-            h = rms_norm(X[rows].float().mean(1).to(X.dtype), self.w("norm.weight"), cfg.rms_norm_eps)
-            logits = linear(h, self.w("lm_head.weight")).float()
+        with on_device(first):
+            if logit_rows is not None:
+                h = rms_norm(X.float().mean(1).to(X.dtype), self.w("norm.weight"), cfg.rms_norm_eps)
+                logits = linear(h[logit_rows], self.w("lm_head.weight")).float()
+            else:
+                rows = slice(None) if all_logits else torch.tensor([b - 1 for _, b in spans])
+                h = rms_norm(X[rows].float().mean(1).to(X.dtype), self.w("norm.weight"), cfg.rms_norm_eps)
+                logits = linear(h, self.w("lm_head.weight")).float()
         tap_rows = torch.cat([tapped[L] for L in taps], dim=-1) if taps else None
         return ForwardOutput(logits, h, tap_rows, kda_inputs)
 
@@ -578,24 +588,26 @@ class GLMModel:
         cfg = self.config
         p = f"layers.{L}.self_attn."
         H, d = cfg.linear_num_heads, cfg.linear_head_dim
-        x = x.to(self.placement.device(L))  # speculative rollback replays inputs kept on the first device
-        pre_conv = [linear(x, self.w(p + f"{n}_proj.weight")) for n in "qkv"]  # q̃, k̃, ṽ
-        f = linear(linear(x, self.w(p + "f_a_proj.weight")), self.w(p + "f_b_proj.weight"))
-        o_g = linear(linear(x, self.w(p + "g_a_proj.weight")), self.w(p + "g_b_proj.weight"))
-        g = kda_gate(f, self.w(p + "A_log"), self.w(p + "dt_bias"), cfg.linear_lower_bound, H, d)
-        beta = torch.sigmoid(linear(x, self.w(p + "b_proj.weight")).float())
-        conv_w = [self.w(p + f"{n}_conv1d.weight") for n in "qkv"]
+        device = self.placement.device(L)
+        x = x.to(device)  # speculative rollback replays inputs kept on the first device
+        with on_device(device):
+            pre_conv = [linear(x, self.w(p + f"{n}_proj.weight")) for n in "qkv"]  # q̃, k̃, ṽ
+            f = linear(linear(x, self.w(p + "f_a_proj.weight")), self.w(p + "f_b_proj.weight"))
+            o_g = linear(linear(x, self.w(p + "g_a_proj.weight")), self.w(p + "g_b_proj.weight"))
+            g = kda_gate(f, self.w(p + "A_log"), self.w(p + "dt_bias"), cfg.linear_lower_bound, H, d)
+            beta = torch.sigmoid(linear(x, self.w(p + "b_proj.weight")).float())
+            conv_w = [self.w(p + f"{n}_conv1d.weight") for n in "qkv"]
 
-        row = cache.kda_index(L)
-        out = torch.empty(x.shape[0], H, d, dtype=torch.float32, device=x.device)
-        for group in _kda_groups(batch, spans, cache.block_size):
-            rows = _as_index([r for i in group for r in range(*spans[i])], x.device)
-            out[rows] = self._kda_side_by_side(row, [batch[i] for i in group], [t[rows] for t in pre_conv],
-                                               g[rows], beta[rows], conv_w, cache)
+            row = cache.kda_index(L)
+            out = torch.empty(x.shape[0], H, d, dtype=torch.float32, device=x.device)
+            for group in _kda_groups(batch, spans, cache.block_size):
+                rows = _as_index([r for i in group for r in range(*spans[i])], x.device)
+                out[rows] = self._kda_side_by_side(row, [batch[i] for i in group], [t[rows] for t in pre_conv],
+                                                   g[rows], beta[rows], conv_w, cache)
 
-        o = rms_norm(out, self.w(p + "o_norm.weight").float(), cfg.rms_norm_eps)
-        o = o * torch.sigmoid(o_g.float().view(-1, H, d))
-        return linear(o.flatten(1).to(x.dtype), self.w(p + "o_proj.weight"))
+            o = rms_norm(out, self.w(p + "o_norm.weight").float(), cfg.rms_norm_eps)
+            o = o * torch.sigmoid(o_g.float().view(-1, H, d))
+            return linear(o.flatten(1).to(x.dtype), self.w(p + "o_proj.weight"))
 
     def _kda_side_by_side(self, row: int, chunks: list[SeqChunk], pre_conv: list[torch.Tensor],
                           g: torch.Tensor, beta: torch.Tensor, conv_w: list[Weight],
@@ -711,10 +723,11 @@ class GLMModel:
                 continue
             hd, ed, wd = h.to(device), experts.to(device), weights.to(device)
             partial = torch.zeros(h.shape, dtype=torch.float32, device=device)
-            for e in mine:
-                tok, k = (ed == e).nonzero(as_tuple=True)
-                y = self.mlp(p + f"experts.{e}.", hd[tok])
-                partial.index_add_(0, tok, y.float() * wd[tok, k, None])
+            with on_device(device):
+                for e in mine:
+                    tok, k = (ed == e).nonzero(as_tuple=True)
+                    y = self.mlp(p + f"experts.{e}.", hd[tok])
+                    partial.index_add_(0, tok, y.float() * wd[tok, k, None])
             out = partial.to(h.device) if out is None else out + partial.to(h.device)
         return (out + self.mlp(p + "shared_experts.", h).float()).to(h.dtype)
 
@@ -738,14 +751,16 @@ class GLMModel:
         first, device = embed.device, self.placement.device(L)
         e = embed[torch.cat([c.tokens for c in batch]).to(first)].to(device)
         hidden = hidden.to(device, e.dtype)
-        z = linear(torch.cat([rms_norm(e, self.w(p + "enorm.weight"), eps),
-                              rms_norm(hidden, self.w(p + "hnorm.weight"), eps)], dim=-1),
-                   self.w(p + "eh_proj.weight"))
-        r1 = z + self.dsa(L, rms_norm(z, self.w(p + "input_layernorm.weight"), eps), batch, spans, cache)
-        r2 = r1 + self.moe(p + "mlp.", rms_norm(r1, self.w(p + "post_attention_layernorm.weight"), eps))
-        rows = slice(None) if all_logits else torch.tensor([b - 1 for _, b in spans])
-        h = rms_norm(r2[rows], self.w(p + "shared_head.norm.weight"), eps).to(first)
-        return ForwardOutput(linear(h, self.w("lm_head.weight")).float(), h)
+        with on_device(device):
+            z = linear(torch.cat([rms_norm(e, self.w(p + "enorm.weight"), eps),
+                                  rms_norm(hidden, self.w(p + "hnorm.weight"), eps)], dim=-1),
+                       self.w(p + "eh_proj.weight"))
+            r1 = z + self.dsa(L, rms_norm(z, self.w(p + "input_layernorm.weight"), eps), batch, spans, cache)
+            r2 = r1 + self.moe(p + "mlp.", rms_norm(r1, self.w(p + "post_attention_layernorm.weight"), eps))
+            rows = slice(None) if all_logits else torch.tensor([b - 1 for _, b in spans])
+            h = rms_norm(r2[rows], self.w(p + "shared_head.norm.weight"), eps).to(first)
+        with on_device(first):
+            return ForwardOutput(linear(h, self.w("lm_head.weight")).float(), h)
 
     # -- checks ------------------------------------------------------------------------------------
 
