@@ -48,17 +48,25 @@ class LayerRows:
         first, rest = self._split(key)
         if isinstance(first, int):
             part, local = self._run(first)
-            return part[(local, *rest)]
-        return torch.cat([p[(slice(None), *rest)].to(self.device) for p in self.parts])
+            return part[(local, *_on(rest, part.device))]
+        return torch.cat([p[(slice(None), *_on(rest, p.device))].to(self.device) for p in self.parts])
 
     def __setitem__(self, key, value) -> None:
         first, rest = self._split(key)
         if isinstance(first, int):
             part, local = self._run(first)
-            part[(local, *rest)] = value.to(part.device) if isinstance(value, torch.Tensor) else value
+            part[(local, *_on(rest, part.device))] = _on(value, part.device)
             return
         for p, s in zip(self.parts, self.starts):
-            p[(slice(None), *rest)] = value[s:s + p.shape[0]].to(p.device) if isinstance(value, torch.Tensor) else value
+            p[(slice(None), *_on(rest, p.device))] = _on(value[s:s + p.shape[0]] if isinstance(value, torch.Tensor)
+                                                         else value, p.device)
+
+
+def _on(x, device: torch.device):
+    """Index tensors and values follow the rows they address (a tuple: each of its tensors)."""
+    if isinstance(x, tuple):
+        return tuple(_on(t, device) for t in x)
+    return x.to(device) if isinstance(x, torch.Tensor) else x
 
 
 def layer_bytes(config: "GLMConfig", layer: int, block_size: int, dtype: torch.dtype) -> tuple[int, int]:
