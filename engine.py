@@ -476,19 +476,22 @@ class Engine:
 
     def _size_pool(self, num_blocks, max_cache_tokens, memory_fraction, per_device: list[list[int]],
                    num_slots: int) -> int:
-        """Blocks in the pool: as asked, else (CUDA) what every device's free memory allows for its
-        layers' rows, else 64K tokens."""
+        """Blocks in the pool: as asked, else (CUDA) what every device allows for its layers' rows:
+        memory_fraction of its free memory, and no more than its budget left after the planned
+        weights; else 64K tokens."""
         if num_blocks is None and max_cache_tokens is not None:
             num_blocks = -(-max_cache_tokens // self.block_size)
-        devices = self.model.placement.devices
-        if num_blocks is None and any(d.type == "cuda" for d in devices):
+        plan = self.model.placement
+        if num_blocks is None and any(d.type == "cuda" for d in plan.devices):
             if not 0 < memory_fraction <= 1:
                 raise ValueError(f"memory_fraction={memory_fraction} must be in (0, 1]")
             fits = []
-            for d, (block_bytes, slot_bytes) in zip(devices, per_device):
-                if d.type == "cuda" and block_bytes:
-                    free, _ = torch.cuda.mem_get_info(d)
-                    fits.append(int((free * memory_fraction - slot_bytes * num_slots) // block_bytes))
+            for d, budget, weights, (block_bytes, slot_bytes) in zip(plan.devices, plan.budget, plan.weight_bytes,
+                                                                     per_device):
+                room = [torch.cuda.mem_get_info(d)[0] * memory_fraction] if d.type == "cuda" else []
+                room += [budget - weights] if budget is not None else []
+                if block_bytes and room:
+                    fits.append(int((min(room) - slot_bytes * num_slots) // block_bytes))
             num_blocks = min(fits)
         if num_blocks is None:
             num_blocks = 65536 // self.block_size
@@ -929,8 +932,7 @@ def load(path_or_hf_id: str | Path | None = None, device: str | torch.device | N
     `device`) places layers, and with `split_experts` also half the routed experts of every MoE layer,
     on each (placement.py). The plan is printed before any weight is read and refused, with the
     numbers, when a device cannot hold its weights and cache; a device may use `memory_per_device`
-    bytes (one number or one per device), by default `memory_fraction` of a CUDA device's free
-    memory (CPU: not limited).
+    bytes (one number or one per device), by default a CUDA device's free memory (CPU: no limit).
 
     The cache pool holds `num_blocks` blocks, or enough for `max_cache_tokens`, or (on CUDA)
     `memory_fraction` of the memory left free after the weights, or 64K tokens on CPU. Prefix-cache
@@ -957,7 +959,7 @@ def load(path_or_hf_id: str | Path | None = None, device: str | torch.device | N
         b, s = cache_mod.layer_bytes(config, L, block_size, dtype)
         reserve[L] = -(-tokens // block_size) * b + (max_num_seqs + 1) * s
     plan = placement.plan(config, checkpoint.weight_bytes(path, config, dtype), devs, split_experts=split_experts,
-                          budgets=_budgets(devs, memory_per_device, memory_fraction), cache=reserve)
+                          budgets=_budgets(devs, memory_per_device), cache=reserve)
     print(plan.describe(), flush=True)
     model = GLMModel(config, checkpoint.load_weights(path, config, dtype, plan.device_of, progress), plan)
     if not (path / "tokenizer.json").is_file():
@@ -974,15 +976,15 @@ def load(path_or_hf_id: str | Path | None = None, device: str | torch.device | N
                   speculator=speculator, drafter=drafter, draft_tokens=draft_tokens)
 
 
-def _budgets(devices: tuple[torch.device, ...], memory_per_device: int | Seq[int] | None,
-             memory_fraction: float) -> list[int | None]:
-    """Bytes each device may use: as given, else memory_fraction of a CUDA device's free memory."""
+def _budgets(devices: tuple[torch.device, ...], memory_per_device: int | Seq[int] | None) -> list[int | None]:
+    """Bytes each device may use: as given, else a CUDA device's free memory (the cache takes
+    memory_fraction of what the weights leave, Engine._size_pool), else no limit."""
     if memory_per_device is not None:
         given = [memory_per_device] * len(devices) if isinstance(memory_per_device, int) else list(memory_per_device)
         if len(given) != len(devices):
             raise ValueError(f"memory_per_device has {len(given)} entries for {len(devices)} devices")
         return given
-    return [int(torch.cuda.mem_get_info(d)[0] * memory_fraction) if d.type == "cuda" else None for d in devices]
+    return [torch.cuda.mem_get_info(d)[0] if d.type == "cuda" else None for d in devices]
 
 
 def _eos_ids(path: Path, config: GLMConfig) -> list[int]:
