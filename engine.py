@@ -42,6 +42,8 @@ import placement
 from cache import CachePool
 from model_glm import GLMConfig, GLMModel, SeqChunk
 
+CPU_CACHE_TOKENS = 65536  # the cache pool's size when neither the caller nor CUDA memory sets it
+
 
 # ---------------------------------------------------------------------------------------------
 # Requests and results
@@ -492,9 +494,9 @@ class Engine:
                 room += [budget - weights] if budget is not None else []
                 if block_bytes and room:
                     fits.append(int((min(room) - slot_bytes * num_slots) // block_bytes))
-            num_blocks = min(fits)
+            num_blocks = min(fits) if fits else None
         if num_blocks is None:
-            num_blocks = 65536 // self.block_size
+            num_blocks = CPU_CACHE_TOKENS // self.block_size
         if num_blocks < 1:
             raise ValueError(f"the cache gets {num_blocks} blocks: give num_blocks or max_cache_tokens, or free memory")
         return num_blocks
@@ -951,7 +953,7 @@ def load(path_or_hf_id: str | Path | None = None, device: str | torch.device | N
     dtype = dtype or (torch.bfloat16 if devs[0].type == "cuda" else torch.float32)
     config = GLMConfig.from_file(path)
     if num_blocks is None and max_cache_tokens is None and all(d.type == "cpu" for d in devs):
-        num_blocks = 65536 // block_size  # what the engine would pick; planned for up front
+        num_blocks = CPU_CACHE_TOKENS // block_size  # what the engine would pick; planned for up front
     # The cache the plan reserves: as asked, else (CUDA, sized after loading) one full batch.
     tokens = num_blocks * block_size if num_blocks else max_cache_tokens or max(max_model_len or 0, max_batch_tokens)
     reserve = {}
