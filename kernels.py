@@ -9,8 +9,9 @@ little-endian uint32:
   position t <-> tile row/column by the mma B-fragment layout (§3).
 exl3_gemv never materializes W: a small kernel rotates the input ((x ⊙ suh) · H128, fp32), then
 every thread element of the main kernel is one mma lane of one 16x16 tile, whose 8 positions
-come from 4 ring words loaded once; products accumulate elementwise in fp32 and are reduced
-once. k is split over programs; partial sums meet in a zeroed fp32 buffer and the last program
+come from 2-4 ring words loaded once (every bit offset a compile-time constant), and the decoded
+tiles feed tl.dot as they are, the mma B operand (the activations are its A: fp16 hi and lo parts
+of each fp32 row, M padded to 16), so the ALU only decodes. k is split over programs; partial sums meet in a zeroed fp32 buffer and the last program
 to arrive at a 128-column block applies H128 and svh (stream-K style fixup, one launch).
 exl3_moe_decode runs the same loop for all selected experts of a MoE layer at once (expert ids
 read on the device), with SwiGLU and the routed sum in the block fixups.
@@ -140,26 +141,6 @@ def _pick(v0, v1, v2, v3, q: tl.constexpr):
 
 
 @triton.jit
-def _load_step(words_ptr, off0, off1, off2, off3, xh_ptr, x_slot, row_ok, NL: tl.constexpr):
-    # The NL ring words of every lane of RT x CT tiles, and the 4 activations each lane multiplies.
-    w0 = tl.load(words_ptr + off0).to(tl.uint32, bitcast=True)
-    w1 = w0
-    w2 = w0
-    w3 = w0
-    if NL > 1:
-        w1 = tl.load(words_ptr + off1).to(tl.uint32, bitcast=True)
-    if NL > 2:
-        w2 = tl.load(words_ptr + off2).to(tl.uint32, bitcast=True)
-    if NL > 3:
-        w3 = tl.load(words_ptr + off3).to(tl.uint32, bitcast=True)
-    x0 = tl.load(xh_ptr + x_slot, mask=row_ok, other=0.0)
-    x1 = tl.load(xh_ptr + x_slot + 1, mask=row_ok, other=0.0)
-    x2 = tl.load(xh_ptr + x_slot + 2, mask=row_ok, other=0.0)
-    x3 = tl.load(xh_ptr + x_slot + 3, mask=row_ok, other=0.0)
-    return w0, w1, w2, w3, x0, x1, x2, x3
-
-
-@triton.jit
 def _funnel(hi, lo, o):
     # The 32 bits from bit o (0..31, MSB first) of the 64-bit stream hi lo.
     return ((((hi.to(tl.uint64) << 32) | lo.to(tl.uint64)) << o.to(tl.uint64)) >> 32).to(tl.uint32)
@@ -180,13 +161,47 @@ def _bits16(r0, r1, r2, r3, p: tl.constexpr):
 
 
 @triton.jit
-def _step_products(w0, w1, w2, w3, x0, x1, x2, x3, o, zero, acc_left, acc_right,
-                   K2: tl.constexpr, CB: tl.constexpr):
-    # One step: every lane's 8 states from its words w (see _gemv_products), times its activations.
+def _lane_stream(K2: tl.constexpr):
+    # Position 8L + j of a tile ends at ring bit 4 L K2 + (((j + 1) K2) >> 1), so relative to the
+    # start b_L of lane L's first state, state j starts at the compile-time bit
+    # ((j + 1) K2 >> 1) - (K2 >> 1), and all 8 end SPAN bits after b_L. Only b_L's offset in its word
+    # depends on the lane, unless 4 K2 is a multiple of 32 (STATIC: then it is BASE for every lane).
+    # Other rates shift the lane's words once per step so that they start at b_L (NR realigned
+    # words from NL loaded ones); either way every state is then a shift by a constant.
     SPAN: tl.constexpr = ((8 * K2) >> 1) - (K2 >> 1) + 16
     STATIC: tl.constexpr = (4 * K2) % 32 == 0
     BASE: tl.constexpr = ((K2 >> 1) + 16) % 32 if STATIC else 0
     NR: tl.constexpr = (SPAN + 31) // 32
+    NL: tl.constexpr = (BASE + SPAN + 31) // 32 if STATIC else NR + 1
+    return STATIC, BASE, NR, NL
+
+
+@triton.jit
+def _load_step(words_ptr, off0, off1, off2, off3, xh_ptr, x_off, x_ok, NL: tl.constexpr):
+    # One step's NL ring words of every lane of RT x CT tiles, and its activations [16, RT * 16].
+    w0 = tl.load(words_ptr + off0).to(tl.uint32, bitcast=True)
+    w1 = w0
+    w2 = w0
+    w3 = w0
+    if NL > 1:
+        w1 = tl.load(words_ptr + off1).to(tl.uint32, bitcast=True)
+    if NL > 2:
+        w2 = tl.load(words_ptr + off2).to(tl.uint32, bitcast=True)
+    if NL > 3:
+        w3 = tl.load(words_ptr + off3).to(tl.uint32, bitcast=True)
+    x = tl.load(xh_ptr + x_off, mask=x_ok, other=0.0)
+    return w0, w1, w2, w3, x
+
+
+@triton.jit
+def _step_dot(w0, w1, w2, w3, x, o, zero, acc, K2: tl.constexpr, CB: tl.constexpr, MP: tl.constexpr,
+              RT: tl.constexpr, CT: tl.constexpr, G: tl.constexpr):
+    # acc [16, CT * 16] += A · Ŵ for one step of RT x CT tiles. Ŵ is decoded in the layout of the
+    # mma B operand (each lane's 8 states are the fragment it feeds: rows 2(L%4) + {0, 1, 8, 9},
+    # columns L/4 and L/4 + 8); its columns are reordered (see _gemv_products) so that the warps'
+    # tiles land where tl.dot expects them. A holds each fp32 activation row as fp16 hi (row i) and
+    # lo (row MP + i) parts, so the fp16 products summed in fp32 lose nothing that matters.
+    STATIC, BASE, NR, NL = _lane_stream(K2)
     if STATIC:
         r0, r1, r2, r3 = w0, w1, w2, w3
     else:
@@ -198,43 +213,43 @@ def _step_products(w0, w1, w2, w3, x0, x1, x2, x3, o, zero, acc_left, acc_right,
         if NR > 2:
             r2 = _funnel(w2, w3, o)
         r3 = r0
-    for j in tl.static_range(8):
-        state = _bits16(r0, r1, r2, r3, BASE + (((j + 1) * K2) >> 1) - (K2 >> 1))
-        value = _codebook(state, CB, zero).to(tl.float32)
-        x = _pick(x0, x1, x2, x3, 2 * ((j >> 1) & 1) + (j & 1))
-        if j < 4:
-            acc_left += x * value[None]
-        else:
-            acc_right += x * value[None]
-    return acc_left, acc_right
+    v0 = _codebook(_bits16(r0, r1, r2, r3, BASE), CB, zero)
+    v1 = _codebook(_bits16(r0, r1, r2, r3, BASE + ((2 * K2) >> 1) - (K2 >> 1)), CB, zero)
+    v2 = _codebook(_bits16(r0, r1, r2, r3, BASE + ((3 * K2) >> 1) - (K2 >> 1)), CB, zero)
+    v3 = _codebook(_bits16(r0, r1, r2, r3, BASE + ((4 * K2) >> 1) - (K2 >> 1)), CB, zero)
+    v4 = _codebook(_bits16(r0, r1, r2, r3, BASE + ((5 * K2) >> 1) - (K2 >> 1)), CB, zero)
+    v5 = _codebook(_bits16(r0, r1, r2, r3, BASE + ((6 * K2) >> 1) - (K2 >> 1)), CB, zero)
+    v6 = _codebook(_bits16(r0, r1, r2, r3, BASE + ((7 * K2) >> 1) - (K2 >> 1)), CB, zero)
+    v7 = _codebook(_bits16(r0, r1, r2, r3, BASE + ((8 * K2) >> 1) - (K2 >> 1)), CB, zero)
+    # w[rt, ct, L, j0, j1, j2] = v_(4 j2 + 2 j1 + j0): row 8 j1 + 2 (L % 4) + j0, column 8 j2 + L / 4.
+    w = tl.join(tl.join(tl.join(v0, v1), tl.join(v2, v3)), tl.join(tl.join(v4, v5), tl.join(v6, v7)))
+    w = tl.reshape(w, [RT, CT // G, G, 8, 4, 2, 2, 2])                      # rt, cq, cg, c, g, j0, j1, j2
+    w = tl.reshape(tl.permute(w, (0, 6, 4, 5, 1, 7, 2, 3)), [RT * 16, CT * 16])  # rt j1 g j0 | cq j2 cg c
+    hi = x.to(tl.float16)
+    a = tl.where(tl.arange(0, 16)[:, None] < MP, hi, (x - hi.to(tl.float32)).to(tl.float16))
+    return tl.dot(a, w, acc)
 
 
 @triton.jit
 def _gemv_products(xh_ptr, words_ptr, m, k, n, steps, pid_n, pid_k,
-                   K2: tl.constexpr, CB: tl.constexpr, MP: tl.constexpr, RT: tl.constexpr, CT: tl.constexpr):
+                   K2: tl.constexpr, CB: tl.constexpr, MP: tl.constexpr, RT: tl.constexpr, CT: tl.constexpr,
+                   G: tl.constexpr):
     # Program (pid_n, pid_k): output tiles [CT * pid_n, CT * (pid_n + 1)), `steps` steps of RT row
-    # tiles from row tile RT * steps * pid_k. One thread element = one mma lane L of one tile, which
-    # owns stream positions 8L .. 8L + 7 (spec §3): rows 2(L%4) + {0, 1, 8, 9} of columns L/4 and
-    # L/4 + 8. Products accumulate elementwise; rows and lanes are summed once at the end. Returns
-    # this program's partial sums z [MP, CT * 16]; the callers add them up across programs and let
-    # the last program of each 128-column block apply H128 and svh.
+    # tiles from row tile RT * steps * pid_k, MP <= 8 rows. One thread element = one mma lane L of
+    # one tile, which owns stream positions 8L .. 8L + 7 (spec §3); the decoded tiles go straight
+    # into tl.dot (M = 16: MP rows twice, hi and lo), so the multiply-adds leave the ALU.
+    # Returns this program's partial sums z [MP, CT * 16]; the callers add them up across programs
+    # and let the last program of each 128-column block apply H128 and svh.
     #
-    # Position 8L + j ends at ring bit E = 4 L K2 + (((j + 1) K2) >> 1), so relative to the start
-    # b_L of the lane's first state, state j starts at the compile-time bit ((j + 1) K2 >> 1) - (K2 >> 1).
-    # Only b_L's offset in its word depends on the lane (unless 4 K2 is a multiple of 32): the lane's
-    # NL words are shifted once per step so that they start at b_L ("realigned"), after which every
-    # state is a shift by a constant (no per-lane shifts or word selects per weight).
+    # Column order inside tl.dot: tile t = G * cq + cg (G = the warps the decode spreads the tiles
+    # over), column 8 j2 + c of it sits at dot column ((cq * 2 + j2) * G + cg) * 8 + c: the order of
+    # the mma operand (8 columns per warp, then the next warp), so no data crosses warps.
     NW: tl.constexpr = 4 * K2
     RING: tl.constexpr = 128 * K2
-    SPAN: tl.constexpr = ((8 * K2) >> 1) - (K2 >> 1) + 16  # bits from b_L to the end of state 7
-    STATIC: tl.constexpr = (4 * K2) % 32 == 0
-    BASE: tl.constexpr = ((K2 >> 1) + 16) % 32 if STATIC else 0  # first state's bit in the stream
-    NR: tl.constexpr = (SPAN + 31) // 32  # realigned words
-    NL: tl.constexpr = (BASE + SPAN + 31) // 32 if STATIC else NR + 1  # loaded words
+    STATIC, BASE, NR, NL = _lane_stream(K2)
     tiles_n = n // 16
     # A zero the compiler cannot see through: with it, the codebook's two LOP3 constants are one
-    # immediate and one loop-invariant register, instead of a constant re-materialized for every
-    # weight (11 of 166 loop instructions at K4).
+    # immediate and one loop-invariant register, instead of a constant re-materialized per weight.
     zero = (k >> 31).to(tl.uint32)
     lane = tl.arange(0, 32)[None, None, :]
     b = (((8 * lane + 1) * K2) >> 1) + RING - 16
@@ -246,49 +261,48 @@ def _gemv_products(xh_ptr, words_ptr, m, k, n, steps, pid_n, pid_k,
     off1 = tile_word0 + (first + 1) % NW
     off2 = tile_word0 + (first + 2) % NW
     off3 = tile_word0 + (first + 3) % NW
-    rows = tl.arange(0, MP)[:, None, None, None]
-    row_ok = rows < m
-    x_slot = rows * k + tl.arange(0, RT)[None, :, None, None] * 16 + 4 * (lane[None] & 3)
+    # A's row i and MP + i both read activation row i; tile row r sits at the rotation's slot for it.
+    a_row = tl.arange(0, 16)[:, None]
+    x_row = tl.where(a_row < MP, a_row, a_row - MP)
+    x_ok = (x_row < m) & (a_row < 2 * MP)
+    r = tl.arange(0, RT * 16)[None, :]
+    t = r % 16
+    x_off = x_row * k + r - t + 4 * ((t >> 1) & 3) + 2 * (t >> 3) + (t & 1)
 
-    acc_left = tl.zeros([MP, RT, CT, 32], tl.float32)   # column L/4 of each tile
-    acc_right = tl.zeros([MP, RT, CT, 32], tl.float32)  # column L/4 + 8
+    acc = tl.zeros([16, CT * 16], tl.float32)
     tile0 = pid_k * steps * RT
     words_ptr += tile0 * tiles_n * NW
     xh_ptr += tile0 * 16
-    step_words: tl.constexpr = RT * NW
+    step_words = RT * tiles_n * NW
     # Each step prefetches the next step's words and activations (the loop is otherwise
     # latency-bound); the last step re-reads its own instead of reading past the split. Two steps
     # per iteration, so that the prefetched registers need no copying.
-    w0, w1, w2, w3, x0, x1, x2, x3 = _load_step(words_ptr, off0, off1, off2, off3, xh_ptr, x_slot, row_ok, NL)
+    w0, w1, w2, w3, x = _load_step(words_ptr, off0, off1, off2, off3, xh_ptr, x_off, x_ok, NL)
     for step_index in range(0, steps, 2):
         ahead = tl.minimum(step_index + 1, steps - 1)
-        n0, n1, n2, n3, nx0, nx1, nx2, nx3 = _load_step(
-            words_ptr + ahead * tiles_n * step_words, off0, off1, off2, off3, xh_ptr + ahead * (RT * 16),
-            x_slot, row_ok, NL)
-        acc_left, acc_right = _step_products(w0, w1, w2, w3, x0, x1, x2, x3, o, zero, acc_left, acc_right,
-                                             K2, CB)
+        n0, n1, n2, n3, nx = _load_step(words_ptr + ahead * step_words, off0, off1, off2, off3,
+                                        xh_ptr + ahead * (RT * 16), x_off, x_ok, NL)
+        acc = _step_dot(w0, w1, w2, w3, x, o, zero, acc, K2, CB, MP, RT, CT, G)
         ahead = tl.minimum(step_index + 2, steps - 1)
-        w0, w1, w2, w3, x0, x1, x2, x3 = _load_step(
-            words_ptr + ahead * tiles_n * step_words, off0, off1, off2, off3, xh_ptr + ahead * (RT * 16),
-            x_slot, row_ok, NL)
+        w0, w1, w2, w3, x = _load_step(words_ptr + ahead * step_words, off0, off1, off2, off3,
+                                       xh_ptr + ahead * (RT * 16), x_off, x_ok, NL)
         if step_index + 1 < steps:
-            acc_left, acc_right = _step_products(n0, n1, n2, n3, nx0, nx1, nx2, nx3, o, zero, acc_left,
-                                                 acc_right, K2, CB)
+            acc = _step_dot(n0, n1, n2, n3, nx, o, zero, acc, K2, CB, MP, RT, CT, G)
 
-    # Sum the row tiles and the 4 lanes that share a column; columns are c = L/4 (left), L/4 + 8.
-    left = tl.sum(tl.reshape(tl.sum(acc_left, axis=1), [MP, CT, 8, 4]), axis=3)
-    right = tl.sum(tl.reshape(tl.sum(acc_right, axis=1), [MP, CT, 8, 4]), axis=3)
-    z = tl.reshape(tl.permute(tl.join(left, right), (0, 1, 3, 2)), [MP, CT * 16])
+    # Rows i and MP + i (hi and lo parts) add up to row i; rows from 2 MP on are zero.
+    z = tl.sum(tl.sum(tl.reshape(acc, [16 // (2 * MP), 2, MP, CT * 16]), axis=1), axis=0)
+    z = tl.reshape(tl.permute(tl.reshape(z, [MP, CT // G, 2, G, 8]), (0, 1, 3, 2, 4)), [MP, CT * 16])
     return z
 
 
 @triton.jit
 def _gemv_kernel(xh_ptr, svh_ptr, words_ptr, partial_ptr, arrivals_ptr, y_ptr,
                  m, k, n, steps, arrivals,
-                 K2: tl.constexpr, CB: tl.constexpr, MP: tl.constexpr, RT: tl.constexpr, CT: tl.constexpr):
+                 K2: tl.constexpr, CB: tl.constexpr, MP: tl.constexpr, RT: tl.constexpr, CT: tl.constexpr,
+                 G: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    z = _gemv_products(xh_ptr, words_ptr, m, k, n, steps, pid_n, pid_k, K2, CB, MP, RT, CT)
+    z = _gemv_products(xh_ptr, words_ptr, m, k, n, steps, pid_n, pid_k, K2, CB, MP, RT, CT, G)
     cols = pid_n * CT * 16 + tl.arange(0, CT * 16)[None, :]
     tl.atomic_add(partial_ptr + tl.arange(0, MP)[:, None] * n + cols, z,
                   mask=tl.arange(0, MP)[:, None] < m, sem="relaxed")
@@ -345,7 +359,7 @@ def exl3_decode(trellis: torch.Tensor, codebook: str, out: torch.Tensor | None =
     return out
 
 
-GEMV_ROWS = 8  # rows per launch: the elementwise accumulators grow with the row count
+GEMV_ROWS = 8  # rows per launch: tl.dot's 16 rows hold each row twice (fp16 hi and lo parts)
 _SPLIT_BUFFERS: dict[tuple[torch.device, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
@@ -398,30 +412,27 @@ def exl3_gemv(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: to
     x = x.contiguous()
     words = trellis.contiguous().view(torch.int32)
     partial, counters = _split_buffers(x.device, n)
-    # Half rates (odd K2) gave wrong sums for 2..8 rows per launch on the H200 (triton 3.6; relative
-    # error 0.3-0.7 against the twin, while 1 row was right for every config and the CPU interpreter
-    # is right for all row counts): not understood yet, so half rates run one row per launch.
-    rows_per_launch = 1 if k2 % 2 and x.is_cuda else GEMV_ROWS
-    for row in range(0, m, rows_per_launch):
-        rows = min(rows_per_launch, m - row)
+    for row in range(0, m, GEMV_ROWS):
+        rows = min(GEMV_ROWS, m - row)
         xh = torch.empty((rows, k), dtype=torch.float32, device=x.device)
         _rotate_input_kernel[(k // 128,)](x[row:], suh, xh, rows, k)
         _gemv_kernel[(n // block_n, split)](
             xh, svh, words, partial, counters, out[row:], rows, k, n, tiles_k // (split * row_tiles),
             split * 128 // block_n, K2=k2, CB=CODEBOOKS.index(codebook), MP=triton.next_power_of_2(rows),
-            RT=row_tiles, CT=block_n // 16, num_warps=num_warps, num_stages=num_stages)
+            RT=row_tiles, CT=block_n // 16, G=min(num_warps, block_n // 16), num_warps=num_warps,
+            num_stages=num_stages)
     return out
 
 
 
 # ---------------------------------------------------------------- EXL3 MoE decode: all selected experts at once
-# For P = m * top_k (token, expert) pairs of one MoE layer, in four launches whatever P:
+# For P = m * top_k (token, expert) pairs of one MoE layer, in three launches whatever P:
 #   1. rotate x for every pair with its expert's gate and up suh;
-#   2, 3. gate GEMV, then up GEMV, over all pairs (program axis 2 = pair, expert id read on the
+#   2. gate and up GEMV over all pairs (program axis 2 = projection and pair, expert id read on the
 #      device); the last program to finish a 128-column block of a pair (counted over both
-#      launches) applies H128 and svh to gate and up, the clamped SwiGLU (spec glm53.md §4.5),
-#      and the down projection's input rotation (⊙ suh_down, H128): the block is ready for 4.;
-#   4. down GEMV over all pairs; the last program of a block applies H128, svh and the routing
+#      projections) applies H128 and svh to gate and up, the clamped SwiGLU (spec glm53.md §4.5),
+#      and the down projection's input rotation (⊙ suh_down, H128): the block is ready for 3.;
+#   3. down GEMV over all pairs; the last program of a block applies H128, svh and the routing
 #      weight and adds the block into the token's fp32 output row.
 # Twin: Σ_j w_j · down_e(swiglu(gate_e(x), up_e(x))) with exl3.EXL3Linear experts and model_glm.swiglu
 # (tests/test_kernels.py); the kernel keeps the intermediates in fp32 where the twin rounds each
@@ -445,17 +456,23 @@ def _moe_rotate_kernel(x_ptr, ids_ptr, suh_gate_ptr, suh_up_ptr, xh_ptr, k, top_
 
 
 @triton.jit
-def _moe_gemv_kernel(xh_ptr, words_ptr, ids_ptr, partial_ptr, arrivals_ptr, k, n, steps, arrivals, expert_words,
-                     half, svh_a_ptr, svh_b_ptr, suh_next_ptr, route_ptr, out_ptr, top_k, limit,
-                     K2: tl.constexpr, CB: tl.constexpr, RT: tl.constexpr, CT: tl.constexpr, DOWN: tl.constexpr):
-    # Program (pid_n, pid_k, pair p): one row (the pair's), its expert's trellis. `half` is 0 for
-    # gate and 1 for up (which half of the pair's partial sums), 0 for down.
+def _moe_gemv_kernel(xh_ptr, words_ptr, words_up_ptr, ids_ptr, partial_ptr, arrivals_ptr, k, n, steps, arrivals,
+                     expert_words, pairs, svh_a_ptr, svh_b_ptr, suh_next_ptr, route_ptr, out_ptr, top_k, limit,
+                     K2: tl.constexpr, CB: tl.constexpr, RT: tl.constexpr, CT: tl.constexpr, G: tl.constexpr,
+                     DOWN: tl.constexpr):
+    # Program (pid_n, pid_k, q): one row, its expert's trellis. Gate and up share a launch: q is
+    # half * pairs + p with half 0 for gate (words_ptr) and 1 for up (words_up_ptr); down has q = p.
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    p = tl.program_id(2)
+    q = tl.program_id(2)
+    half = q // pairs
+    p = q - half * pairs
     e = tl.load(ids_ptr + p).to(tl.int64)
-    z = _gemv_products(xh_ptr + p * k, words_ptr + e * expert_words, 1, k, n, steps, pid_n, pid_k,
-                       K2, CB, 1, RT, CT)
+    if half == 0:
+        words = words_ptr + e * expert_words
+    else:
+        words = words_up_ptr + e * expert_words
+    z = _gemv_products(xh_ptr + q.to(tl.int64) * k, words, 1, k, n, steps, pid_n, pid_k, K2, CB, 1, RT, CT, G)
     parts: tl.constexpr = 1 if DOWN else 2
     cols = pid_n * CT * 16 + tl.arange(0, CT * 16)[None, :]
     tl.atomic_add(partial_ptr + (p * parts + half) * n + cols, z, sem="relaxed")
@@ -532,7 +549,8 @@ def exl3_moe_decode(x: torch.Tensor, ids: torch.Tensor, route: torch.Tensor,
                     gate: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
                     up: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
                     down: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-                    codebook: str, limit: float, *, block_n: int = 128, row_tiles: int = 1) -> torch.Tensor:
+                    codebook: str, limit: float, *, block_n: int = 128, row_tiles: int = 1,
+                    num_warps: int = 4) -> torch.Tensor:
     """Σ_j route[t, j] · down_e(swiglu(gate_e(x_t), up_e(x_t))) for e = ids[t, j], all pairs at once.
 
     x [m, D] fp16 / bf16; ids [m, top_k] integer expert ids and route [m, top_k] fp32 weights, on the
@@ -571,22 +589,20 @@ def exl3_moe_decode(x: torch.Tensor, ids: torch.Tensor, route: torch.Tensor,
 
     act_h = torch.empty((P, I), dtype=torch.float32, device=dev)
     steps = D // 16 // row_tiles
-    split = _moe_split(dev, I, P, steps, block_n)
+    split = _moe_split(dev, I, 2 * P, steps, block_n)
     partial, counters = _moe_buffers(dev, P, I, 2)
-    for half, (w, src) in enumerate(((words[0], xh[0]), (words[1], xh[1]))):
-        _moe_gemv_kernel[(I // block_n, split, P)](
-            src, w, ids, partial, counters, D, I, steps // split, 2 * split * 128 // block_n,
-            (D // 16) * (I // 16) * NW, half, gate[2], up[2], down[1], route, act_h, top_k, limit,
-            K2=k2, CB=cb, RT=row_tiles, CT=block_n // 16, DOWN=False)
+    launch = dict(K2=k2, CB=cb, RT=row_tiles, CT=block_n // 16, G=min(num_warps, block_n // 16), num_warps=num_warps)
+    _moe_gemv_kernel[(I // block_n, split, 2 * P)](
+        xh, words[0], words[1], ids, partial, counters, D, I, steps // split, 2 * split * 128 // block_n,
+        (D // 16) * (I // 16) * NW, P, gate[2], up[2], down[1], route, act_h, top_k, limit, DOWN=False, **launch)
 
     y = torch.zeros((m, D), dtype=torch.float32, device=dev)
     steps = I // 16 // row_tiles
     split = _moe_split(dev, D, P, steps, block_n)
     partial, counters = _moe_buffers(dev, P, D, 1)
     _moe_gemv_kernel[(D // block_n, split, P)](
-        act_h, words[2], ids, partial, counters, I, D, steps // split, split * 128 // block_n,
-        (I // 16) * (D // 16) * NW, 0, down[2], down[2], down[1], route, y, top_k, limit,
-        K2=k2, CB=cb, RT=row_tiles, CT=block_n // 16, DOWN=True)
+        act_h, words[2], words[2], ids, partial, counters, I, D, steps // split, split * 128 // block_n,
+        (I // 16) * (D // 16) * NW, P, down[2], down[2], down[1], route, y, top_k, limit, DOWN=True, **launch)
     return y
 
 # ================================================================ KDA recurrence
