@@ -540,7 +540,7 @@ class GLMModel:
         bad = [L for L in taps if not 0 <= L < cfg.num_hidden_layers]
         if bad:
             raise ValueError(f"forward: taps {bad} are not trunk layers 0..{cfg.num_hidden_layers - 1}")
-        record = _as_index(list(kda_input_rows), "cpu") if len(kda_input_rows) else None
+        record = _as_index(list(kda_input_rows), tokens.device) if len(kda_input_rows) else None
         tapped, kda_inputs = {}, {}
 
         X = self.w("embed_tokens.weight")[tokens][:, None, :].repeat(1, cfg.hc_mult, 1)
@@ -555,7 +555,8 @@ class GLMModel:
                 x = rms_norm(u, self.w(p + "input_layernorm.weight"), cfg.rms_norm_eps)
                 if cfg.layer_types[L] == "kda":
                     if record is not None:
-                        kda_inputs[L] = x[record].to(first)
+                        rows = record if isinstance(record, slice) else record.to(device)
+                        kda_inputs[L] = x[rows].to(first)
                     y = self.kda(L, x, batch, spans, cache)
                 else:
                     y = self.dsa(L, x, batch, spans, cache)

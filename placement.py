@@ -74,23 +74,23 @@ class Placement:
     def device(self, layer: int) -> torch.device:
         return self.devices[self.layer_device[layer]]
 
-    def expert_index(self, expert: int) -> int:
-        """Device index of routed expert `expert` under the expert split."""
-        n = len(self.devices)
-        return next(d for d in range(n) if expert < (d + 1) * self.n_experts // n)
+    def experts_on(self, d: int) -> range:
+        """Routed experts device index d holds under the expert split (of every MoE layer)."""
+        n, E = len(self.devices), self.n_experts
+        return range(d * E // n, (d + 1) * E // n)
 
     def expert_groups(self, layer: int) -> list[tuple[torch.device, range]]:
         """(device, expert ids) whose routed sum is computed there, one entry per device index."""
         if not self.split_experts:
             return [(self.device(layer), range(self.n_experts))]
-        n, E = len(self.devices), self.n_experts
-        return [(self.devices[d], range(d * E // n, (d + 1) * E // n)) for d in range(n)]
+        return [(self.devices[d], self.experts_on(d)) for d in range(len(self.devices))]
 
     def index_of(self, name: str) -> int:
         """Device index of a weight (in-memory name)."""
         layer, expert = _LAYER.match(name), _EXPERT.match(name)
         if expert is not None and self.split_experts:
-            return self.expert_index(int(expert.group(1)))
+            e = int(expert.group(1))
+            return next(d for d in range(len(self.devices)) if e in self.experts_on(d))
         return self.layer_device[int(layer.group(1))] if layer is not None else 0
 
     def device_of(self, name: str) -> torch.device:
@@ -106,7 +106,7 @@ class Placement:
             held = ["embed_tokens, norm, lm_head"] if d == 0 else []
             held += _runs([L for L, i in enumerate(self.layer_device) if i == d], self.n_trunk)
             if self.split_experts:
-                r = self.expert_groups(0)[d][1]
+                r = self.experts_on(d)
                 held.append(f"experts {r.start}-{r.stop - 1} of every MoE layer")
             need = self.weight_bytes[d] + self.cache_bytes[d]
             budget = "no limit given" if self.budget[d] is None else f"of {_size(self.budget[d])}"
@@ -148,6 +148,7 @@ def plan(config: "GLMConfig", sizes: Mapping[str, int], devices: Sequence[str | 
     for L, b in cache.items():
         load[L] += b
 
+    # Balance against the budgets when every device has one, else split the load evenly.
     layer_device = _balance(load, fixed, [b if None not in budgets else 1 for b in budgets])
     weights, cache_bytes = list(fixed), [0] * n
     for L, d in enumerate(layer_device):
