@@ -1,6 +1,9 @@
 """train.py on CPU: gradients reach every part of the architecture through the engine's forward,
 a few steps lower the loss, resume continues exactly, exports load in the engine, and the default
-model is the shipped one when present (else the random one)."""
+model is the shipped one when present (else the random one). The DFlash2 drafter stage: its config
+has the published structure, a few steps against the shipped model lower its losses, resume is
+exact, the written drafter loads and speculates, and the shipped drafter is what the stage makes."""
+import json
 import math
 import shutil
 
@@ -9,6 +12,7 @@ import torch
 from safetensors import safe_open
 
 import default_model
+import dflash
 import engine
 import exl3
 import train
@@ -202,6 +206,13 @@ def test_export_loads_in_engine_and_scores(tok, corpus, tmp_path, monkeypatch):
 
 def test_default_model_prefers_the_shipped_export(tmp_path, monkeypatch):
     monkeypatch.setattr(default_model, "SHIPPED", tmp_path / "default_weights")
+    monkeypatch.setattr(default_model, "SHIPPED_DRAFTER", tmp_path / "default_weights" / "dflash2")
+    assert default_model.shipped_drafter() is None
+    (tmp_path / "default_weights" / "dflash2").mkdir(parents=True)
+    (tmp_path / "default_weights" / "dflash2" / "config.json").write_text("{}")
+    assert default_model.shipped_drafter() is None  # no weights: not a drafter
+    (tmp_path / "default_weights" / "dflash2" / "model.safetensors").write_bytes(b"")
+    assert default_model.shipped_drafter() == tmp_path / "default_weights" / "dflash2"
     built = default_model.ensure(tmp_path / "cache")  # nothing shipped: the random model is built
     assert built.parent == tmp_path / "cache" and (built / "model.safetensors").is_file()
     files = ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
@@ -216,3 +227,75 @@ def test_default_model_prefers_the_shipped_export(tmp_path, monkeypatch):
     assert default_model.ensure(tmp_path / "cache") == exl3_4  # EXL3 first
     assert engine.load(None, device="cpu", max_cache_tokens=256, snapshot_bytes=0, progress=False).config.vocab_size \
         == train.GLMConfig.from_file(exl3_4).vocab_size
+
+
+# ---------------------------------------------------------------------------------------------
+# The DFlash2 drafter stage (train.py --drafter)
+
+DRAFT_SEQ = 48
+
+
+@pytest.fixture(scope="module")
+def shipped_target():
+    """The shipped trained model in fp32, as the drafter stage loads it (a trained target: the
+    drafter has something to learn, unlike against random weights)."""
+    return train.load_target(default_model.SHIPPED / "bf16", torch.device("cpu"))
+
+
+def test_drafter_config_has_the_published_structure(tok, shipped_target, fixtures_dir):
+    ours = train.drafter_config(shipped_target.config, tok)
+    published = json.loads((fixtures_dir / "glm53" / "dflash2.config.json").read_text())
+    assert set(ours) <= set(published) | {"rope_parameters"} and set(published) - set(ours) <= {"transformers_version"}
+    assert set(ours["dflash_config"]) == set(published["dflash_config"])
+    cfg = dflash.DFlash2Config.from_dict(ours)
+    cfg.check_target(shipped_target.config)
+    assert cfg.block_size == 8 and cfg.selector_top_k == 16 and cfg.conv_kernel_size == 2
+    assert set(cfg.target_layer_ids) <= set(shipped_target.config.kda_layers)  # taps after KDA layers, as GLM's (§2.4)
+    assert cfg.mask_token_id == tok.token_to_id("[MASK]")
+
+
+def drafter_trainer(target, tok) -> train.DrafterTrainer:
+    s = train.DrafterSettings(seq_len=DRAFT_SEQ, batch_size=2, anchors=8, warmup_steps=2)
+    t = train.DrafterTrainer(train.drafter_config(target.config, tok), target, s, "cpu")
+    t.total_steps = 14
+    return t
+
+
+def test_drafter_training_lowers_the_loss_resumes_and_speculates(tok, corpus, shipped_target, tmp_path):
+    held = train.held_batches(corpus.held, DRAFT_SEQ, 2, 2)
+    t = drafter_trainer(shipped_target, tok)
+    before = train.evaluate_drafter(t.drafter, held, t.settings)
+    for _ in range(10):
+        t.step(corpus.train)
+    t.save(tmp_path / "state.pt")
+    t.step(corpus.train)
+    after = train.evaluate_drafter(t.drafter, held, t.settings)
+    assert after.main.item() < before.main.item() - 0.5, (before.main.item(), after.main.item())
+    assert after.selector.item() < before.selector.item() - 0.5, (before.selector.item(), after.selector.item())
+    assert after.head_top1.shape == (7,) and 0 <= after.walk_top1.min() <= after.walk_top1.max() <= 1
+
+    resumed = train.DrafterTrainer.load(tmp_path / "state.pt", shipped_target, "cpu")
+    assert (resumed.step_index, resumed.data_pos, resumed.total_steps) == (10, 20, 14)
+    resumed.step(corpus.train)
+    for n, w in t.params.items():
+        assert torch.equal(w, resumed.params[n]), n
+
+    folder = dflash.write_drafter(tmp_path / "dflash2", t.config_dict, t.weights())
+    loaded = dflash.load_drafter(folder, shipped_target)
+    for n, w in t.weights().items():
+        assert torch.equal(loaded.w(n), w.to(torch.bfloat16).float()), n
+    greedy = engine.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    runs = {}
+    for spec, opts in (("none", {}), ("dflash2", {"drafter_path": folder})):
+        eng = engine.load(default_model.SHIPPED / "bf16", device="cpu", max_cache_tokens=512, snapshot_bytes=0,
+                          progress=False, speculator=spec, **opts)
+        runs[spec] = eng.generate("def f(x):", greedy)[0].token_ids
+        stats = eng.stats()
+    assert runs["dflash2"] == runs["none"] and stats.spec_verify_steps > 0
+
+
+def test_the_shipped_drafter_is_the_stage_output_for_the_shipped_model(tok, shipped_target):
+    folder = default_model.shipped_drafter()
+    assert folder == default_model.SHIPPED_DRAFTER
+    assert json.loads((folder / "config.json").read_text()) == train.drafter_config(shipped_target.config, tok)
+    assert dflash.load_drafter(folder, shipped_target).max_draft == 7
