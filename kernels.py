@@ -161,22 +161,6 @@ def _bits16(r0, r1, r2, r3, p: tl.constexpr):
 
 
 @triton.jit
-def _lane_stream(K2: tl.constexpr):
-    # Position 8L + j of a tile ends at ring bit 4 L K2 + (((j + 1) K2) >> 1), so relative to the
-    # start b_L of lane L's first state, state j starts at the compile-time bit
-    # ((j + 1) K2 >> 1) - (K2 >> 1), and all 8 end SPAN bits after b_L. Only b_L's offset in its word
-    # depends on the lane, unless 4 K2 is a multiple of 32 (STATIC: then it is BASE for every lane).
-    # Other rates shift the lane's words once per step so that they start at b_L (NR realigned
-    # words from NL loaded ones); either way every state is then a shift by a constant.
-    SPAN: tl.constexpr = ((8 * K2) >> 1) - (K2 >> 1) + 16
-    STATIC: tl.constexpr = (4 * K2) % 32 == 0
-    BASE: tl.constexpr = ((K2 >> 1) + 16) % 32 if STATIC else 0
-    NR: tl.constexpr = (SPAN + 31) // 32
-    NL: tl.constexpr = (BASE + SPAN + 31) // 32 if STATIC else NR + 1
-    return STATIC, BASE, NR, NL
-
-
-@triton.jit
 def _load_step(words_ptr, off0, off1, off2, off3, xh_ptr, x_off, x_ok, NL: tl.constexpr):
     # One step's NL ring words of every lane of RT x CT tiles, and its activations [16, RT * 16].
     w0 = tl.load(words_ptr + off0).to(tl.uint32, bitcast=True)
@@ -195,13 +179,13 @@ def _load_step(words_ptr, off0, off1, off2, off3, xh_ptr, x_off, x_ok, NL: tl.co
 
 @triton.jit
 def _step_dot(w0, w1, w2, w3, x, o, zero, acc, K2: tl.constexpr, CB: tl.constexpr, MP: tl.constexpr,
-              RT: tl.constexpr, CT: tl.constexpr, G: tl.constexpr):
+              RT: tl.constexpr, CT: tl.constexpr, G: tl.constexpr, STATIC: tl.constexpr, BASE: tl.constexpr,
+              NR: tl.constexpr):
     # acc [16, CT * 16] += A · Ŵ for one step of RT x CT tiles. Ŵ is decoded in the layout of the
     # mma B operand (each lane's 8 states are the fragment it feeds: rows 2(L%4) + {0, 1, 8, 9},
     # columns L/4 and L/4 + 8); its columns are reordered (see _gemv_products) so that the warps'
     # tiles land where tl.dot expects them. A holds each fp32 activation row as fp16 hi (row i) and
     # lo (row MP + i) parts, so the fp16 products summed in fp32 lose nothing that matters.
-    STATIC, BASE, NR, NL = _lane_stream(K2)
     if STATIC:
         r0, r1, r2, r3 = w0, w1, w2, w3
     else:
@@ -221,10 +205,10 @@ def _step_dot(w0, w1, w2, w3, x, o, zero, acc, K2: tl.constexpr, CB: tl.constexp
     v5 = _codebook(_bits16(r0, r1, r2, r3, BASE + ((6 * K2) >> 1) - (K2 >> 1)), CB, zero)
     v6 = _codebook(_bits16(r0, r1, r2, r3, BASE + ((7 * K2) >> 1) - (K2 >> 1)), CB, zero)
     v7 = _codebook(_bits16(r0, r1, r2, r3, BASE + ((8 * K2) >> 1) - (K2 >> 1)), CB, zero)
-    # w[rt, ct, L, j0, j1, j2] = v_(4 j2 + 2 j1 + j0): row 8 j1 + 2 (L % 4) + j0, column 8 j2 + L / 4.
+    # w[L, ct, rt, j0, j1, j2] = v_(4 j2 + 2 j1 + j0): row 8 j1 + 2 (L % 4) + j0, column 8 j2 + L / 4.
     w = tl.join(tl.join(tl.join(v0, v1), tl.join(v2, v3)), tl.join(tl.join(v4, v5), tl.join(v6, v7)))
-    w = tl.reshape(w, [RT, CT // G, G, 8, 4, 2, 2, 2])                      # rt, cq, cg, c, g, j0, j1, j2
-    w = tl.reshape(tl.permute(w, (0, 6, 4, 5, 1, 7, 2, 3)), [RT * 16, CT * 16])  # rt j1 g j0 | cq j2 cg c
+    w = tl.reshape(w, [8, 4, CT // G, G, RT, 2, 2, 2])                      # c, g, cq, cg, rt, j0, j1, j2
+    w = tl.reshape(tl.permute(w, (4, 1, 6, 5, 2, 7, 3, 0)), [RT * 16, CT * 16])  # rt g j1 j0 | cq j2 cg c
     hi = x.to(tl.float16)
     a = tl.where(tl.arange(0, 16)[:, None] < MP, hi, (x - hi.to(tl.float32)).to(tl.float16))
     return tl.dot(a, w, acc)
@@ -246,17 +230,27 @@ def _gemv_products(xh_ptr, words_ptr, m, k, n, steps, pid_n, pid_k,
     # the mma operand (8 columns per warp, then the next warp), so no data crosses warps.
     NW: tl.constexpr = 4 * K2
     RING: tl.constexpr = 128 * K2
-    STATIC, BASE, NR, NL = _lane_stream(K2)
+    # Position 8L + j of a tile ends at ring bit 4 L K2 + (((j + 1) K2) >> 1), so relative to the
+    # start b_L of lane L's first state, state j starts at the compile-time bit
+    # ((j + 1) K2 >> 1) - (K2 >> 1), and all 8 end SPAN bits after b_L. Only b_L's offset in its word
+    # depends on the lane, unless 4 K2 is a multiple of 32 (STATIC: then it is BASE for every lane).
+    # Other rates shift the lane's words once per step so that they start at b_L (NR realigned
+    # words from NL loaded ones); either way every state is then a shift by a constant.
+    SPAN: tl.constexpr = ((8 * K2) >> 1) - (K2 >> 1) + 16
+    STATIC: tl.constexpr = (4 * K2) % 32 == 0
+    BASE: tl.constexpr = ((K2 >> 1) + 16) % 32 if STATIC else 0
+    NR: tl.constexpr = (SPAN + 31) // 32
+    NL: tl.constexpr = (BASE + SPAN + 31) // 32 if STATIC else NR + 1
     tiles_n = n // 16
     # A zero the compiler cannot see through: with it, the codebook's two LOP3 constants are one
     # immediate and one loop-invariant register, instead of a constant re-materialized per weight.
     zero = (k >> 31).to(tl.uint32)
-    lane = tl.arange(0, 32)[None, None, :]
+    lane = tl.arange(0, 32)[:, None, None]
     b = (((8 * lane + 1) * K2) >> 1) + RING - 16
     b = tl.where(b >= RING, b - RING, b)
     first = b >> 5
     o = (b & 31).to(tl.uint32)
-    tile_word0 = (tl.arange(0, RT)[:, None, None] * tiles_n + pid_n * CT + tl.arange(0, CT)[None, :, None]) * NW
+    tile_word0 = (tl.arange(0, RT)[None, None, :] * tiles_n + pid_n * CT + tl.arange(0, CT)[None, :, None]) * NW
     off0 = tile_word0 + first
     off1 = tile_word0 + (first + 1) % NW
     off2 = tile_word0 + (first + 2) % NW
@@ -265,9 +259,7 @@ def _gemv_products(xh_ptr, words_ptr, m, k, n, steps, pid_n, pid_k,
     a_row = tl.arange(0, 16)[:, None]
     x_row = tl.where(a_row < MP, a_row, a_row - MP)
     x_ok = (x_row < m) & (a_row < 2 * MP)
-    r = tl.arange(0, RT * 16)[None, :]
-    t = r % 16
-    x_off = x_row * k + r - t + 4 * ((t >> 1) & 3) + 2 * (t >> 3) + (t & 1)
+    x_off = x_row * k + tl.arange(0, RT * 16)[None, :]
 
     acc = tl.zeros([16, CT * 16], tl.float32)
     tile0 = pid_k * steps * RT
@@ -282,12 +274,12 @@ def _gemv_products(xh_ptr, words_ptr, m, k, n, steps, pid_n, pid_k,
         ahead = tl.minimum(step_index + 1, steps - 1)
         n0, n1, n2, n3, nx = _load_step(words_ptr + ahead * step_words, off0, off1, off2, off3,
                                         xh_ptr + ahead * (RT * 16), x_off, x_ok, NL)
-        acc = _step_dot(w0, w1, w2, w3, x, o, zero, acc, K2, CB, MP, RT, CT, G)
+        acc = _step_dot(w0, w1, w2, w3, x, o, zero, acc, K2, CB, MP, RT, CT, G, STATIC, BASE, NR)
         ahead = tl.minimum(step_index + 2, steps - 1)
         w0, w1, w2, w3, x = _load_step(words_ptr + ahead * step_words, off0, off1, off2, off3,
                                        xh_ptr + ahead * (RT * 16), x_off, x_ok, NL)
         if step_index + 1 < steps:
-            acc = _step_dot(n0, n1, n2, n3, nx, o, zero, acc, K2, CB, MP, RT, CT, G)
+            acc = _step_dot(n0, n1, n2, n3, nx, o, zero, acc, K2, CB, MP, RT, CT, G, STATIC, BASE, NR)
 
     # Rows i and MP + i (hi and lo parts) add up to row i; rows from 2 MP on are zero.
     z = tl.sum(tl.sum(tl.reshape(acc, [16 // (2 * MP), 2, MP, CT * 16]), axis=1), axis=0)
