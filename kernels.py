@@ -179,13 +179,13 @@ def _load_step(words_ptr, off0, off1, off2, off3, xh_ptr, x_off, x_ok, NL: tl.co
 
 @triton.jit
 def _step_dot(w0, w1, w2, w3, x, o, zero, acc, K2: tl.constexpr, CB: tl.constexpr, MP: tl.constexpr,
-              RT: tl.constexpr, CT: tl.constexpr, G: tl.constexpr, STATIC: tl.constexpr, BASE: tl.constexpr,
-              NR: tl.constexpr):
-    # acc [16, CT * 16] += A · Ŵ for one step of RT x CT tiles. Ŵ is decoded in the layout of the
-    # mma B operand (each lane's 8 states are the fragment it feeds: rows 2(L%4) + {0, 1, 8, 9},
-    # columns L/4 and L/4 + 8); its columns are reordered (see _gemv_products) so that the warps'
-    # tiles land where tl.dot expects them. A holds each fp32 activation row as fp16 hi (row i) and
-    # lo (row MP + i) parts, so the fp16 products summed in fp32 lose nothing that matters.
+              RT: tl.constexpr, CT: tl.constexpr, STATIC: tl.constexpr, BASE: tl.constexpr, NR: tl.constexpr):
+    # acc [CT * 16, 16] += Ŵ^T · B for one step of RT x CT tiles: y^T = Ŵ^T x^T, so that the decoded
+    # weights are the mma A operand, whose fragment is exactly a lane's 8 states (spec §3: rows
+    # 2(L%4) + {0, 1, 8, 9} of Ŵ, columns L/4 and L/4 + 8) and never leave the registers (on sm_90
+    # triton 3.6 makes this a wgmma with A in registers). B holds each fp32 activation row as fp16
+    # hi (column i) and lo (column MP + i) parts, so the fp16 products summed in fp32 lose nothing
+    # that matters; columns from 2 MP on are zero.
     if STATIC:
         r0, r1, r2, r3 = w0, w1, w2, w3
     else:
@@ -205,29 +205,25 @@ def _step_dot(w0, w1, w2, w3, x, o, zero, acc, K2: tl.constexpr, CB: tl.constexp
     v5 = _codebook(_bits16(r0, r1, r2, r3, BASE + ((6 * K2) >> 1) - (K2 >> 1)), CB, zero)
     v6 = _codebook(_bits16(r0, r1, r2, r3, BASE + ((7 * K2) >> 1) - (K2 >> 1)), CB, zero)
     v7 = _codebook(_bits16(r0, r1, r2, r3, BASE + ((8 * K2) >> 1) - (K2 >> 1)), CB, zero)
-    # w[L, ct, rt, j0, j1, j2] = v_(4 j2 + 2 j1 + j0): row 8 j1 + 2 (L % 4) + j0, column 8 j2 + L / 4.
+    # w[L, ct, rt, j0, j1, j2] = v_(4 j2 + 2 j1 + j0): Ŵ row 8 j1 + 2 (L % 4) + j0, column 8 j2 + L / 4.
     w = tl.join(tl.join(tl.join(v0, v1), tl.join(v2, v3)), tl.join(tl.join(v4, v5), tl.join(v6, v7)))
-    w = tl.reshape(w, [8, 4, CT // G, G, RT, 2, 2, 2])                      # c, g, cq, cg, rt, j0, j1, j2
-    w = tl.reshape(tl.permute(w, (4, 1, 6, 5, 2, 7, 3, 0)), [RT * 16, CT * 16])  # rt g j1 j0 | cq j2 cg c
+    w = tl.reshape(w, [8, 4, CT, RT, 2, 2, 2])                                   # c, g, ct, rt, j0, j1, j2
+    w = tl.reshape(tl.permute(w, (2, 6, 0, 3, 5, 1, 4)), [CT * 16, RT * 16])  # Ŵ^T: ct j2 c | rt j1 g j0
     hi = x.to(tl.float16)
-    a = tl.where(tl.arange(0, 16)[:, None] < MP, hi, (x - hi.to(tl.float32)).to(tl.float16))
-    return tl.dot(a, w, acc)
+    b = tl.where(tl.arange(0, 16)[None, :] < MP, hi, (x - hi.to(tl.float32)).to(tl.float16))
+    return tl.dot(w, b, acc)
 
 
 @triton.jit
 def _gemv_products(xh_ptr, words_ptr, m, k, n, steps, pid_n, pid_k,
-                   K2: tl.constexpr, CB: tl.constexpr, MP: tl.constexpr, RT: tl.constexpr, CT: tl.constexpr,
-                   G: tl.constexpr):
+                   K2: tl.constexpr, CB: tl.constexpr, MP: tl.constexpr, RT: tl.constexpr, CT: tl.constexpr):
     # Program (pid_n, pid_k): output tiles [CT * pid_n, CT * (pid_n + 1)), `steps` steps of RT row
     # tiles from row tile RT * steps * pid_k, MP <= 8 rows. One thread element = one mma lane L of
     # one tile, which owns stream positions 8L .. 8L + 7 (spec §3); the decoded tiles go straight
-    # into tl.dot (M = 16: MP rows twice, hi and lo), so the multiply-adds leave the ALU.
+    # into tl.dot (see _step_dot), so the multiply-adds leave the ALU. The lane axis comes first in
+    # the decode tensors: that is the order in which triton lays them out like the mma operand.
     # Returns this program's partial sums z [MP, CT * 16]; the callers add them up across programs
     # and let the last program of each 128-column block apply H128 and svh.
-    #
-    # Column order inside tl.dot: tile t = G * cq + cg (G = the warps the decode spreads the tiles
-    # over), column 8 j2 + c of it sits at dot column ((cq * 2 + j2) * G + cg) * 8 + c: the order of
-    # the mma operand (8 columns per warp, then the next warp), so no data crosses warps.
     NW: tl.constexpr = 4 * K2
     RING: tl.constexpr = 128 * K2
     # Position 8L + j of a tile ends at ring bit 4 L K2 + (((j + 1) K2) >> 1), so relative to the
@@ -255,13 +251,15 @@ def _gemv_products(xh_ptr, words_ptr, m, k, n, steps, pid_n, pid_k,
     off1 = tile_word0 + (first + 1) % NW
     off2 = tile_word0 + (first + 2) % NW
     off3 = tile_word0 + (first + 3) % NW
-    # A's row i and MP + i both read activation row i; tile row r sits at the rotation's slot for it.
-    a_row = tl.arange(0, 16)[:, None]
-    x_row = tl.where(a_row < MP, a_row, a_row - MP)
-    x_ok = (x_row < m) & (a_row < 2 * MP)
-    x_off = x_row * k + tl.arange(0, RT * 16)[None, :]
+    # B's columns i and MP + i both read activation row i; tile row r sits at the rotation's slot for it.
+    b_col = tl.arange(0, 16)[None, :]
+    x_row = tl.where(b_col < MP, b_col, b_col - MP)
+    x_ok = (x_row < m) & (b_col < 2 * MP)
+    r = tl.arange(0, RT * 16)[:, None]
+    t = r % 16
+    x_off = x_row * k + r - t + 4 * ((t >> 1) & 3) + 2 * (t >> 3) + (t & 1)
 
-    acc = tl.zeros([16, CT * 16], tl.float32)
+    acc = tl.zeros([CT * 16, 16], tl.float32)
     tile0 = pid_k * steps * RT
     words_ptr += tile0 * tiles_n * NW
     xh_ptr += tile0 * 16
@@ -274,27 +272,25 @@ def _gemv_products(xh_ptr, words_ptr, m, k, n, steps, pid_n, pid_k,
         ahead = tl.minimum(step_index + 1, steps - 1)
         n0, n1, n2, n3, nx = _load_step(words_ptr + ahead * step_words, off0, off1, off2, off3,
                                         xh_ptr + ahead * (RT * 16), x_off, x_ok, NL)
-        acc = _step_dot(w0, w1, w2, w3, x, o, zero, acc, K2, CB, MP, RT, CT, G, STATIC, BASE, NR)
+        acc = _step_dot(w0, w1, w2, w3, x, o, zero, acc, K2, CB, MP, RT, CT, STATIC, BASE, NR)
         ahead = tl.minimum(step_index + 2, steps - 1)
         w0, w1, w2, w3, x = _load_step(words_ptr + ahead * step_words, off0, off1, off2, off3,
                                        xh_ptr + ahead * (RT * 16), x_off, x_ok, NL)
         if step_index + 1 < steps:
-            acc = _step_dot(n0, n1, n2, n3, nx, o, zero, acc, K2, CB, MP, RT, CT, G, STATIC, BASE, NR)
+            acc = _step_dot(n0, n1, n2, n3, nx, o, zero, acc, K2, CB, MP, RT, CT, STATIC, BASE, NR)
 
-    # Rows i and MP + i (hi and lo parts) add up to row i; rows from 2 MP on are zero.
-    z = tl.sum(tl.sum(tl.reshape(acc, [16 // (2 * MP), 2, MP, CT * 16]), axis=1), axis=0)
-    z = tl.reshape(tl.permute(tl.reshape(z, [MP, CT // G, 2, G, 8]), (0, 1, 3, 2, 4)), [MP, CT * 16])
+    # Columns i and MP + i (hi and lo parts) add up to row i; columns from 2 MP on are zero.
+    z = tl.sum(tl.sum(tl.reshape(tl.trans(acc), [16 // (2 * MP), 2, MP, CT * 16]), axis=1), axis=0)
     return z
 
 
 @triton.jit
 def _gemv_kernel(xh_ptr, svh_ptr, words_ptr, partial_ptr, arrivals_ptr, y_ptr,
                  m, k, n, steps, arrivals,
-                 K2: tl.constexpr, CB: tl.constexpr, MP: tl.constexpr, RT: tl.constexpr, CT: tl.constexpr,
-                 G: tl.constexpr):
+                 K2: tl.constexpr, CB: tl.constexpr, MP: tl.constexpr, RT: tl.constexpr, CT: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    z = _gemv_products(xh_ptr, words_ptr, m, k, n, steps, pid_n, pid_k, K2, CB, MP, RT, CT, G)
+    z = _gemv_products(xh_ptr, words_ptr, m, k, n, steps, pid_n, pid_k, K2, CB, MP, RT, CT)
     cols = pid_n * CT * 16 + tl.arange(0, CT * 16)[None, :]
     tl.atomic_add(partial_ptr + tl.arange(0, MP)[:, None] * n + cols, z,
                   mask=tl.arange(0, MP)[:, None] < m, sem="relaxed")
@@ -411,8 +407,7 @@ def exl3_gemv(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: to
         _gemv_kernel[(n // block_n, split)](
             xh, svh, words, partial, counters, out[row:], rows, k, n, tiles_k // (split * row_tiles),
             split * 128 // block_n, K2=k2, CB=CODEBOOKS.index(codebook), MP=triton.next_power_of_2(rows),
-            RT=row_tiles, CT=block_n // 16, G=min(num_warps, block_n // 16), num_warps=num_warps,
-            num_stages=num_stages)
+            RT=row_tiles, CT=block_n // 16, num_warps=num_warps, num_stages=num_stages)
     return out
 
 
@@ -450,8 +445,7 @@ def _moe_rotate_kernel(x_ptr, ids_ptr, suh_gate_ptr, suh_up_ptr, xh_ptr, k, top_
 @triton.jit
 def _moe_gemv_kernel(xh_ptr, words_ptr, words_up_ptr, ids_ptr, partial_ptr, arrivals_ptr, k, n, steps, arrivals,
                      expert_words, pairs, svh_a_ptr, svh_b_ptr, suh_next_ptr, route_ptr, out_ptr, top_k, limit,
-                     K2: tl.constexpr, CB: tl.constexpr, RT: tl.constexpr, CT: tl.constexpr, G: tl.constexpr,
-                     DOWN: tl.constexpr):
+                     K2: tl.constexpr, CB: tl.constexpr, RT: tl.constexpr, CT: tl.constexpr, DOWN: tl.constexpr):
     # Program (pid_n, pid_k, q): one row, its expert's trellis. Gate and up share a launch: q is
     # half * pairs + p with half 0 for gate (words_ptr) and 1 for up (words_up_ptr); down has q = p.
     pid_n = tl.program_id(0)
@@ -464,7 +458,7 @@ def _moe_gemv_kernel(xh_ptr, words_ptr, words_up_ptr, ids_ptr, partial_ptr, arri
         words = words_ptr + e * expert_words
     else:
         words = words_up_ptr + e * expert_words
-    z = _gemv_products(xh_ptr + q.to(tl.int64) * k, words, 1, k, n, steps, pid_n, pid_k, K2, CB, 1, RT, CT, G)
+    z = _gemv_products(xh_ptr + q.to(tl.int64) * k, words, 1, k, n, steps, pid_n, pid_k, K2, CB, 1, RT, CT)
     parts: tl.constexpr = 1 if DOWN else 2
     cols = pid_n * CT * 16 + tl.arange(0, CT * 16)[None, :]
     tl.atomic_add(partial_ptr + (p * parts + half) * n + cols, z, sem="relaxed")
@@ -583,7 +577,7 @@ def exl3_moe_decode(x: torch.Tensor, ids: torch.Tensor, route: torch.Tensor,
     steps = D // 16 // row_tiles
     split = _moe_split(dev, I, 2 * P, steps, block_n)
     partial, counters = _moe_buffers(dev, P, I, 2)
-    launch = dict(K2=k2, CB=cb, RT=row_tiles, CT=block_n // 16, G=min(num_warps, block_n // 16), num_warps=num_warps)
+    launch = dict(K2=k2, CB=cb, RT=row_tiles, CT=block_n // 16, num_warps=num_warps)
     _moe_gemv_kernel[(I // block_n, split, 2 * P)](
         xh, words[0], words[1], ids, partial, counters, D, I, steps // split, 2 * split * 128 // block_n,
         (D // 16) * (I // 16) * NW, P, gate[2], up[2], down[1], route, act_h, top_k, limit, DOWN=False, **launch)
