@@ -1002,14 +1002,16 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 SPEC_PROMPTS = ("What does json.dumps do?", "Explain the Python topic 'assert'.", "What does os.path.join do?",
                 "How do I sort a list?", "What is a generator?", "Explain the Python topic 'with'.")
+SPEC_CACHE_TOKENS = 8192  # per engine: the three live side by side (a default pool takes most of a GPU)
 
 
 def run_speculative(args) -> None:
     """Batch 1, one request at a time, 64 greedy tokens each, for no speculation, MTP (the model's own
     layer) and DFlash2 (the drafter train.py --drafter trained against it): tok/s of the best of 3
-    passes, tokens per verify step (accepted drafts + the target's token), the fraction of verified
-    drafts accepted, the speedup over plain decoding, and whether the speculative tokens equal the
-    plain ones (greedy verification makes them equal; a difference is a bug)."""
+    rounds (each round times every speculator in turn, so a shared machine's load hits them alike),
+    tokens per verify step (accepted drafts + the target's token), the fraction of verified drafts
+    accepted, the speedup over plain decoding, and whether the speculative tokens equal the plain ones
+    (greedy verification makes them equal; bf16 verify rows may break a near-tie differently)."""
     import default_model
     import engine
     prompts = [[{"role": "user", "content": q}] for q in SPEC_PROMPTS]
@@ -1020,18 +1022,20 @@ def run_speculative(args) -> None:
         say(f"dflash2: skipped, no trained drafter in {default_model.SHIPPED_DRAFTER} "
             f"(python train.py --drafter --target default_weights/bf16 --out build/drafter ...)")
         del specs["dflash2"]
-    tokens, rate = {}, {}
-    for spec, opts in specs.items():
-        e = engine.load(device=args.device, progress=False, speculator=spec, draft_tokens=args.draft_tokens
-                        if spec != "none" else None, **opts)
+    engines = {spec: engine.load(device=args.device, progress=False, max_cache_tokens=SPEC_CACHE_TOKENS,
+                                 speculator=spec, draft_tokens=None if spec == "none" else args.draft_tokens, **opts)
+               for spec, opts in specs.items()}
+    for e in engines.values():
         e.generate(prompts[:1], engine.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
-        best = math.inf
-        for _ in range(3):
+    best, tokens = dict.fromkeys(engines, math.inf), {}
+    for _ in range(3):
+        for spec, e in engines.items():
             t = time.perf_counter()
             out = [e.generate([q], params)[0] for q in prompts]
-            best = min(best, time.perf_counter() - t)
-        tokens[spec] = [r.token_ids for r in out]
-        rate[spec] = sum(map(len, tokens[spec])) / best
+            best[spec] = min(best[spec], time.perf_counter() - t)
+            tokens[spec] = [r.token_ids for r in out]
+    rate = {spec: sum(map(len, tokens[spec])) / best[spec] for spec in engines}
+    for spec, e in engines.items():
         s = e.stats()
         line = f"{spec}: {rate[spec]:.1f} tok/s"
         if spec != "none":
@@ -1041,7 +1045,6 @@ def run_speculative(args) -> None:
                      f"speedup {rate[spec] / rate['none']:.2f}x, tokens identical to plain: "
                      f"{same_tokens(tokens[spec], tokens['none'])}")
         say(line)
-        del e
 
 
 def same_tokens(spec: list[list[int]], plain: list[list[int]]) -> str:
