@@ -143,6 +143,18 @@ def test_serve_devices_flag(capsys):
         assert why in capsys.readouterr().err
 
 
+def test_serve_loads_on_two_devices(ckpt):
+    srv = serve.Server(serve.parse_args(["--model", str(ckpt), "--port", "0", "--devices", "cpu,cpu",
+                                         "--split-experts", "--dtype", "float32", "--max-cache-tokens", "256"]))
+    srv.serve_in_thread()  # (shutdown waits for the HTTP loop to stop)
+    try:
+        srv.load()  # its warm-up generates through the split model
+        p = srv.engine.model.placement
+        assert srv.ready.is_set() and len(p.devices) == 2 and p.split_experts and set(p.layer_device) == {0, 1}
+    finally:
+        srv.shutdown()
+
+
 # ---------------------------------------------------------------------------------------------
 # The cache rows
 
