@@ -1,0 +1,440 @@
+"""The fast decode step: `GLMModel.forward` for B sequences that each add one token, computed with
+the Triton kernels, fixed shapes and no host synchronization, so that a whole 45-layer step is
+captured once per batch size in a CUDA graph and replayed (spec performance.md §7).
+
+The math is model_glm's, in the same order (spec glm53.md §4), and model_glm.forward is this file's
+twin (tests/test_fastdecode.py holds them together). Only the way of computing differs:
+- mHC (§4.2): three small kernels per sub-layer (`kernels.hc_mix`, `hc_pre`, `hc_post`) instead of
+  ~70 torch ops, most of them the 20 Sinkhorn iterations on 4x4 matrices;
+- projections that read the same input run as one GEMV: their weights are concatenated once and
+  the model's own entries become views of the concatenation (same values, no extra memory);
+- the routed experts of a layer are stacked the same way, so `kernels.exl3_moe_decode` runs all
+  selected experts in four launches with the expert ids read on the device;
+- KDA (§4.3): conv window, SiLU, L2 norms, gate and β in one kernel (`kernels.kda_decode_inputs`),
+  the recurrence in `kernels.kda_recurrent_step`, the output norm and gate in one more;
+- DSA (§4.4): the indexer scores every pool of a fixed-width block table and takes a fixed top-k
+  (2051 positions at full size), masking what does not exist instead of slicing; cache rows are
+  addressed through device index tensors.
+The multi-token paths (prefill, speculative verification, MTP) stay in model_glm.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+import exl3
+import fp8
+import fastkernels as fk
+import kernels
+from cache import CachePool
+from model_glm import ForwardOutput, GLMModel, SeqChunk, Weight, linear, rms_norm
+
+
+class Unsupported(ValueError):
+    """The model has a part the fast decode step does not run (the reference path still does)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Preparing the weights: fused projections and stacked experts, as views the model shares
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class Fused:
+    """Linears that read the same input. `weight` is their concatenation along the outputs (None
+    when they cannot be concatenated: then `parts` run one by one)."""
+    weight: Weight | None
+    parts: list[Weight]
+    sizes: list[int]
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        if self.weight is None:
+            return [linear(x, w) for w in self.parts]
+        return list(linear(x, self.weight).split(self.sizes, dim=-1))
+
+
+def _out_features(w: Weight) -> int:
+    return w.shape[0] if isinstance(w, torch.Tensor) else w.out_features
+
+
+def fuse(model: GLMModel, names: list[str]) -> Fused:
+    """Concatenates dense tensors of one dtype, or FP8 block-128 linears whose row blocks line up
+    (every part but the last a multiple of 128 rows); anything else (EXL3 core weights) stays
+    separate. The model's entries are replaced by views of the concatenation."""
+    parts = [model.w(n) for n in names]
+    sizes = [_out_features(w) for w in parts]
+    if all(isinstance(w, torch.Tensor) for w in parts) and len({w.dtype for w in parts}) == 1:
+        cat = torch.cat(parts)
+        views = list(cat.split(sizes))
+        fused: Weight = cat
+    elif all(isinstance(w, fp8.FP8Linear) for w in parts) and all(n % fp8.BLOCK == 0 for n in sizes[:-1]):
+        weight = torch.cat([w.weight for w in parts])
+        scale = torch.cat([w.scale_inv for w in parts])
+        fused = fp8.FP8Linear(weight, scale, name="+".join(names))
+        views, row = [], 0
+        for n, name in zip(sizes, names):
+            views.append(fp8.FP8Linear(weight[row:row + n], scale[row // fp8.BLOCK:-(-(row + n) // fp8.BLOCK)],
+                                       name=name))
+            row += n
+    else:
+        return Fused(None, parts, sizes)
+    for name, view in zip(names, views):
+        model.weights[name] = view
+    return Fused(fused, parts=[], sizes=sizes)
+
+
+@dataclass
+class Experts:
+    """One MoE layer's routed experts stacked [E, ...]: EXL3 (gate, up, down) = (trellis, suh, svh)
+    for kernels.exl3_moe_decode, or dense gate / up / down weights [E, out, in]."""
+    exl3: tuple | None = None  # (gate, up, down, codebook)
+    dense: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+
+def _stacked(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """[E, ...] holding the tensors: their common base when they already are its rows in order
+    (as bench.py builds them), else a new stack."""
+    base = tensors[0]._base
+    if (base is not None and base.shape[0] == len(tensors) and base.shape[1:] == tensors[0].shape
+            and all(t._base is base and t.data_ptr() == base[e].data_ptr() for e, t in enumerate(tensors))):
+        return base
+    return torch.stack(tensors)
+
+
+def stack_experts(model: GLMModel, L: int) -> Experts:
+    """Stacks layer L's routed experts; the model's expert entries become views of the stacks."""
+    cfg = model.config
+    p = f"layers.{L}.mlp.experts."
+    names = {proj: [f"{p}{e}.{proj}.weight" for e in range(cfg.n_routed_experts)]
+             for proj in ("gate_proj", "up_proj", "down_proj")}
+    ws = {proj: [model.w(n) for n in ns] for proj, ns in names.items()}
+    every = [w for group in ws.values() for w in group]
+    if all(isinstance(w, exl3.EXL3Linear) for w in every):
+        kinds = {(w.codebook, w.bits, w.bias is None) for w in every}
+        if len(kinds) != 1 or not next(iter(kinds))[2]:
+            raise Unsupported(f"layer {L}: the fast MoE kernel needs one codebook and one K per layer and "
+                              f"no expert bias, found (codebook, K, no bias) {sorted(kinds)}")
+        stacks = []
+        for proj, group in ws.items():
+            trellis, suh, svh = (_stacked([getattr(w, a) for w in group]) for a in ("trellis", "suh", "svh"))
+            for e, name in enumerate(names[proj]):
+                model.weights[name] = exl3.EXL3Linear(trellis[e], suh[e], svh[e], group[e].codebook, name=name)
+            stacks.append((trellis, suh, svh))
+        return Experts(exl3=(*stacks, every[0].codebook))
+    if all(isinstance(w, torch.Tensor) for w in every):
+        stacks = []
+        for proj, group in ws.items():
+            stack = _stacked(group)
+            for e, name in enumerate(names[proj]):
+                model.weights[name] = stack[e]
+            stacks.append(stack)
+        return Experts(dense=tuple(stacks))
+    kinds = sorted({type(w).__name__ for w in every})
+    raise Unsupported(f"layer {L}: routed experts of type {kinds}; the fast path runs EXL3 or dense experts")
+
+
+@dataclass
+class Layer:
+    kind: str  # "kda" | "dsa"
+    row: int  # cache row (kda_index / dsa_index)
+    attn_hc: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # fn, base, scale (fp32)
+    ffn_hc: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    proj: Fused  # KDA: q, k, v, f_a, g_a, b; DSA: q_a, kv_a, indexer wk, indexer gate
+    proj2: list[Fused]  # KDA: [f_b], [g_b]; DSA: [q_b, indexer wq_b]
+    attn: dict[str, torch.Tensor]  # the small tensors of the mixer
+    o_proj: Weight
+    mlp: Fused | None  # dense MLP or shared expert: gate, up
+    down: Weight | None
+    experts: Experts | None
+    router: tuple[torch.Tensor, torch.Tensor] | None  # fp32 gate weight, correction bias
+
+
+# ---------------------------------------------------------------------------------------------
+# The step
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class _Graph:
+    graph: "torch.cuda.CUDAGraph"
+    inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # tokens, positions, slots, tables
+    logits: torch.Tensor
+    hidden: torch.Tensor
+
+
+class FastDecoder:
+    """Decode steps of `model` against `cache`: `step(batch)` for chunks of one token each.
+
+    Construction prepares the weights (fusing and stacking them in place, see `fuse`,
+    `stack_experts`); `capture(batch_sizes)` records one CUDA graph per batch size and must run
+    before any sequence lives in the cache (the recording run writes scratch values into slots
+    0..B-1 and block 0). Batch sizes without a graph, and every step on CPU, run the same code
+    eagerly. `max_context` bounds the positions a step may hold (the fixed width of the block
+    table the indexer scans)."""
+
+    def __init__(self, model: GLMModel, cache: CachePool, max_context: int):
+        self.model, self.cache, self.cfg = model, cache, model.config
+        if cache.config != model.config:
+            raise ValueError("FastDecoder: the CachePool was built for a different config")
+        self.device = cache.device
+        self.max_blocks = -(-max_context // cache.block_size)
+        if self.max_blocks > cache.num_blocks:
+            raise ValueError(f"FastDecoder: max_context {max_context} needs {self.max_blocks} blocks, "
+                             f"the cache has {cache.num_blocks}")
+        self.max_context = max_context
+        self.layers = [self._prepare(L) for L in range(self.cfg.num_hidden_layers)]
+        self.embed = model.w("embed_tokens.weight")
+        self.head = model.w("lm_head.weight")
+        self.norm = model.w("norm.weight")
+        self.graphs: dict[int, _Graph] = {}
+        self._pool = None
+
+    def _prepare(self, L: int) -> Layer:
+        m, cfg = self.model, self.cfg
+        p = f"layers.{L}."
+        hc = lambda kind: (m.w(p + f"hc_{kind}_fn").float().contiguous(), m.w(p + f"hc_{kind}_base").float(),
+                           m.w(p + f"hc_{kind}_scale").float())
+        a = p + "self_attn."
+        if cfg.layer_types[L] == "kda":
+            kind, row = "kda", self.cache.kda_index(L)
+            proj = fuse(m, [a + f"{n}_proj.weight" for n in ("q", "k", "v", "f_a", "g_a", "b")])
+            proj2 = [fuse(m, [a + "f_b_proj.weight"]), fuse(m, [a + "g_b_proj.weight"])]
+            attn = {"conv": torch.stack([m.w(a + f"{n}_conv1d.weight").squeeze(1) for n in "qkv"]).contiguous(),
+                    "A_log": m.w(a + "A_log").float().contiguous(), "dt_bias": m.w(a + "dt_bias").float().contiguous(),
+                    "o_norm": m.w(a + "o_norm.weight").float().contiguous()}
+        else:
+            kind, row = "dsa", self.cache.dsa_index(L)
+            i = a + "indexer."
+            proj = fuse(m, [a + "q_a_proj.weight", a + "kv_a_proj_with_mqa.weight", i + "wk.weight",
+                            i + "index_kpool_compress_gate"])
+            proj2 = [fuse(m, [a + "q_b_proj.weight", i + "wq_b.weight"])]
+            H, dn = cfg.num_attention_heads, cfg.qk_nope_head_dim
+            W = m.w(a + "kv_b_proj.weight").float().view(H, dn + cfg.v_head_dim, cfg.kv_lora_rank)
+            attn = {"W_UK": W[:, :dn].contiguous(), "W_UV": W[:, dn:].contiguous(),
+                    "q_norm": m.w(a + "q_a_layernorm.weight"), "kv_norm": m.w(a + "kv_a_layernorm.weight"),
+                    "k_norm_w": m.w(i + "k_norm.weight"), "k_norm_b": m.w(i + "k_norm.bias"),
+                    "w_idx": m.w(i + "weights_proj.weight").float(), "ape": m.w(i + "index_kpool_compress_ape").float()}
+        f = p + "mlp."
+        if cfg.mlp_layer_types[L] == "dense":
+            mlp, down, experts, router = fuse(m, [f + "gate_proj.weight", f + "up_proj.weight"]), \
+                m.w(f + "down_proj.weight"), None, None
+        else:
+            s = f + "shared_experts."
+            mlp, down = fuse(m, [s + "gate_proj.weight", s + "up_proj.weight"]), m.w(s + "down_proj.weight")
+            experts = stack_experts(m, L)
+            router = (m.w(f + "gate.weight").float(), m.w(f + "gate.e_score_correction_bias").float())
+        return Layer(kind, row, hc("attn"), hc("ffn"), m.w(p + "input_layernorm.weight"),
+                     m.w(p + "post_attention_layernorm.weight"), proj, proj2, attn, m.w(a + "o_proj.weight"),
+                     mlp, down, experts, router)
+
+    # -- the public step ----------------------------------------------------------------------
+
+    def step(self, batch: list[SeqChunk]) -> ForwardOutput:
+        """Logits [B, vocab] (fp32) and final hidden rows for B chunks of one token each."""
+        tokens, positions, slots, tables = self._inputs(batch)
+        g = self.graphs.get(len(batch))
+        if g is None:
+            logits, hidden = self.run(tokens, positions, slots, tables)
+        else:
+            for static, new in zip(g.inputs, (tokens, positions, slots, tables)):
+                static.copy_(new)
+            g.graph.replay()
+            logits, hidden = g.logits, g.hidden
+        return ForwardOutput(logits.clone(), hidden.clone())
+
+    def _inputs(self, batch: list[SeqChunk]) -> tuple[torch.Tensor, ...]:
+        """Device tensors for the chunks, after checking them (one token each, decode positions)."""
+        if not batch:
+            raise ValueError("FastDecoder.step: empty batch")
+        B = len(batch)
+        tables = torch.zeros(B, self.max_blocks, dtype=torch.long)
+        seen = set()
+        for i, c in enumerate(batch):
+            if c.tokens.dim() != 1 or c.tokens.shape[0] != 1:
+                raise ValueError(f"FastDecoder.step: batch[{i}] has tokens of shape {tuple(c.tokens.shape)}; "
+                                 "a decode step takes exactly one token per sequence")
+            if not 1 <= c.start < self.max_context:
+                raise ValueError(f"FastDecoder.step: batch[{i}].start={c.start} is outside 1..{self.max_context - 1} "
+                                 "(a decode step follows a prefill; max_context bounds it)")
+            if not 0 <= c.slot < self.cache.num_slots or c.slot in seen:
+                raise ValueError(f"FastDecoder.step: batch[{i}].slot={c.slot} is out of range or used twice")
+            seen.add(c.slot)
+            need = c.start // self.cache.block_size + 1
+            if c.block_table.shape[0] < need:
+                raise ValueError(f"FastDecoder.step: batch[{i}].block_table has {c.block_table.shape[0]} blocks, "
+                                 f"position {c.start} needs {need}")
+            n = min(c.block_table.shape[0], self.max_blocks)
+            tables[i, :n] = c.block_table[:n]
+        tokens = torch.cat([c.tokens for c in batch])
+        if int(tokens.min()) < 0 or int(tokens.max()) >= self.cfg.vocab_size:
+            raise ValueError(f"FastDecoder.step: token ids outside 0..{self.cfg.vocab_size - 1}")
+        dev = self.device
+        return (tokens.to(dev), torch.tensor([c.start for c in batch], device=dev),
+                torch.tensor([c.slot for c in batch], device=dev), tables.to(dev))
+
+    # -- CUDA graphs --------------------------------------------------------------------------
+
+    def capture(self, batch_sizes: list[int]) -> None:
+        """One CUDA graph per batch size, sharing one memory pool. Scratch writes: see the class."""
+        if self.device.type != "cuda":
+            raise ValueError("FastDecoder.capture: CUDA graphs need a CUDA device")
+        for B in sorted(batch_sizes, reverse=True):  # the largest first: the others fit its pool
+            if B > self.cache.num_slots:
+                raise ValueError(f"FastDecoder.capture: batch size {B} exceeds the cache's {self.cache.num_slots} slots")
+            inputs = (torch.zeros(B, dtype=torch.long, device=self.device),
+                      torch.ones(B, dtype=torch.long, device=self.device),
+                      torch.arange(B, device=self.device),
+                      torch.zeros(B, self.max_blocks, dtype=torch.long, device=self.device))
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):  # compiles every kernel outside the capture
+                self.run(*inputs)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            with torch.cuda.graph(graph, pool=self._pool):
+                logits, hidden = self.run(*inputs)
+            self.graphs[B] = _Graph(graph, inputs, logits, hidden)
+        torch.cuda.synchronize(self.device)
+
+    # -- §4.1 the trunk, one token per sequence ---------------------------------------------------
+
+    def run(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+            tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step on device tensors: tokens, positions, slots [B]; tables [B, max_blocks]."""
+        cfg = self.cfg
+        X = self.embed[tokens][:, None, :].repeat(1, cfg.hc_mult, 1).contiguous()
+        for layer in self.layers:
+            x, post, C = self._hc_pre(X, layer.attn_hc, layer.input_norm)
+            if layer.kind == "kda":
+                y = self.kda(layer, x, slots)
+            else:
+                y = self.dsa(layer, x, positions, tables)
+            X = fk.hc_post(X, y, post, C)
+            h, post, C = self._hc_pre(X, layer.ffn_hc, layer.post_norm)
+            y = self.moe(layer, h) if layer.experts is not None else self.mlp(layer, h)
+            X = fk.hc_post(X, y, post, C)
+        h = rms_norm(X.float().mean(1).to(X.dtype), self.norm, cfg.rms_norm_eps)
+        return linear(h, self.head).float(), h
+
+    def _hc_pre(self, X: torch.Tensor, hc: tuple, norm: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        cfg = self.cfg
+        return fk.hc_pre(X, *hc, norm, cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
+
+    # -- §4.3 KDA ------------------------------------------------------------------------------
+
+    def kda(self, layer: Layer, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
+        H, d = cfg.linear_num_heads, cfg.linear_head_dim
+        q_pre, k_pre, v_pre, f_a, g_a, b = layer.proj(x)
+        (f,), (o_g,) = layer.proj2[0](f_a), layer.proj2[1](g_a)
+        a = layer.attn
+        q, k, v, g, beta = fk.kda_decode_inputs(
+            (q_pre, k_pre, v_pre), self.cache.conv_state[layer.row], slots, a["conv"], f, a["A_log"],
+            a["dt_bias"], b, cfg.linear_lower_bound, H, d)
+        o = kernels.kda_recurrent_step(q, k, v, g, beta, self.cache.kda_state[layer.row], slots)
+        o = fk.kda_output_gate(o, o_g, a["o_norm"], cfg.rms_norm_eps, x.dtype)
+        return linear(o, layer.o_proj)
+
+    # -- §4.4 DSA ------------------------------------------------------------------------------
+
+    def dsa(self, layer: Layer, x: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+        cfg, cache, a = self.cfg, self.cache, layer.attn
+        eps, bs, kpool, row = cfg.rms_norm_eps, cache.block_size, cfg.index_kpool, layer.row
+        B = x.shape[0]
+        q_a, kv_a, wk, gamma = layer.proj(x)
+        q_r = rms_norm(q_a, a["q_norm"], eps)
+        q, q_idx = layer.proj2[0](q_r)
+        q = q.view(B, cfg.num_attention_heads, cfg.qk_nope_head_dim)
+        q_idx = q_idx.view(B, cfg.index_n_heads, cfg.index_head_dim)
+        c = rms_norm(kv_a, a["kv_norm"], eps)
+        k_idx = F.layer_norm(wk, (cfg.index_head_dim,), a["k_norm_w"], a["k_norm_b"], eps=1e-6)
+        w_idx = F.linear(x.float(), a["w_idx"]) / math.sqrt(cfg.index_n_heads)
+
+        # This token's cache rows, then its pool's pooled key once the pool is complete.
+        blk = tables.gather(1, (positions // bs)[:, None])[:, 0]
+        off = positions % bs
+        cache.latent[row, blk, off] = c.to(cache.latent.dtype)
+        cache.index_k[row, blk, off] = k_idx.to(cache.index_k.dtype)
+        cache.gate[row, blk, off] = gamma.to(cache.gate.dtype)
+        first = off - off % kpool
+        members = first[:, None] + torch.arange(kpool, device=x.device)
+        pooled = _pool_keys(cache.index_k[row, blk[:, None], members], cache.gate[row, blk[:, None], members], a["ape"])
+        complete = ((positions + 1) % kpool == 0)[:, None]
+        old = cache.pooled[row, blk, first // kpool]
+        cache.pooled[row, blk, first // kpool] = torch.where(complete, pooled.to(old.dtype), old)
+
+        # The indexer over every pool of the table; pools past the candidates score -inf.
+        pools = cache.pooled[row][tables].flatten(1, 2)  # [B, P, d]
+        P = pools.shape[1]
+        dots = torch.einsum("bhd,bpd->bhp", q_idx.float(), pools.float()) / math.sqrt(cfg.index_head_dim)
+        score = torch.einsum("bh,bhp->bp", w_idx, F.relu(dots))
+        n_candidates = (positions + 1) // kpool
+        score = score.masked_fill(torch.arange(P, device=x.device)[None, :] >= n_candidates[:, None], -math.inf)
+        top = torch.topk(score, min(cfg.index_topk // kpool, P), dim=1, sorted=False)
+        chosen = (top.indices[:, :, None] * kpool + torch.arange(kpool, device=x.device)).flatten(1)
+        valid = torch.isfinite(top.values)[:, :, None].expand(-1, -1, kpool).flatten(1)
+        if cfg.index_kpool_always_select_tail:
+            tail = n_candidates[:, None] * kpool + torch.arange(kpool - 1, device=x.device)
+            chosen = torch.cat([chosen, tail], dim=1)
+            valid = torch.cat([valid, tail <= positions[:, None]], dim=1)
+        chosen = chosen.clamp(max=self.max_blocks * bs - 1)
+        latent = cache.latent[row, tables.gather(1, chosen // bs), chosen % bs].float()  # [B, W, R]
+
+        # Absorbed NoPE MLA over the chosen positions (model_glm.mla_attention).
+        q_hat = torch.einsum("bhd,hdr->bhr", q.float(), a["W_UK"])
+        s = torch.einsum("bhr,bwr->bhw", q_hat, latent) / math.sqrt(cfg.qk_nope_head_dim)
+        p = torch.softmax(s.masked_fill(~valid[:, None, :], -math.inf), dim=-1)
+        o = torch.einsum("bhw,bwr->bhr", p, latent)
+        o = torch.einsum("bhr,hvr->bhv", o, a["W_UV"]).flatten(1).to(x.dtype)
+        return linear(o, layer.o_proj)
+
+    # -- §4.5 feed-forward ------------------------------------------------------------------------
+
+    def mlp(self, layer: Layer, h: torch.Tensor) -> torch.Tensor:
+        gate, up = layer.mlp(h)
+        return linear(kernels_swiglu(gate, up, self.cfg.swiglu_limit), layer.down)
+
+    def moe(self, layer: Layer, h: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
+        gate_w, bias = layer.router
+        s = torch.sigmoid(F.linear(h.float(), gate_w))
+        ids = torch.topk(s + bias, cfg.num_experts_per_tok, dim=-1, sorted=False).indices
+        w = s.gather(1, ids)
+        if cfg.norm_topk_prob:
+            w = w / (w.sum(-1, keepdim=True) + 1e-20)
+        w = w * cfg.routed_scaling_factor
+        ex = layer.experts
+        if ex.exl3 is not None:
+            gate, up, down, codebook = ex.exl3
+            routed = kernels.exl3_moe_decode(h, ids, w, gate, up, down, codebook, cfg.swiglu_limit)
+        else:
+            routed = _dense_experts(h, ids, w, ex.dense, cfg.swiglu_limit)
+        return (routed + self.mlp(layer, h).float()).to(h.dtype)
+
+
+def kernels_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """§4.5 clamped SwiGLU (model_glm.swiglu), a few elementwise ops."""
+    return F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
+
+
+def _pool_keys(k: torch.Tensor, gamma: torch.Tensor, ape: torch.Tensor) -> torch.Tensor:
+    """model_glm.pool_keys for one pool per row: k, gamma [B, kpool, d] -> [B, d]."""
+    weights = torch.softmax(gamma.float() + ape, dim=1)
+    return (weights * k.float()).sum(1)
+
+
+def _dense_experts(h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
+                   stacks: tuple[torch.Tensor, torch.Tensor, torch.Tensor], limit: float) -> torch.Tensor:
+    """Σ_j w_j · down_e(swiglu(gate_e h, up_e h)) for dense stacked experts, gathering each pair's
+    weights (fine for small models; full-size models run EXL3 experts). Returns fp32 [B, D]."""
+    gate, up, down = (t[ids] for t in stacks)  # [B, k, out, in]
+    hx = h.to(gate.dtype)[:, None, :, None]
+    g, u = (gate @ hx).squeeze(-1), (up @ hx).squeeze(-1)
+    a = kernels_swiglu(g, u, limit)
+    y = (down @ a[..., None]).squeeze(-1)  # [B, k, D]
+    return (y.float() * w[..., None]).sum(1)

@@ -1,0 +1,231 @@
+"""fastdecode.FastDecoder against its twin, model_glm.GLMModel.forward, on the tiny real-layout model
+(tests/tiny.py), and the decode-step kernels (fastkernels.py) against model_glm's functions.
+
+On CPU the Triton kernels run under the interpreter (tests/conftest.py); on a GPU the same tests
+run the compiled kernels, and the CUDA-graph test runs too.
+"""
+import warnings
+
+import pytest
+import torch
+
+import checkpoint
+import fastdecode
+import fastkernels as fk
+import fp8
+import tiny
+from cache import CachePool
+from model_glm import (GLMConfig, GLMModel, SeqChunk, hc_post, hc_pre, kda_gate, l2_norm, rms_norm,
+                       short_conv)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+# The interpreter evaluates sigmoid as 1 / (1 + exp(-x)): exp overflows to inf for large |x|, harmlessly.
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
+
+
+def _kl(ref: torch.Tensor, got: torch.Tensor) -> float:
+    p, q = torch.log_softmax(ref.double(), -1), torch.log_softmax(got.double(), -1)
+    return float((p.exp() * (p - q)).sum(-1).max())
+
+
+# ---------------------------------------------------------------------------------------------- kernels
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hc_kernels_match_model_glm(dtype):
+    cfg = GLMConfig.from_dict(tiny.tiny_config_dict())
+    g = torch.Generator().manual_seed(0)
+    B, hc, D = 3, cfg.hc_mult, cfg.hidden_size
+    X = torch.randn(B, hc, D, generator=g).to(dtype).to(DEVICE)
+    fn = (0.02 * torch.randn(2 * hc + hc * hc, hc * D, generator=g)).to(DEVICE)
+    base, scale = torch.randn(2 * hc + hc * hc, generator=g).to(DEVICE), (torch.rand(3, generator=g) + 0.5).to(DEVICE)
+    norm = (1 + 0.1 * torch.randn(D, generator=g)).to(dtype).to(DEVICE)
+    u, post, C = hc_pre(X, fn, base, scale, cfg)
+    x = rms_norm(u, norm, cfg.rms_norm_eps)
+    got_x, got_post, got_C = fk.hc_pre(X, fn, base, scale, norm, cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
+    torch.testing.assert_close(got_post, post, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got_C, C, rtol=1e-5, atol=1e-6)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-2)
+    torch.testing.assert_close(got_x, x, **tol)
+    y = torch.randn(B, D, generator=g).to(dtype).to(DEVICE)
+    torch.testing.assert_close(fk.hc_post(X, y, post, C), hc_post(X, y, post, C), **tol)
+
+
+def test_hc_pre_rejects_a_wrong_fn():
+    X = torch.zeros(1, 4, 128, device=DEVICE)
+    with pytest.raises(ValueError, match=r"fn must be contiguous fp32 \(24, 512\)"):
+        fk.hc_pre(X, torch.zeros(24, 256, device=DEVICE), torch.zeros(24, device=DEVICE),
+                  torch.ones(3, device=DEVICE), torch.ones(128, device=DEVICE), 1e-5, 1e-6, 20)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kda_inputs_and_output_match_model_glm(dtype):
+    g = torch.Generator().manual_seed(1)
+    B, H, d, K, slots_n = 3, 4, 32, 4, 5
+    HD = H * d
+    # bf16: the conv output is rounded to bf16, and a different fp32 summation order can move it one ulp
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-3)
+    fused = torch.randn(B, 3 * HD + 7, generator=g).to(dtype).to(DEVICE)  # strided rows, as a fused GEMV gives
+    pre = [fused[:, j * HD:(j + 1) * HD] for j in range(3)]
+    conv_state = torch.randn(slots_n, 3, K - 1, HD, generator=g).to(dtype).to(DEVICE)
+    conv_w = torch.randn(3, HD, K, generator=g).to(dtype).to(DEVICE)
+    f = torch.randn(B, HD, generator=g).to(dtype).to(DEVICE)
+    A_log, dt_bias = torch.randn(H, generator=g).to(DEVICE), torch.randn(HD, generator=g).to(DEVICE)
+    b = torch.randn(B, H + 3, generator=g).to(dtype).to(DEVICE)[:, :H]
+    slots = torch.tensor([4, 0, 2], device=DEVICE)
+    before = conv_state.clone()
+    q, k, v, gate, beta = fk.kda_decode_inputs(pre, conv_state, slots, conv_w, f, A_log, dt_bias, b, -5.0, H, d)
+    for i, s in enumerate(slots.tolist()):
+        outs = []
+        for j in range(3):
+            window = torch.cat([before[s, j], pre[j][i:i + 1]])
+            outs.append(short_conv(window, conv_w[j][:, None, :]).float().view(H, d))
+            torch.testing.assert_close(conv_state[s, j], window[1:], rtol=0, atol=0)
+        torch.testing.assert_close(q[i], l2_norm(outs[0]) * d ** -0.5, **tol)
+        torch.testing.assert_close(k[i], l2_norm(outs[1]), **tol)
+        torch.testing.assert_close(v[i], outs[2], **tol)
+    torch.testing.assert_close(gate, kda_gate(f, A_log, dt_bias, -5.0, H, d), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(beta, torch.sigmoid(b.float()), rtol=1e-6, atol=1e-7)
+    untouched = [s for s in range(slots_n) if s not in slots.tolist()]
+    assert torch.equal(conv_state[untouched], before[untouched])
+
+    o = torch.randn(B, H, d, generator=g).to(DEVICE)
+    o_g = fused[:, :HD]
+    w = (1 + 0.1 * torch.randn(d, generator=g)).to(DEVICE)
+    want = (rms_norm(o, w, 1e-5) * torch.sigmoid(o_g.float().view(B, H, d))).to(dtype).flatten(1)
+    torch.testing.assert_close(fk.kda_output_gate(o, o_g, w, 1e-5, dtype), want, **tol)
+
+
+# ---------------------------------------------------------------------------------------------- the step
+
+def _model(dtype: torch.dtype, experts: str = "dense", **overrides) -> GLMModel:
+    cfg = GLMConfig.from_dict(tiny.tiny_config_dict(**overrides))
+    w = tiny.random_weights(cfg)
+    if experts == "exl3":
+        w |= tiny.random_exl3_experts(cfg)
+    specs = checkpoint.expected_tensors(cfg)
+    w = {n: t.to(DEVICE, torch.float32 if specs[n].fp32 else dtype) if isinstance(t, torch.Tensor) else t.to(DEVICE)
+         for n, t in w.items()}
+    return GLMModel(cfg, w)
+
+
+def _prefilled(model: GLMModel, lens: list[int], block_size: int = 16, blocks: int = 8):
+    """Two identical caches holding the same prompts, their block tables, and the first tokens."""
+    cfg = model.config
+    caches = [CachePool(cfg, num_blocks=blocks * len(lens), num_slots=len(lens) + 1, block_size=block_size,
+                        dtype=model.dtype, device=DEVICE) for _ in range(2)]
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(2, cfg.vocab_size, (n,), generator=g) for n in lens]
+    tables = [torch.arange(i * blocks, (i + 1) * blocks) for i in range(len(lens))]
+    for c in caches:
+        out = model.forward([SeqChunk(p, 0, t, i) for i, (p, t) in enumerate(zip(prompts, tables))], c)
+    return caches, tables, out.logits.argmax(-1).cpu()
+
+
+def _decode_both(model, fast, caches, tables, tok, lens, steps):
+    """Feeds the reference's greedy tokens to both paths; returns the worst logit gap and KL."""
+    pos, worst, kl = list(lens), 0.0, 0.0
+    for _ in range(steps):
+        batch = [SeqChunk(tok[i:i + 1], pos[i], tables[i], i) for i in range(len(lens))]
+        ref = model.forward(batch, caches[0]).logits
+        got = fast.step(batch).logits
+        worst, kl = max(worst, float((ref - got).abs().max())), max(kl, _kl(ref, got))
+        tok, pos = ref.argmax(-1).cpu(), [p + 1 for p in pos]
+    return worst, kl
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_step_matches_forward(dtype):
+    """Two sequences past the indexer's top-k (16 positions = 4 pools), across pool completions
+    and a block boundary (block 16): logits, then every cache tensor, against the reference."""
+    model = _model(dtype)
+    lens = [37, 14]
+    caches, tables, tok = _prefilled(model, lens)
+    check = [SeqChunk(tok[i:i + 1], lens[i], tables[i], i) for i in range(2)]
+    snapshot = {n: getattr(caches[0], n).clone() for n in ("latent", "kda_state", "conv_state", "pooled")}
+    before = model.forward(check, caches[0]).logits
+    for n, t in snapshot.items():
+        getattr(caches[0], n).copy_(t)
+    fast = fastdecode.FastDecoder(model, caches[1], max_context=128)
+    # Preparing fuses and stacks weights into views: the reference must compute the same numbers.
+    assert torch.equal(model.forward(check, caches[0]).logits, before)
+    for n, t in snapshot.items():
+        getattr(caches[0], n).copy_(t)
+    worst, kl = _decode_both(model, fast, caches, tables, tok, lens, steps=5)
+    tight = dtype == torch.float32
+    assert worst < (1e-4 if tight else 0.1), worst
+    assert kl < (1e-8 if tight else 2e-5), kl
+    for n in ("latent", "index_k", "gate", "pooled", "kda_state", "conv_state"):
+        torch.testing.assert_close(getattr(caches[1], n).float(), getattr(caches[0], n).float(),
+                                   rtol=1e-4 if tight else 2e-2, atol=1e-5 if tight else 2e-2, msg=n)
+
+
+def test_step_with_exl3_experts_runs_the_moe_kernel():
+    model = _model(torch.float32, experts="exl3")
+    caches, tables, tok = _prefilled(model, [21])
+    fast = fastdecode.FastDecoder(model, caches[1], max_context=64)
+    assert fast.layers[1].experts.exl3 is not None
+    worst, kl = _decode_both(model, fast, caches, tables, tok, [21], steps=1)
+    assert worst < 1e-3 and kl < 1e-7, (worst, kl)
+
+
+def test_fuse_concatenates_fp8_blocks_and_keeps_each_linear():
+    g = torch.Generator().manual_seed(3)
+    ws = [fp8.FP8Linear.from_weight(torch.randn(n, 256, generator=g), name=f"w{i}") for i, n in enumerate((256, 128, 64))]
+    names = [f"w{i}" for i in range(3)]
+    fake = GLMModel.__new__(GLMModel)
+    fake.weights = dict(zip(names, ws))
+    x = torch.randn(3, 256, generator=g)
+    want = [w(x) for w in ws]
+    fused = fastdecode.fuse(fake, names)
+    assert fused.weight is not None and fused.weight.out_features == 448
+    for got, ref, name in zip(fused(x), want, names):
+        torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(fake.weights[name](x), ref, rtol=0, atol=0)
+    odd = [fp8.FP8Linear.from_weight(torch.randn(n, 256, generator=g)) for n in (64, 128)]
+    fake.weights = {"a": odd[0], "b": odd[1]}
+    assert fastdecode.fuse(fake, ["a", "b"]).weight is None  # 64 rows first: the scale blocks would not line up
+
+
+def test_unsupported_experts_are_named():
+    model = _model(torch.float32)
+    L = model.config.mlp_layer_types.index("sparse")
+    name = f"layers.{L}.mlp.experts.0.gate_proj.weight"
+    model.weights[name] = fp8.FP8Linear.from_weight(model.weights[name].float().cpu())
+    cache = CachePool(model.config, num_blocks=4, num_slots=1, block_size=16, dtype=model.dtype, device=DEVICE)
+    with pytest.raises(fastdecode.Unsupported, match=f"layer {L}: routed experts of type"):
+        fastdecode.FastDecoder(model, cache, max_context=64)
+
+
+def test_step_rejects_bad_batches():
+    model = _model(torch.float32)
+    cache = CachePool(model.config, num_blocks=4, num_slots=2, block_size=16, dtype=model.dtype, device=DEVICE)
+    fast = fastdecode.FastDecoder(model, cache, max_context=64)
+    t = torch.arange(4)
+    cases = [([SeqChunk(torch.tensor([1, 2]), 3, t, 0)], "exactly one token"),
+             ([SeqChunk(torch.tensor([1]), 0, t, 0)], r"start=0 is outside 1\.\.63"),
+             ([SeqChunk(torch.tensor([1]), 64, t, 0)], "max_context bounds it"),
+             ([SeqChunk(torch.tensor([1]), 3, t, 0), SeqChunk(torch.tensor([1]), 3, t, 0)], "used twice"),
+             ([SeqChunk(torch.tensor([1]), 40, t[:2], 0)], "has 2 blocks, position 40 needs 3"),
+             ([SeqChunk(torch.tensor([10**6]), 3, t, 0)], "token ids outside"),
+             ([], "empty batch")]
+    for batch, message in cases:
+        with pytest.raises(ValueError, match=message):
+            fast.step(batch)
+    with pytest.raises(ValueError, match="needs 100 blocks, the cache has 4"):
+        fastdecode.FastDecoder(model, cache, max_context=1600)
+
+
+@needs_gpu
+def test_cuda_graph_replay_equals_eager():
+    model = _model(torch.bfloat16, experts="exl3")
+    caches, tables, tok = _prefilled(model, [37, 14])
+    fast = fastdecode.FastDecoder(model, caches[1], max_context=128)
+    # Capture first (it writes scratch into slots 0..1 and block 0), then restore the prefilled state.
+    saved = {n: getattr(caches[1], n).clone() for n in ("latent", "index_k", "gate", "pooled", "kda_state", "conv_state")}
+    fast.capture([1, 2])
+    for n, t in saved.items():
+        getattr(caches[1], n).copy_(t)
+    assert set(fast.graphs) == {1, 2}
+    worst, kl = _decode_both(model, fast, caches, tables, tok, [37, 14], steps=4)
+    assert worst < 0.1 and kl < 1e-4, (worst, kl)
