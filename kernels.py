@@ -184,8 +184,10 @@ def _step_dot(w0, w1, w2, w3, x, o, zero, acc, K2: tl.constexpr, CB: tl.constexp
     # weights are the mma A operand, whose fragment is exactly a lane's 8 states (spec §3: rows
     # 2(L%4) + {0, 1, 8, 9} of Ŵ, columns L/4 and L/4 + 8) and never leave the registers (on sm_90
     # triton 3.6 makes this a wgmma with A in registers). B holds each fp32 activation row as fp16
-    # hi (column i) and lo (column MP + i) parts, so the fp16 products summed in fp32 lose nothing
-    # that matters; columns from 2 MP on are zero.
+    # hi (column i) and lo * 2^11 (column MP + i) parts, so the fp16 products summed in fp32 lose
+    # nothing that matters: the 2^11 keeps lo out of fp16's subnormals for |x| >= 2^-14 (activations
+    # of 1e-4 lost 1e-4 relative without it); |x| must stay below 65504, as in exllamav3's fp16 path.
+    # Columns from 2 MP on are zero.
     if STATIC:
         r0, r1, r2, r3 = w0, w1, w2, w3
     else:
@@ -210,7 +212,7 @@ def _step_dot(w0, w1, w2, w3, x, o, zero, acc, K2: tl.constexpr, CB: tl.constexp
     w = tl.reshape(w, [8, 4, CT, RT, 2, 2, 2])                                   # c, g, ct, rt, j0, j1, j2
     w = tl.reshape(tl.permute(w, (2, 6, 0, 3, 5, 1, 4)), [CT * 16, RT * 16])  # Ŵ^T: ct j2 c | rt j1 g j0
     hi = x.to(tl.float16)
-    b = tl.where(tl.arange(0, 16)[None, :] < MP, hi, (x - hi.to(tl.float32)).to(tl.float16))
+    b = tl.where(tl.arange(0, 16)[None, :] < MP, hi, ((x - hi.to(tl.float32)) * 2048.0).to(tl.float16))
     return tl.dot(w, b, acc)
 
 
@@ -279,8 +281,9 @@ def _gemv_products(xh_ptr, words_ptr, m, k, n, steps, pid_n, pid_k,
         if step_index + 1 < steps:
             acc = _step_dot(n0, n1, n2, n3, nx, o, zero, acc, K2, CB, MP, RT, CT, STATIC, BASE, NR)
 
-    # Columns i and MP + i (hi and lo parts) add up to row i; columns from 2 MP on are zero.
-    z = tl.sum(tl.sum(tl.reshape(tl.trans(acc), [16 // (2 * MP), 2, MP, CT * 16]), axis=1), axis=0)
+    # Columns i and MP + i (hi and lo * 2^11 parts) make row i; columns from 2 MP on are zero.
+    part = tl.where(tl.arange(0, 2)[None, :, None, None] == 0, 1.0, 1.0 / 2048.0)
+    z = tl.sum(tl.sum(tl.reshape(tl.trans(acc), [16 // (2 * MP), 2, MP, CT * 16]) * part, axis=1), axis=0)
     return z
 
 
@@ -372,7 +375,7 @@ def _default_split(device: torch.device, n: int, steps: int, block_n: int) -> in
 
 
 def exl3_gemv(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor,
-              codebook: str, out: torch.Tensor | None = None, *, block_n: int = 128, row_tiles: int = 1,
+              codebook: str, out: torch.Tensor | None = None, *, block_n: int = 128, row_tiles: int = 2,
               split_k: int | None = None, num_warps: int = 4, num_stages: int = 1) -> torch.Tensor:
     """y = x · diag(suh) · H · Ŵ · H · diag(svh) for small m, decoding Ŵ in registers.
 
@@ -535,7 +538,7 @@ def exl3_moe_decode(x: torch.Tensor, ids: torch.Tensor, route: torch.Tensor,
                     gate: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
                     up: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
                     down: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-                    codebook: str, limit: float, *, block_n: int = 128, row_tiles: int = 1,
+                    codebook: str, limit: float, *, block_n: int = 128, row_tiles: int = 2,
                     num_warps: int = 4) -> torch.Tensor:
     """Σ_j route[t, j] · down_e(swiglu(gate_e(x_t), up_e(x_t))) for e = ids[t, j], all pairs at once.
 
