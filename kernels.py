@@ -514,9 +514,10 @@ def _moe_buffers(device: torch.device, pairs: int, n: int, parts: int) -> tuple[
 
 
 def _moe_split(device: torch.device, n: int, pairs: int, steps: int, block_n: int) -> int:
+    # Up to 8 programs per SM: on the H200 that was 2-3% faster than 4 at batch 1 (twice measured).
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
     split = 1
-    while steps % (2 * split) == 0 and (n // block_n) * pairs * split * 2 <= 4 * sms:
+    while steps % (2 * split) == 0 and (n // block_n) * pairs * split * 2 <= 8 * sms:
         split *= 2
     return split
 
