@@ -9,10 +9,11 @@ little-endian uint32:
   position t <-> tile row/column by the mma B-fragment layout (§3).
 exl3_gemv never materializes W: a small kernel rotates the input ((x ⊙ suh) · H128, fp32), then
 every thread element of the main kernel is one mma lane of one 16x16 tile, whose 8 positions
-come from 2-4 ring words loaded once (every bit offset a compile-time constant), and the decoded
-tiles feed tl.dot as they are, the mma B operand (the activations are its A: fp16 hi and lo parts
-of each fp32 row, M padded to 16), so the ALU only decodes. k is split over programs; partial sums meet in a zeroed fp32 buffer and the last program
-to arrive at a 128-column block applies H128 and svh (stream-K style fixup, one launch).
+come from 2-4 ring words loaded once (every bit offset a compile-time constant); the decoded
+tiles feed tl.dot as they are, as its A operand (y^T = Ŵ^T x^T; the activations are B: fp16 hi and
+lo parts of each fp32 row, N padded to 16), so the ALU only decodes. k is split over programs;
+partial sums meet in a zeroed fp32 buffer and the last program to arrive at a 128-column block
+applies H128 and svh (stream-K style fixup, one launch).
 exl3_moe_decode runs the same loop for all selected experts of a MoE layer at once (expert ids
 read on the device), with SwiGLU and the routed sum in the block fixups.
 
