@@ -37,10 +37,14 @@ from pathlib import Path
 
 import torch
 
+if not torch.cuda.is_available():  # the Triton kernels then run in the interpreter (set before they load)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import checkpoint
 import exl3
 import fp8
 from cache import CachePool
+from fastdecode import FastDecoder
 from model_glm import GLMConfig, GLMModel, SeqChunk, kda_recurrent
 
 ROOT = Path(__file__).resolve().parent
@@ -337,22 +341,45 @@ class Row:
     extra: str = ""
 
 
-def decode_rate(model: GLMModel, cache: CachePool, tables: list[torch.Tensor], ctx: int, steps: int,
-                device: torch.device) -> float:
+def decode_rate(step, tables: list[torch.Tensor], ctx: int, steps: int, device: torch.device) -> float:
     """tok/s of `steps` decode steps for len(tables) sequences (slots 0..B-1) that hold `ctx` tokens;
-    each step feeds the argmax of the previous one. One untimed step first (compiles, allocator)."""
+    `step(batch)` returns the logits (GLMModel.forward or FastDecoder.step); each step feeds the
+    argmax of the previous one to the host, as the engine does. One untimed step first."""
     B = len(tables)
     tokens = torch.ones(B, dtype=torch.long)
     pos = ctx
-    for step in range(steps + 1):
-        if step == 1:
+    for i in range(steps + 1):
+        if i == 1:
             sync(device)
             start = time.perf_counter()
         batch = [SeqChunk(tokens[b:b + 1], pos, tables[b], b) for b in range(B)]
-        tokens = model.forward(batch, cache).logits.argmax(-1).cpu()
+        tokens = step(batch).argmax(-1).cpu()
         pos += 1
     sync(device)
     return B * steps / (time.perf_counter() - start)
+
+
+def fast_vs_reference(model: GLMModel, fast: FastDecoder, cache: CachePool, table: torch.Tensor, ctx: int,
+                      steps: int) -> tuple[float, float, int]:
+    """Mean and max KL(reference || fast) in nats and top-1 agreements over `steps` batch-1 decode
+    steps from the same cache state (slot 0 and its blocks restored before each path runs)."""
+    used = table[:ctx // cache.block_size + 2].to(cache.device)
+    names = ("latent", "index_k", "gate", "pooled")
+    kls, agree, tok = [], 0, torch.ones(1, dtype=torch.long)
+    for i in range(steps):
+        saved = ([getattr(cache, n)[:, used].clone() for n in names],
+                 cache.kda_state[:, 0].clone(), cache.conv_state[:, 0].clone())
+        batch = [SeqChunk(tok, ctx + i, table, 0)]
+        got = fast.step(batch).logits
+        for n, t in zip(names, saved[0]):
+            getattr(cache, n)[:, used] = t
+        cache.kda_state[:, 0], cache.conv_state[:, 0] = saved[1], saved[2]
+        ref = model.forward(batch, cache).logits
+        p, q = torch.log_softmax(ref.double(), -1), torch.log_softmax(got.double(), -1)
+        kls.append(float((p.exp() * (p - q)).sum(-1)))
+        agree += int(ref.argmax() == got.argmax())
+        tok = ref.argmax(-1).cpu()
+    return sum(kls) / len(kls), max(kls), agree
 
 
 def run_model(args) -> list[Row]:
@@ -410,6 +437,21 @@ def run_model(args) -> list[Row]:
     gen = torch.Generator(device=device).manual_seed(args.seed + 1)
     tables = [torch.arange(b * blocks_per_seq, (b + 1) * blocks_per_seq) for b in range(num_slots)]
 
+    fast = None
+    if not args.reference:
+        t0 = time.time()
+        fast = FastDecoder(model, cache, max_context=max(long_ctx, ctx0) + steps + 2)
+        say(f"fast path prepared (fused projections, stacked experts) in {time.time() - t0:.1f} s")
+        if device.type == "cuda":
+            t0 = time.time()
+            fast.capture(batches, contexts=[ctx0 + steps + 2])
+            fast.capture([1], contexts=[long_ctx + steps + 2])
+            say(f"CUDA graphs captured for batch {batches} (context {ctx0 + steps + 2}) and batch 1 "
+                f"(context {long_ctx + steps + 2}) in {time.time() - t0:.1f} s; "
+                f"{torch.cuda.memory_allocated(device) / 1e9:.2f} GB allocated")
+    path = "reference" if fast is None else ("graph" if device.type == "cuda" else "fast eager")
+    step = (lambda batch: model.forward(batch, cache).logits) if fast is None else (lambda batch: fast.step(batch).logits)
+
     rows: list[Row] = []
 
     def section(name: str, fn) -> None:
@@ -426,20 +468,26 @@ def run_model(args) -> list[Row]:
         except Exception as error:  # one failing section must not hide the others
             say(f"{name}: failed: {type(error).__name__}: {error}")
 
-    def decode(B: int) -> Row:
+    def decode(B: int, forward=step, label: str = path, n: int = steps) -> Row:
         for b in range(B):
             fill_context(cache, tables[b], b, ctx0, gen)
-        rate = decode_rate(model, cache, tables[:B], ctx0, steps, device)
+        rate = decode_rate(forward, tables[:B], ctx0, n, device)
         floor = B * bw / budget.decode_bytes(B, ctx0)
-        return Row(f"decode B={B} ctx {ctx0}", rate, floor,
+        return Row(f"decode B={B} ctx {ctx0} ({label})", rate, floor,
                    f"({budget.decode_bytes(B, ctx0) / 1e9:.2f} GB/step, E(B)={budget.experts_touched(B):.1f})")
 
     def decode_long() -> Row:
         table = torch.arange(long_blocks)
         fill_context(cache, table, 0, long_ctx, gen)
-        rate = decode_rate(model, cache, [table], long_ctx, steps, device)
-        return Row(f"decode B=1 ctx {long_ctx}", rate, bw / budget.decode_bytes(1, long_ctx),
+        rate = decode_rate(step, [table], long_ctx, steps, device)
+        return Row(f"decode B=1 ctx {long_ctx} ({path})", rate, bw / budget.decode_bytes(1, long_ctx),
                    f"({budget.decode_bytes(1, long_ctx) / 1e9:.2f} GB/step)")
+
+    def agreement() -> None:
+        fill_context(cache, tables[0], 0, ctx0, gen)
+        mean, worst, agree = fast_vs_reference(model, fast, cache, tables[0], ctx0, args.kl_steps)
+        say(f"fast vs reference, B=1 ctx {ctx0}, {args.kl_steps} steps: mean KL {mean:.2e} nats (max {worst:.2e}), "
+            f"top-1 agreement {agree}/{args.kl_steps}")
 
     def prefill(T: int) -> Row:
         tokens = torch.randint(0, cfg.vocab_size, (T,), generator=torch.Generator().manual_seed(T))
@@ -455,6 +503,9 @@ def run_model(args) -> list[Row]:
 
     # Most telling first: a --budget cut drops the tail.
     section(f"decode B={batches[0]}", lambda: decode(batches[0]))
+    if fast is not None:
+        section("decode B=1 reference path", lambda: decode(1, lambda b: model.forward(b, cache).logits, "reference", 2))
+        section("fast vs reference", agreement)
     section("prefill warm-up (compiles, untimed)", lambda: prefill(prompts[0] // 4) and None)
     section(f"prefill {prompts[0]}", lambda: prefill(prompts[0]))
     section(f"decode long context {long_ctx}", decode_long)
@@ -465,10 +516,8 @@ def run_model(args) -> list[Row]:
     if device.type == "cuda":
         say(f"peak GPU memory {torch.cuda.max_memory_allocated(device) / 1e9:.2f} GB")
     print_table(rows)
-    if time.time() - START <= args.budget:
+    if args.profile and time.time() - START <= args.budget:
         profile_step(model, cache, tables[0], ctx0, device)
-    if device.type == "cuda":  # last: a failed capture must not cost the table
-        section("decode step in a CUDA graph", lambda: graph_decode(model, cache, tables[0], ctx0, bw, budget))
     return rows
 
 
@@ -489,16 +538,6 @@ def profile_step(model: GLMModel, cache: CachePool, table: torch.Tensor, ctx: in
     say(f"\nprofile of one decode step, B=1: {on_device} device events (kernels, copies)")
     for key in (["self_device_time_total"] if device.type == "cuda" else []) + ["self_cpu_time_total"]:
         say(events.table(sort_by=key, row_limit=12, max_name_column_width=48))
-
-
-def graph_decode(model: GLMModel, cache: CachePool, table: torch.Tensor, ctx: int, bw: float,
-                 budget: Budget) -> Row:
-    """One batch-1 decode step captured and replayed: works only if GLMModel.forward has no host
-    synchronization (data-dependent Python control flow) in its decode path."""
-    tokens = torch.ones(1, dtype=torch.long, device=table.device)
-    graph = capture([lambda: model.forward([SeqChunk(tokens, ctx, table, 0)], cache)])
-    us = median_us(graph.replay)
-    return Row("decode B=1 graph", 1e6 / us, bw / budget.decode_bytes(1, ctx))
 
 
 def print_table(rows: list[Row]) -> None:
@@ -985,6 +1024,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     m.add_argument("--reserve-gb", type=float, default=8.0, help="GPU memory kept for activations")
     m.add_argument("--budget", type=float, default=240.0, help="seconds; later sections are skipped past it")
     m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--reference", action="store_true",
+                   help="every step through model_glm's reference path (no fast decode step, no CUDA graphs)")
+    m.add_argument("--kl-steps", type=int, default=4, help="decode steps compared between fast and reference")
+    m.add_argument("--profile", action="store_true", help="profile one reference decode step")
     k = sub.add_parser("kernels", help="per-kernel timings vs floors")
     k.add_argument("--peer", action="store_true", help="also exllamav3 (needs it importable; ~5 min JIT)")
     e = sub.add_parser("exl3", help="EXL3 GEMV launch sweep / exllamav3 comparison")

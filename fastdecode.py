@@ -4,12 +4,12 @@ captured once per batch size in a CUDA graph and replayed (spec performance.md �
 
 The math is model_glm's, in the same order (spec glm53.md §4), and model_glm.forward is this file's
 twin (tests/test_fastdecode.py holds them together). Only the way of computing differs:
-- mHC (§4.2): three small kernels per sub-layer (`kernels.hc_mix`, `hc_pre`, `hc_post`) instead of
+- mHC (§4.2): three small kernels per sub-layer (`kernels.hc_pre` (two launches), `hc_post`) instead of
   ~70 torch ops, most of them the 20 Sinkhorn iterations on 4x4 matrices;
 - projections that read the same input run as one GEMV: their weights are concatenated once and
   the model's own entries become views of the concatenation (same values, no extra memory);
 - the routed experts of a layer are stacked the same way, so `kernels.exl3_moe_decode` runs all
-  selected experts in four launches with the expert ids read on the device;
+  selected experts in three launches with the expert ids read on the device;
 - KDA (§4.3): conv window, SiLU, L2 norms, gate and β in one kernel (`kernels.kda_decode_inputs`),
   the recurrence in `kernels.kda_recurrent_step`, the output norm and gate in one more;
 - DSA (§4.4): the indexer scores every pool of a fixed-width block table and takes a fixed top-k
@@ -27,7 +27,6 @@ import torch.nn.functional as F
 
 import exl3
 import fp8
-import fastkernels as fk
 import kernels
 from cache import CachePool
 from model_glm import ForwardOutput, GLMModel, SeqChunk, Weight, linear, rms_norm
@@ -169,11 +168,12 @@ class FastDecoder:
     """Decode steps of `model` against `cache`: `step(batch)` for chunks of one token each.
 
     Construction prepares the weights (fusing and stacking them in place, see `fuse`,
-    `stack_experts`); `capture(batch_sizes)` records one CUDA graph per batch size and must run
-    before any sequence lives in the cache (the recording run writes scratch values into slots
-    0..B-1 and block 0). Batch sizes without a graph, and every step on CPU, run the same code
-    eagerly. `max_context` bounds the positions a step may hold (the fixed width of the block
-    table the indexer scans)."""
+    `stack_experts`). `capture(batch_sizes, contexts)` records one CUDA graph per batch size and
+    context bucket, and must run before any sequence lives in the cache (the recording run writes
+    scratch values into slots 0..B-1 and block 0). A step uses the graph of its batch size with the
+    smallest context bucket that holds its positions: the bucket fixes the width of the block
+    table, which is what the indexer scans. Steps without a graph, and every step on CPU, run the
+    same code eagerly over the blocks they need. `max_context` bounds every position."""
 
     def __init__(self, model: GLMModel, cache: CachePool, max_context: int):
         self.model, self.cache, self.cfg = model, cache, model.config
@@ -189,7 +189,7 @@ class FastDecoder:
         self.embed = model.w("embed_tokens.weight")
         self.head = model.w("lm_head.weight")
         self.norm = model.w("norm.weight")
-        self.graphs: dict[int, _Graph] = {}
+        self.graphs: dict[tuple[int, int], _Graph] = {}  # (batch size, table width in blocks)
         self._pool = None
 
     def _prepare(self, L: int) -> Layer:
@@ -234,8 +234,11 @@ class FastDecoder:
 
     def step(self, batch: list[SeqChunk]) -> ForwardOutput:
         """Logits [B, vocab] (fp32) and final hidden rows for B chunks of one token each."""
-        tokens, positions, slots, tables = self._inputs(batch)
-        g = self.graphs.get(len(batch))
+        width = max(c.start for c in batch) // self.cache.block_size + 1 if batch else 0
+        fits = [w for B, w in self.graphs if B == len(batch) and w >= width]
+        width = min(fits, default=width)
+        tokens, positions, slots, tables = self._inputs(batch, width)
+        g = self.graphs.get((len(batch), width))
         if g is None:
             logits, hidden = self.run(tokens, positions, slots, tables)
         else:
@@ -245,12 +248,13 @@ class FastDecoder:
             logits, hidden = g.logits, g.hidden
         return ForwardOutput(logits.clone(), hidden.clone())
 
-    def _inputs(self, batch: list[SeqChunk]) -> tuple[torch.Tensor, ...]:
-        """Device tensors for the chunks, after checking them (one token each, decode positions)."""
+    def _inputs(self, batch: list[SeqChunk], width: int) -> tuple[torch.Tensor, ...]:
+        """Device tensors for the chunks (tables `width` blocks wide), after checking them (one
+        token each, decode positions)."""
         if not batch:
             raise ValueError("FastDecoder.step: empty batch")
         B = len(batch)
-        tables = torch.zeros(B, self.max_blocks, dtype=torch.long)
+        tables = torch.zeros(B, width, dtype=torch.long)
         seen = set()
         for i, c in enumerate(batch):
             if c.tokens.dim() != 1 or c.tokens.shape[0] != 1:
@@ -266,7 +270,7 @@ class FastDecoder:
             if c.block_table.shape[0] < need:
                 raise ValueError(f"FastDecoder.step: batch[{i}].block_table has {c.block_table.shape[0]} blocks, "
                                  f"position {c.start} needs {need}")
-            n = min(c.block_table.shape[0], self.max_blocks)
+            n = min(c.block_table.shape[0], width)
             tables[i, :n] = c.block_table[:n]
         tokens = torch.cat([c.tokens for c in batch])
         if int(tokens.min()) < 0 or int(tokens.max()) >= self.cfg.vocab_size:
@@ -277,17 +281,23 @@ class FastDecoder:
 
     # -- CUDA graphs --------------------------------------------------------------------------
 
-    def capture(self, batch_sizes: list[int]) -> None:
-        """One CUDA graph per batch size, sharing one memory pool. Scratch writes: see the class."""
+    def capture(self, batch_sizes: list[int], contexts: list[int] | None = None) -> None:
+        """One CUDA graph per batch size and context bucket (default: max_context), sharing one
+        memory pool. Scratch writes: see the class."""
         if self.device.type != "cuda":
             raise ValueError("FastDecoder.capture: CUDA graphs need a CUDA device")
-        for B in sorted(batch_sizes, reverse=True):  # the largest first: the others fit its pool
+        bad = [c for c in contexts or () if not 1 <= c <= self.max_context]
+        if bad:
+            raise ValueError(f"FastDecoder.capture: contexts {bad} are outside 1..max_context ({self.max_context})")
+        widths = sorted({-(-c // self.cache.block_size) for c in contexts or [self.max_context]}, reverse=True)
+        for B, width in ((B, w) for B in sorted(batch_sizes, reverse=True) for w in widths):
+            # the largest first: the later graphs fit in its memory pool
             if B > self.cache.num_slots:
                 raise ValueError(f"FastDecoder.capture: batch size {B} exceeds the cache's {self.cache.num_slots} slots")
             inputs = (torch.zeros(B, dtype=torch.long, device=self.device),
                       torch.ones(B, dtype=torch.long, device=self.device),
                       torch.arange(B, device=self.device),
-                      torch.zeros(B, self.max_blocks, dtype=torch.long, device=self.device))
+                      torch.zeros(B, width, dtype=torch.long, device=self.device))
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):  # compiles every kernel outside the capture
@@ -298,14 +308,14 @@ class FastDecoder:
                 self._pool = torch.cuda.graph_pool_handle()
             with torch.cuda.graph(graph, pool=self._pool):
                 logits, hidden = self.run(*inputs)
-            self.graphs[B] = _Graph(graph, inputs, logits, hidden)
+            self.graphs[(B, width)] = _Graph(graph, inputs, logits, hidden)
         torch.cuda.synchronize(self.device)
 
     # -- §4.1 the trunk, one token per sequence ---------------------------------------------------
 
     def run(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
             tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The step on device tensors: tokens, positions, slots [B]; tables [B, max_blocks]."""
+        """The step on device tensors: tokens, positions, slots [B]; tables [B, width in blocks]."""
         cfg = self.cfg
         X = self.embed[tokens][:, None, :].repeat(1, cfg.hc_mult, 1).contiguous()
         for layer in self.layers:
@@ -314,16 +324,16 @@ class FastDecoder:
                 y = self.kda(layer, x, slots)
             else:
                 y = self.dsa(layer, x, positions, tables)
-            X = fk.hc_post(X, y, post, C)
+            X = kernels.hc_post(X, y, post, C)
             h, post, C = self._hc_pre(X, layer.ffn_hc, layer.post_norm)
             y = self.moe(layer, h) if layer.experts is not None else self.mlp(layer, h)
-            X = fk.hc_post(X, y, post, C)
+            X = kernels.hc_post(X, y, post, C)
         h = rms_norm(X.float().mean(1).to(X.dtype), self.norm, cfg.rms_norm_eps)
         return linear(h, self.head).float(), h
 
     def _hc_pre(self, X: torch.Tensor, hc: tuple, norm: torch.Tensor) -> tuple[torch.Tensor, ...]:
         cfg = self.cfg
-        return fk.hc_pre(X, *hc, norm, cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
+        return kernels.hc_pre(X, *hc, norm, cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
 
     # -- §4.3 KDA ------------------------------------------------------------------------------
 
@@ -333,11 +343,11 @@ class FastDecoder:
         q_pre, k_pre, v_pre, f_a, g_a, b = layer.proj(x)
         (f,), (o_g,) = layer.proj2[0](f_a), layer.proj2[1](g_a)
         a = layer.attn
-        q, k, v, g, beta = fk.kda_decode_inputs(
+        q, k, v, g, beta = kernels.kda_decode_inputs(
             (q_pre, k_pre, v_pre), self.cache.conv_state[layer.row], slots, a["conv"], f, a["A_log"],
             a["dt_bias"], b, cfg.linear_lower_bound, H, d)
         o = kernels.kda_recurrent_step(q, k, v, g, beta, self.cache.kda_state[layer.row], slots)
-        o = fk.kda_output_gate(o, o_g, a["o_norm"], cfg.rms_norm_eps, x.dtype)
+        o = kernels.kda_output_gate(o, o_g, a["o_norm"], cfg.rms_norm_eps, x.dtype)
         return linear(o, layer.o_proj)
 
     # -- §4.4 DSA ------------------------------------------------------------------------------
@@ -382,7 +392,7 @@ class FastDecoder:
             tail = n_candidates[:, None] * kpool + torch.arange(kpool - 1, device=x.device)
             chosen = torch.cat([chosen, tail], dim=1)
             valid = torch.cat([valid, tail <= positions[:, None]], dim=1)
-        chosen = chosen.clamp(max=self.max_blocks * bs - 1)
+        chosen = chosen.clamp(max=tables.shape[1] * bs - 1)  # masked tail positions past the table
         latent = cache.latent[row, tables.gather(1, chosen // bs), chosen % bs].float()  # [B, W, R]
 
         # Absorbed NoPE MLA over the chosen positions (model_glm.mla_attention).

@@ -47,11 +47,13 @@ def test_layer_subsets_keep_the_pattern(fixtures_dir):
 
 
 def test_tiny_model_runs_every_section_on_cpu():
+    """The reference path: the fast step runs its kernels in the interpreter on CPU, far too slowly
+    for every section (tests/test_fastdecode.py holds it to the reference)."""
     with torch.inference_mode():
         rows = bench.run_model(bench.parse(["model", "--device", "cpu", "--tiny", "--steps", "2",
-                                            "--context", "64", "--budget", "600"]))
+                                            "--context", "64", "--budget", "600", "--reference"]))
     names = [r.what for r in rows]
-    assert names == ["decode B=1 ctx 64", "prefill 64", "decode B=1 ctx 512", "decode B=4 ctx 64",
-                     "decode B=16 ctx 64", "prefill 256"]
+    assert names == ["decode B=1 ctx 64 (reference)", "prefill 64", "decode B=1 ctx 512 (reference)",
+                     "decode B=4 ctx 64 (reference)", "decode B=16 ctx 64 (reference)", "prefill 256"]
     for r in rows:
         assert 0 < r.measured < r.floor < math.inf, r

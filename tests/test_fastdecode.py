@@ -1,5 +1,5 @@
 """fastdecode.FastDecoder against its twin, model_glm.GLMModel.forward, on the tiny real-layout model
-(tests/tiny.py), and the decode-step kernels (fastkernels.py) against model_glm's functions.
+(tests/tiny.py), and the decode-step kernels (kernels.py) against model_glm's functions.
 
 On CPU the Triton kernels run under the interpreter (tests/conftest.py); on a GPU the same tests
 run the compiled kernels, and the CUDA-graph test runs too.
@@ -11,7 +11,7 @@ import torch
 
 import checkpoint
 import fastdecode
-import fastkernels as fk
+import kernels
 import fp8
 import tiny
 from cache import CachePool
@@ -42,19 +42,19 @@ def test_hc_kernels_match_model_glm(dtype):
     norm = (1 + 0.1 * torch.randn(D, generator=g)).to(dtype).to(DEVICE)
     u, post, C = hc_pre(X, fn, base, scale, cfg)
     x = rms_norm(u, norm, cfg.rms_norm_eps)
-    got_x, got_post, got_C = fk.hc_pre(X, fn, base, scale, norm, cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
+    got_x, got_post, got_C = kernels.hc_pre(X, fn, base, scale, norm, cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
     torch.testing.assert_close(got_post, post, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(got_C, C, rtol=1e-5, atol=1e-6)
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-2)
     torch.testing.assert_close(got_x, x, **tol)
     y = torch.randn(B, D, generator=g).to(dtype).to(DEVICE)
-    torch.testing.assert_close(fk.hc_post(X, y, post, C), hc_post(X, y, post, C), **tol)
+    torch.testing.assert_close(kernels.hc_post(X, y, post, C), hc_post(X, y, post, C), **tol)
 
 
 def test_hc_pre_rejects_a_wrong_fn():
     X = torch.zeros(1, 4, 128, device=DEVICE)
     with pytest.raises(ValueError, match=r"fn must be contiguous fp32 \(24, 512\)"):
-        fk.hc_pre(X, torch.zeros(24, 256, device=DEVICE), torch.zeros(24, device=DEVICE),
+        kernels.hc_pre(X, torch.zeros(24, 256, device=DEVICE), torch.zeros(24, device=DEVICE),
                   torch.ones(3, device=DEVICE), torch.ones(128, device=DEVICE), 1e-5, 1e-6, 20)
 
 
@@ -74,7 +74,7 @@ def test_kda_inputs_and_output_match_model_glm(dtype):
     b = torch.randn(B, H + 3, generator=g).to(dtype).to(DEVICE)[:, :H]
     slots = torch.tensor([4, 0, 2], device=DEVICE)
     before = conv_state.clone()
-    q, k, v, gate, beta = fk.kda_decode_inputs(pre, conv_state, slots, conv_w, f, A_log, dt_bias, b, -5.0, H, d)
+    q, k, v, gate, beta = kernels.kda_decode_inputs(pre, conv_state, slots, conv_w, f, A_log, dt_bias, b, -5.0, H, d)
     for i, s in enumerate(slots.tolist()):
         outs = []
         for j in range(3):
@@ -93,7 +93,7 @@ def test_kda_inputs_and_output_match_model_glm(dtype):
     o_g = fused[:, :HD]
     w = (1 + 0.1 * torch.randn(d, generator=g)).to(DEVICE)
     want = (rms_norm(o, w, 1e-5) * torch.sigmoid(o_g.float().view(B, H, d))).to(dtype).flatten(1)
-    torch.testing.assert_close(fk.kda_output_gate(o, o_g, w, 1e-5, dtype), want, **tol)
+    torch.testing.assert_close(kernels.kda_output_gate(o, o_g, w, 1e-5, dtype), want, **tol)
 
 
 # ---------------------------------------------------------------------------------------------- the step
@@ -223,9 +223,9 @@ def test_cuda_graph_replay_equals_eager():
     fast = fastdecode.FastDecoder(model, caches[1], max_context=128)
     # Capture first (it writes scratch into slots 0..1 and block 0), then restore the prefilled state.
     saved = {n: getattr(caches[1], n).clone() for n in ("latent", "index_k", "gate", "pooled", "kda_state", "conv_state")}
-    fast.capture([1, 2])
+    fast.capture([1, 2], contexts=[64, 128])
     for n, t in saved.items():
         getattr(caches[1], n).copy_(t)
-    assert set(fast.graphs) == {1, 2}
+    assert set(fast.graphs) == {(1, 4), (1, 8), (2, 4), (2, 8)}
     worst, kl = _decode_both(model, fast, caches, tables, tok, [37, 14], steps=4)
     assert worst < 0.1 and kl < 1e-4, (worst, kl)
