@@ -26,6 +26,7 @@ import hashlib
 import itertools
 import json
 import math
+import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +39,7 @@ from tokenizers import Tokenizer
 import cache as cache_mod
 import chat
 import dflash
+import fastdecode
 import placement
 from cache import CachePool
 from model_glm import GLMConfig, GLMModel, SeqChunk
@@ -413,11 +415,14 @@ class Engine:
                  max_batch_tokens: int = 2048, block_size: int = 64, max_model_len: int | None = None,
                  snapshot_bytes: int = 4 << 30, snapshot_device: str | torch.device = "cpu",
                  speculator: str = "none", drafter: dflash.DFlash2Drafter | None = None,
-                 draft_tokens: int | None = None, draft_row_cost: float = 0.25):
+                 draft_tokens: int | None = None, draft_row_cost: float = 0.25, use_kernels: bool = True):
         """speculator: "none", "dflash2" (needs `drafter`) or "mtp" (the checkpoint's layer 45).
         Draft length per step: `draft_tokens` if given, else adaptive (dflash.draft_length with
         `draft_row_cost`, the cost of one more verify row relative to a decode step; 0.25 is CuteAFD's
-        GLM-Flash table, 8 rows = 2.8x one row, dflash2.md §6.3)."""
+        GLM-Flash table, 8 rows = 2.8x one row, dflash2.md §6.3).
+        use_kernels: on one CUDA device, plain decode steps run fastdecode.FastDecoder's kernels in
+        CUDA graphs captured here (batch 1..max_num_seqs, context buckets up to max_model_len);
+        False runs every step through model_glm's reference path."""
         self.model, self.tokenizer, self.chat_template = model, tokenizer, chat_template
         self.config: GLMConfig = model.config
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -448,6 +453,8 @@ class Engine:
         print(f"engine: cache {num_blocks} blocks x {block_size} tokens, {block_bytes / block_size:.0f} B/token, "
               f"{slot_bytes / 2**20:.1f} MiB KDA state per sequence, {num_slots} slots, "
               f"{(num_blocks * block_bytes + num_slots * slot_bytes) / 2**30:.3f} GiB; context {self.max_model_len}")
+        # Speculative steps verify several rows per sequence: they take the reference path.
+        self.fast = self._fast_decoder(max_num_seqs) if use_kernels and speculator == "none" else None
         self.blocks = BlockManager(num_blocks, SnapshotStore(snapshot_bytes, torch.device(snapshot_device)))
         self.free_slots = list(range(max_num_seqs))
         self.waiting: deque[Sequence] = deque()
@@ -572,6 +579,26 @@ class Engine:
                            sum(b.hash[i] is not None for i in b.free), len(b.snapshots.items),
                            b.snapshots.nbytes, speculator=self.speculator_name, **self.counters)
 
+    def _fast_decoder(self, max_num_seqs: int) -> "fastdecode.FastDecoder | None":
+        """The graph-captured decode step, where it applies (one CUDA device, a model it supports).
+        Captured now, before any sequence lives in the cache (capture writes scratch rows)."""
+        if len(self.model.placement.devices) != 1 or self.device.type != "cuda":
+            return None
+        try:
+            fast = fastdecode.FastDecoder(self.model, self.cache, max_context=self.max_model_len)
+        except fastdecode.Unsupported as why:
+            print(f"engine: decode steps take the reference path: {why}")
+            return None
+        contexts, c = [], 4096
+        while c < self.max_model_len:
+            contexts.append(c)
+            c *= 4
+        start = time.perf_counter()
+        fast.capture(list(range(1, max_num_seqs + 1)), contexts + [self.max_model_len])
+        print(f"engine: {len(fast.graphs)} decode CUDA graphs (batch 1..{max_num_seqs}, contexts "
+              f"{contexts + [self.max_model_len]}) captured in {time.perf_counter() - start:.1f} s")
+        return fast
+
     # --- one iteration ----------------------------------------------------------------------
 
     @torch.no_grad()
@@ -581,13 +608,17 @@ class Engine:
         if not batch:
             return outputs
         self._draft(batch)
+        # A step of single tokens after a prefill goes to the fast decode step (its inputs on the host).
+        fast = self.fast is not None and self.speculator is None and all(
+            n == 1 and seq.num_computed > 0 for seq, n in batch)
+        where = "cpu" if fast else self.device
         chunks = [SeqChunk(torch.tensor(seq.token_ids[seq.num_computed:seq.num_computed + n - seq.k]
-                                        + (seq.draft.tokens if seq.draft else []), device=self.device),
-                           seq.num_computed, torch.tensor(seq.block_table, device=self.device), seq.slot)
+                                        + (seq.draft.tokens if seq.draft else []), device=where),
+                           seq.num_computed, torch.tensor(seq.block_table, device=where), seq.slot)
                   for seq, n in batch]
         if self.speculator is not None:
             return outputs + self._speculative_step(batch, chunks)
-        logits = self.model.forward(chunks, self.cache).logits
+        logits = self.fast.step(chunks).logits if fast else self.model.forward(chunks, self.cache).logits
         argmax = logits.argmax(-1).tolist()  # one device sync serves every plain-greedy sequence
         for i, (seq, n) in enumerate(batch):
             self._commit(seq, n)
@@ -924,7 +955,7 @@ def load(path_or_hf_id: str | Path | None = None, device: str | torch.device | N
          memory_fraction: float = 0.9, max_num_seqs: int = 16, max_batch_tokens: int = 2048, block_size: int = 64,
          max_model_len: int | None = None, snapshot_bytes: int = 4 << 30,
          snapshot_device: str | torch.device = "cpu", progress: bool = True, speculator: str = "none",
-         drafter_path: str | Path | None = None, draft_tokens: int | None = None) -> Engine:
+         drafter_path: str | Path | None = None, draft_tokens: int | None = None, use_kernels: bool = True) -> Engine:
     """A checkpoint folder or Hugging Face id (None: the built-in default model) -> a ready Engine.
 
     `speculator`: "none", "mtp" (the checkpoint's MTP layer) or "dflash2" (a DFlash2 drafter folder or
@@ -941,8 +972,8 @@ def load(path_or_hf_id: str | Path | None = None, device: str | torch.device | N
     KDA snapshots live on `snapshot_device` within `snapshot_bytes` (0 turns the prefix cache off).
     """
     import checkpoint
+    import default_model
     if path_or_hf_id is None:
-        import default_model
         path = Path(default_model.ensure())
     else:
         path = checkpoint.resolve_model_path(path_or_hf_id)
@@ -967,6 +998,8 @@ def load(path_or_hf_id: str | Path | None = None, device: str | torch.device | N
     if not (path / "tokenizer.json").is_file():
         raise FileNotFoundError(f"{path / 'tokenizer.json'} is missing: the engine needs the checkpoint's tokenizer")
     tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+    if speculator == "dflash2" and drafter_path is None and path_or_hf_id is None:
+        drafter_path = default_model.shipped_drafter()  # trained against the built-in model
     if (speculator == "dflash2") != (drafter_path is not None):
         raise ValueError(f"speculator={speculator!r} with drafter_path={drafter_path!r}: a drafter path goes "
                          "with speculator='dflash2', and only with it")
@@ -975,7 +1008,7 @@ def load(path_or_hf_id: str | Path | None = None, device: str | torch.device | N
                   num_blocks=num_blocks, max_cache_tokens=max_cache_tokens, memory_fraction=memory_fraction,
                   max_num_seqs=max_num_seqs, max_batch_tokens=max_batch_tokens, block_size=block_size,
                   max_model_len=max_model_len, snapshot_bytes=snapshot_bytes, snapshot_device=snapshot_device,
-                  speculator=speculator, drafter=drafter, draft_tokens=draft_tokens)
+                  speculator=speculator, drafter=drafter, draft_tokens=draft_tokens, use_kernels=use_kernels)
 
 
 def _budgets(devices: tuple[torch.device, ...], memory_per_device: int | Seq[int] | None) -> list[int | None]:

@@ -69,7 +69,7 @@ def fuse(model: GLMModel, names: list[str]) -> Fused:
         views = list(cat.split(sizes))
         fused: Weight = cat
     elif all(isinstance(w, fp8.FP8Linear) for w in parts) and all(n % fp8.BLOCK == 0 for n in sizes[:-1]):
-        weight = torch.cat([w.weight for w in parts])
+        weight = torch.cat([w.weight.view(torch.uint8) for w in parts]).view(torch.float8_e4m3fn)
         scale = torch.cat([w.scale_inv for w in parts])
         fused = fp8.FP8Linear(weight, scale, name="+".join(names))
         views, row = [], 0
@@ -93,12 +93,14 @@ class Experts:
 
 
 def _stacked(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """[E, ...] holding the tensors: their common base when they already are its rows in order
-    (as bench.py builds them), else a new stack."""
-    base = tensors[0]._base
-    if (base is not None and base.shape[0] == len(tensors) and base.shape[1:] == tensors[0].shape
-            and all(t._base is base and t.data_ptr() == base[e].data_ptr() for e, t in enumerate(tensors))):
-        return base
+    """[E, ...] holding the tensors: a view of their storage when they already lie there back to
+    back in order (as bench.py builds them), else a new stack."""
+    t0 = tensors[0]
+    storage = t0.untyped_storage()
+    if all(t.is_contiguous() and t.shape == t0.shape and t.dtype == t0.dtype
+           and t.untyped_storage().data_ptr() == storage.data_ptr()
+           and t.storage_offset() == t0.storage_offset() + e * t0.numel() for e, t in enumerate(tensors)):
+        return t0.new_empty(0).set_(storage, t0.storage_offset(), (len(tensors), *t0.shape))
     return torch.stack(tensors)
 
 

@@ -229,3 +229,47 @@ def test_cuda_graph_replay_equals_eager():
     assert set(fast.graphs) == {(1, 4), (1, 8), (2, 4), (2, 8)}
     worst, kl = _decode_both(model, fast, caches, tables, tok, [37, 14], steps=4)
     assert worst < 0.1 and kl < 1e-4, (worst, kl)
+
+
+def test_engine_sends_decode_steps_to_the_fast_step():
+    """Engine.step routes batches of single decode tokens to FastDecoder.step (on a GPU the engine
+    builds it itself; here one is attached by hand) and the greedy tokens stay the reference's."""
+    import engine as E
+    from test_engine import make_tokenizer
+
+    model = _model(torch.float32)
+    tok = make_tokenizer(model.config.vocab_size)
+    prompts = [[5, 9, 13, 200, 7, 3, 77, 41, 19], [8, 8, 30, 2, 61]]
+    params = E.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    make = lambda: E.Engine(model, tok, eos_token_ids=[1], num_blocks=16, block_size=16, max_num_seqs=2)
+    reference = [r.token_ids for r in make().generate(prompts, params)]
+    eng = make()
+    eng.fast = fastdecode.FastDecoder(model, eng.cache, max_context=eng.max_model_len)
+    sizes = []
+    step = eng.fast.step
+    eng.fast.step = lambda batch: sizes.append(len(batch)) or step(batch)
+    assert [r.token_ids for r in eng.generate(prompts, params)] == reference
+    assert sizes == [2, 2, 2]  # the first token comes from the prefill, the next three from decode steps
+
+
+@needs_gpu
+def test_engine_on_cuda_captures_graphs_and_matches_the_reference_path():
+    import engine as E
+    params = E.SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = ["def fibonacci(n):", "import os\n", "class Stack:"]
+    fast = E.load(max_cache_tokens=4096, max_num_seqs=4)
+    assert fast.fast is not None and sorted(fast.fast.graphs) == [(B, 64) for B in range(1, 5)]
+    reference = E.load(max_cache_tokens=4096, max_num_seqs=4, use_kernels=False)
+    assert reference.fast is None
+    assert [r.token_ids for r in fast.generate(prompts, params)] == \
+        [r.token_ids for r in reference.generate(prompts, params)]
+
+
+def test_stacking_reuses_a_stack_the_experts_already_live_in():
+    stack = torch.randint(-100, 100, (5, 4, 3, 16), dtype=torch.int16)
+    views = [stack[e] for e in range(5)]
+    again = fastdecode._stacked(views)
+    assert again.data_ptr() == stack.data_ptr() and torch.equal(again, stack)  # no copy of 124 GB of experts
+    copied = fastdecode._stacked([v.clone() for v in views])
+    assert copied.data_ptr() != stack.data_ptr() and torch.equal(copied, stack)
+    assert fastdecode._stacked(views[::-1]).data_ptr() != stack.data_ptr()  # out of order: a real stack
