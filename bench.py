@@ -360,26 +360,44 @@ def decode_rate(step, tables: list[torch.Tensor], ctx: int, steps: int, device: 
 
 
 def fast_vs_reference(model: GLMModel, fast: FastDecoder, cache: CachePool, table: torch.Tensor, ctx: int,
-                      steps: int) -> tuple[float, float, int]:
-    """Mean and max KL(reference || fast) in nats and top-1 agreements over `steps` batch-1 decode
-    steps from the same cache state (slot 0 and its blocks restored before each path runs)."""
+                      steps: int) -> dict[str, tuple[float, float, int]]:
+    """KL(reference || x) in nats (mean, max) and top-1 agreements over `steps` batch-1 decode steps
+    from one cache state (slot 0 and its blocks restored before each run), for x = the fast step and
+    x = the reference itself with this token's embedding row moved by one bf16 ulp per element
+    (random signs): how far a rounding-sized change at the input moves this model's logits."""
     used = table[:ctx // cache.block_size + 2].to(cache.device)
     names = ("latent", "index_k", "gate", "pooled")
-    kls, agree, tok = [], 0, torch.ones(1, dtype=torch.long)
+    embed = model.w("embed_tokens.weight")
+    gen = torch.Generator(device=embed.device).manual_seed(5)
+    kls: dict[str, list[float]] = {"fast": [], "reference, input moved 1 ulp": []}
+    agree = dict.fromkeys(kls, 0)
+    tok = torch.ones(1, dtype=torch.long)
     for i in range(steps):
         saved = ([getattr(cache, n)[:, used].clone() for n in names],
                  cache.kda_state[:, 0].clone(), cache.conv_state[:, 0].clone())
+
+        def restore() -> None:
+            for n, t in zip(names, saved[0]):
+                getattr(cache, n)[:, used] = t
+            cache.kda_state[:, 0], cache.conv_state[:, 0] = saved[1], saved[2]
+
         batch = [SeqChunk(tok, ctx + i, table, 0)]
-        got = fast.step(batch).logits
-        for n, t in zip(names, saved[0]):
-            getattr(cache, n)[:, used] = t
-        cache.kda_state[:, 0], cache.conv_state[:, 0] = saved[1], saved[2]
+        got = {"fast": fast.step(batch).logits}
+        restore()
+        row = embed[int(tok)].clone()
+        sign = torch.randint(0, 2, row.shape, device=row.device, generator=gen) * 2 - 1
+        embed[int(tok)] = row * (1 + sign * 2.0 ** -8)
+        got["reference, input moved 1 ulp"] = model.forward(batch, cache).logits
+        embed[int(tok)] = row
+        restore()
         ref = model.forward(batch, cache).logits
-        p, q = torch.log_softmax(ref.double(), -1), torch.log_softmax(got.double(), -1)
-        kls.append(float((p.exp() * (p - q)).sum(-1)))
-        agree += int(ref.argmax() == got.argmax())
+        p = torch.log_softmax(ref.double(), -1)
+        for key, logits in got.items():
+            q = torch.log_softmax(logits.double(), -1)
+            kls[key].append(float((p.exp() * (p - q)).sum(-1)))
+            agree[key] += int(ref.argmax() == logits.argmax())
         tok = ref.argmax(-1).cpu()
-    return sum(kls) / len(kls), max(kls), agree
+    return {k: (sum(v) / len(v), max(v), agree[k]) for k, v in kls.items()}
 
 
 def run_model(args) -> list[Row]:
@@ -488,9 +506,10 @@ def run_model(args) -> list[Row]:
 
     def agreement() -> None:
         fill_context(cache, tables[0], 0, ctx0, gen)
-        mean, worst, agree = fast_vs_reference(model, fast, cache, tables[0], ctx0, args.kl_steps)
-        say(f"fast vs reference, B=1 ctx {ctx0}, {args.kl_steps} steps: mean KL {mean:.2e} nats (max {worst:.2e}), "
-            f"top-1 agreement {agree}/{args.kl_steps}")
+        for what, (mean, worst, agree) in fast_vs_reference(model, fast, cache, tables[0], ctx0,
+                                                            args.kl_steps).items():
+            say(f"KL(reference || {what}), B=1 ctx {ctx0}, {args.kl_steps} steps: mean {mean:.2e} nats "
+                f"(max {worst:.2e}), top-1 agreement {agree}/{args.kl_steps}")
 
     def prefill(T: int) -> Row:
         tokens = torch.randint(0, cfg.vocab_size, (T,), generator=torch.Generator().manual_seed(T))
