@@ -6,6 +6,7 @@
     python bench.py exl3 sweep|quick|compare|sweep+compare|crosscheck [--codebook mcg]
     python bench.py kda [decode] [prefill] [precision]
     python bench.py speculative [--device cpu]   the default model at batch 1: plain vs MTP vs DFlash2
+    python bench.py agreement [--device cpu]     the default model: fast decode step vs reference path (KL)
 
 `model` builds GLM-5.3-Flash (shapes from the fixture config.json, no files) directly on the device:
 routed experts as EXL3 random trellises (--bits 3.25: a quarter of the MoE layers K4, the rest K3),
@@ -504,6 +505,20 @@ def run_model(args) -> list[Row]:
         return Row(f"decode B=1 ctx {long_ctx} ({path})", rate, bw / budget.decode_bytes(1, long_ctx),
                    f"({budget.decode_bytes(1, long_ctx) / 1e9:.2f} GB/step)")
 
+    def verify_cost() -> None:
+        """What a speculative verify pass costs: 8 rows of one sequence vs 1, reference path (dflash2.md §6.3)."""
+        fill_context(cache, tables[0], 0, ctx0, gen)
+        times = {}
+        for rows in (1, 8, 1, 8):
+            tokens = torch.ones(rows, dtype=torch.long)
+            sync(device)
+            t = time.perf_counter()
+            model.forward([SeqChunk(tokens, ctx0, tables[0], 0)], cache, all_logits=True)
+            sync(device)
+            times[rows] = min(times.get(rows, math.inf), time.perf_counter() - t)
+        say(f"verify cost, reference path, B=1 ctx {ctx0}: 8 rows {1e3 * times[8]:.0f} ms vs 1 row "
+            f"{1e3 * times[1]:.0f} ms ({times[8] / times[1]:.2f}x)")
+
     def agreement() -> None:
         fill_context(cache, tables[0], 0, ctx0, gen)
         for what, (mean, worst, agree) in fast_vs_reference(model, fast, cache, tables[0], ctx0,
@@ -528,6 +543,7 @@ def run_model(args) -> list[Row]:
     if fast is not None:
         section("decode B=1 reference path", lambda: decode(1, lambda b: model.forward(b, cache).logits, "reference", 2))
         section("fast vs reference", agreement)
+    section("verify cost", verify_cost)
     section("prefill warm-up (compiles, untimed)", lambda: prefill(prompts[0] // 4) and None)
     section(f"prefill {prompts[0]}", lambda: prefill(prompts[0]))
     section(f"decode long context {long_ctx}", decode_long)
@@ -1058,6 +1074,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     sp = sub.add_parser("speculative", help="the default model at batch 1: plain vs MTP vs DFlash2 speculative decoding")
     sp.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     sp.add_argument("--draft-tokens", type=int, default=None, help="fixed drafts per step (default: adaptive)")
+    a = sub.add_parser("agreement", help="the default model: the fast decode step vs the reference path (KL)")
+    a.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    a.add_argument("--context", type=int, default=256)
+    a.add_argument("--steps", type=int, default=32)
     d = sub.add_parser("kda", help="KDA kernels at the real shapes: correctness and timings")
     d.add_argument("sections", nargs="*", help="decode, prefill, precision (default: decode prefill)")
     return parser.parse_args(argv)
@@ -1068,6 +1088,24 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 SPEC_PROMPTS = ("What does json.dumps do?", "Explain the Python topic 'assert'.", "What does os.path.join do?",
                 "How do I sort a list?", "What is a generator?", "Explain the Python topic 'with'.")
 SPEC_CACHE_TOKENS = 8192  # per engine: the three live side by side (a default pool takes most of a GPU)
+
+
+def run_agreement(args) -> None:
+    """The trained default model (EXL3 4-bit experts): KL(reference || fast step) over decode steps
+    that follow a prefill of real text, beside the reference's own move for a 1-ulp input change."""
+    import engine
+    device = torch.device(args.device)
+    e = engine.load(device=args.device, progress=False, max_cache_tokens=8192, use_kernels=False)
+    model, cfg = e.model, e.model.config
+    ids = e.tokenizer.encode(Path(json.__file__).read_text()).ids[:args.context]
+    cache = CachePool(cfg, num_blocks=64, num_slots=2, block_size=BLOCK_SIZE, dtype=model.dtype, device=device)
+    table = torch.arange(64)
+    model.forward([SeqChunk(torch.tensor(ids), 0, table, 0)], cache)
+    fast = FastDecoder(model, cache, max_context=4096)
+    for what, (mean, worst, agree) in fast_vs_reference(model, fast, cache, table, len(ids), args.steps).items():
+        say(f"default model ({model.dtype}, {args.device}), KL(reference || {what}) over {args.steps} decode steps "
+            f"after {len(ids)} tokens of json/__init__.py: mean {mean:.2e} nats (max {worst:.2e}), "
+            f"top-1 agreement {agree}/{args.steps}")
 
 
 def run_speculative(args) -> None:
@@ -1132,13 +1170,13 @@ def main(argv: list[str] | None = None) -> None:
     # The model nearly fills the GPU: let the allocator grow segments instead of fragmenting.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     args = parse(argv)
-    if args.command not in ("model", "speculative") or args.device != "cpu":
+    if args.command not in ("model", "speculative", "agreement") or args.device != "cpu":
         if not torch.cuda.is_available():
             sys.exit(f"bench.py {args.command} needs CUDA (only `model --device cpu --tiny` runs without)")
     torch.manual_seed(0)
     with torch.inference_mode():
         {"model": run_model, "kernels": run_kernels, "exl3": run_exl3, "kda": run_kda,
-         "speculative": run_speculative}[args.command](args)
+         "speculative": run_speculative, "agreement": run_agreement}[args.command](args)
 
 
 if __name__ == "__main__":
