@@ -29,7 +29,7 @@ import exl3
 import fp8
 import kernels
 from cache import CachePool
-from model_glm import ForwardOutput, GLMModel, SeqChunk, Weight, linear, rms_norm
+from model_glm import ForwardOutput, GLMModel, SeqChunk, Weight, linear, pool_keys, rms_norm, swiglu
 
 
 class Unsupported(ValueError):
@@ -375,7 +375,8 @@ class FastDecoder:
         cache.gate[row, blk, off] = gamma.to(cache.gate.dtype)
         first = off - off % kpool
         members = first[:, None] + torch.arange(kpool, device=x.device)
-        pooled = _pool_keys(cache.index_k[row, blk[:, None], members], cache.gate[row, blk[:, None], members], a["ape"])
+        pooled = pool_keys(cache.index_k[row, blk[:, None], members].flatten(0, 1),
+                           cache.gate[row, blk[:, None], members].flatten(0, 1), a["ape"])  # one pool per row
         complete = ((positions + 1) % kpool == 0)[:, None]
         old = cache.pooled[row, blk, first // kpool]
         cache.pooled[row, blk, first // kpool] = torch.where(complete, pooled.to(old.dtype), old)
@@ -409,7 +410,7 @@ class FastDecoder:
 
     def mlp(self, layer: Layer, h: torch.Tensor) -> torch.Tensor:
         gate, up = layer.mlp(h)
-        return linear(kernels_swiglu(gate, up, self.cfg.swiglu_limit), layer.down)
+        return linear(swiglu(gate, up, self.cfg.swiglu_limit), layer.down)
 
     def moe(self, layer: Layer, h: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
@@ -429,17 +430,6 @@ class FastDecoder:
         return (routed + self.mlp(layer, h).float()).to(h.dtype)
 
 
-def kernels_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    """§4.5 clamped SwiGLU (model_glm.swiglu), a few elementwise ops."""
-    return F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
-
-
-def _pool_keys(k: torch.Tensor, gamma: torch.Tensor, ape: torch.Tensor) -> torch.Tensor:
-    """model_glm.pool_keys for one pool per row: k, gamma [B, kpool, d] -> [B, d]."""
-    weights = torch.softmax(gamma.float() + ape, dim=1)
-    return (weights * k.float()).sum(1)
-
-
 def _dense_experts(h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
                    stacks: tuple[torch.Tensor, torch.Tensor, torch.Tensor], limit: float) -> torch.Tensor:
     """Σ_j w_j · down_e(swiglu(gate_e h, up_e h)) for dense stacked experts, gathering each pair's
@@ -447,6 +437,6 @@ def _dense_experts(h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
     gate, up, down = (t[ids] for t in stacks)  # [B, k, out, in]
     hx = h.to(gate.dtype)[:, None, :, None]
     g, u = (gate @ hx).squeeze(-1), (up @ hx).squeeze(-1)
-    a = kernels_swiglu(g, u, limit)
+    a = swiglu(g, u, limit)
     y = (down @ a[..., None]).squeeze(-1)  # [B, k, D]
     return (y.float() * w[..., None]).sum(1)
