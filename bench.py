@@ -555,18 +555,21 @@ def run_model(args) -> list[Row]:
         say(f"peak GPU memory {torch.cuda.max_memory_allocated(device) / 1e9:.2f} GB")
     print_table(rows)
     if args.profile and time.time() - START <= args.budget:
-        profile_step(model, cache, tables[0], ctx0, device)
+        # eager: the kernels of a graph replay are the same, but the profiler sees them one by one
+        eager = (lambda b: model.forward(b, cache)) if fast is None else \
+            (lambda b: fast.run(*fast._inputs(b, ctx0 // BLOCK_SIZE + 1)))
+        profile_step(eager, tables[0], ctx0, device)
     return rows
 
 
-def profile_step(model: GLMModel, cache: CachePool, table: torch.Tensor, ctx: int, device: torch.device) -> None:
-    """Where one batch-1 decode step spends its time: torch.profiler's top operators by self time
-    on the device and on the host, and the number of device events (kernels and copies)."""
+def profile_step(step, table: torch.Tensor, ctx: int, device: torch.device) -> None:
+    """Where one eager batch-1 decode step (`step(batch)`) spends its time: torch.profiler's top
+    operators by self time on the device and on the host, and the number of device events."""
     from torch.profiler import ProfilerActivity, profile
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     try:
         with profile(activities=activities) as prof:
-            model.forward([SeqChunk(torch.ones(1, dtype=torch.long), ctx, table, 0)], cache)
+            step([SeqChunk(torch.ones(1, dtype=torch.long), ctx, table, 0)])
             sync(device)
     except Exception as error:  # the profiler depends on CUPTI being usable
         say(f"profile: failed: {type(error).__name__}: {error}")
@@ -575,7 +578,7 @@ def profile_step(model: GLMModel, cache: CachePool, table: torch.Tensor, ctx: in
     on_device = sum(e.count for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
     say(f"\nprofile of one decode step, B=1: {on_device} device events (kernels, copies)")
     for key in (["self_device_time_total"] if device.type == "cuda" else []) + ["self_cpu_time_total"]:
-        say(events.table(sort_by=key, row_limit=12, max_name_column_width=48))
+        say(events.table(sort_by=key, row_limit=25, max_name_column_width=60))
 
 
 def print_table(rows: list[Row]) -> None:
@@ -1065,7 +1068,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     m.add_argument("--reference", action="store_true",
                    help="every step through model_glm's reference path (no fast decode step, no CUDA graphs)")
     m.add_argument("--kl-steps", type=int, default=4, help="decode steps compared between fast and reference")
-    m.add_argument("--profile", action="store_true", help="profile one reference decode step")
+    m.add_argument("--profile", action="store_true", help="profile one eager decode step (fast, or --reference)")
     k = sub.add_parser("kernels", help="per-kernel timings vs floors")
     k.add_argument("--peer", action="store_true", help="also exllamav3 (needs it importable; ~5 min JIT)")
     e = sub.add_parser("exl3", help="EXL3 GEMV launch sweep / exllamav3 comparison")

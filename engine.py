@@ -608,23 +608,32 @@ class Engine:
         if not batch:
             return outputs
         self._draft(batch)
-        # A step of single tokens after a prefill goes to the fast decode step (its inputs on the host).
-        fast = self.fast is not None and self.speculator is None and all(
-            n == 1 and seq.num_computed > 0 for seq, n in batch)
-        where = "cpu" if fast else self.device
-        chunks = [SeqChunk(torch.tensor(seq.token_ids[seq.num_computed:seq.num_computed + n - seq.k]
-                                        + (seq.draft.tokens if seq.draft else []), device=where),
-                           seq.num_computed, torch.tensor(seq.block_table, device=where), seq.slot)
-                  for seq, n in batch]
+        # Single decode tokens go to the fast decode step (inputs on the host), prefill chunks to the
+        # reference forward; the two touch different slots and blocks.
+        fast = [i for i, (seq, n) in enumerate(batch)
+                if self.fast is not None and self.speculator is None and n == 1 and seq.num_computed > 0]
+        chunks = [self._seq_chunk(seq, n, "cpu" if i in fast else self.device) for i, (seq, n) in enumerate(batch)]
         if self.speculator is not None:
             return outputs + self._speculative_step(batch, chunks)
-        logits = self.fast.step(chunks).logits if fast else self.model.forward(chunks, self.cache).logits
+        rest = [i for i in range(len(batch)) if i not in fast]
+        logits = torch.empty(len(batch), self.vocab_size, dtype=torch.float32, device=self.device)
+        if fast:
+            logits[fast] = self.fast.step([chunks[i] for i in fast]).logits
+        if rest:
+            logits[rest] = self.model.forward([chunks[i] for i in rest], self.cache).logits
         argmax = logits.argmax(-1).tolist()  # one device sync serves every plain-greedy sequence
         for i, (seq, n) in enumerate(batch):
             self._commit(seq, n)
             if seq.num_computed == len(seq.token_ids):
                 outputs.append(self._sample(seq, logits[i], argmax[i]))
         return outputs
+
+    @staticmethod
+    def _seq_chunk(seq: Sequence, n: int, device: str | torch.device) -> SeqChunk:
+        """The next n positions of seq (its pending drafts after the last real token)."""
+        tokens = seq.token_ids[seq.num_computed:seq.num_computed + n - seq.k] + (seq.draft.tokens if seq.draft else [])
+        return SeqChunk(torch.tensor(tokens, device=device), seq.num_computed,
+                        torch.tensor(seq.block_table, device=device), seq.slot)
 
     # --- speculative decoding (dflash.py) ---------------------------------------------------
 

@@ -232,25 +232,33 @@ def test_cuda_graph_replay_equals_eager():
     assert worst < 0.1 and kl < 1e-4, (worst, kl)
 
 
-def test_engine_sends_decode_steps_to_the_fast_step():
-    """Engine.step routes batches of single decode tokens to FastDecoder.step (on a GPU the engine
-    builds it itself; here one is attached by hand) and the greedy tokens stay the reference's."""
+def test_engine_sends_decode_tokens_to_the_fast_step():
+    """Engine.step routes single decode tokens to FastDecoder.step (on a GPU the engine builds it
+    itself; here one is attached by hand), also while another prompt prefills in the same step,
+    and the greedy tokens stay the reference's."""
     import engine as E
     from test_engine import make_tokenizer
 
     model = _model(torch.float32)
     tok = make_tokenizer(model.config.vocab_size)
-    prompts = [[5, 9, 13, 200, 7, 3, 77, 41, 19], [8, 8, 30, 2, 61]]
+    prompts = [[5, 9, 13, 200, 7, 3, 77, 41, 19], [8, 8, 30, 2, 61] * 5]
     params = E.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    make = lambda: E.Engine(model, tok, eos_token_ids=[1], num_blocks=16, block_size=16, max_num_seqs=2)
+    # 12 tokens per step: the short prompt decodes while the long one still prefills in chunks
+    make = lambda: E.Engine(model, tok, eos_token_ids=[1], num_blocks=16, block_size=16, max_num_seqs=2,
+                            max_batch_tokens=12)
     reference = [r.token_ids for r in make().generate(prompts, params)]
     eng = make()
     eng.fast = fastdecode.FastDecoder(model, eng.cache, max_context=eng.max_model_len)
-    sizes = []
-    step = eng.fast.step
-    eng.fast.step = lambda batch: sizes.append(len(batch)) or step(batch)
-    assert [r.token_ids for r in eng.generate(prompts, params)] == reference
-    assert sizes == [2, 2, 2]  # the first token comes from the prefill, the next three from decode steps
+    calls = []  # per engine step: the fast step first, then the reference forward
+    fast_step, forward = eng.fast.step, model.forward
+    eng.fast.step = lambda batch: calls.append(f"fast {len(batch)}") or fast_step(batch)
+    model.forward = lambda batch, *a, **k: calls.append(f"ref {len(batch)}") or forward(batch, *a, **k)
+    try:
+        assert [r.token_ids for r in eng.generate(prompts, params)] == reference
+    finally:
+        del model.forward
+    # step 1 prefills both; steps 2-4 decode the short prompt fast while the long one still prefills
+    assert calls == ["ref 2"] + ["fast 1", "ref 1"] * 3 + ["fast 1"] * 3, calls
 
 
 @needs_gpu
