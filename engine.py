@@ -455,6 +455,9 @@ class Engine:
               f"{(num_blocks * block_bytes + num_slots * slot_bytes) / 2**30:.3f} GiB; context {self.max_model_len}")
         # Speculative steps verify several rows per sequence: they take the reference path.
         self.fast = self._fast_decoder(max_num_seqs) if use_kernels and speculator == "none" else None
+        if speculator != "none" and self.device.type == "cuda":
+            print(f"engine: speculator {speculator!r}: verify passes run the reference path (no CUDA graphs); "
+                  "on a GPU plain decoding with the fast step is faster today (BENCHMARKS.md)")
         self.blocks = BlockManager(num_blocks, SnapshotStore(snapshot_bytes, torch.device(snapshot_device)))
         self.free_slots = list(range(max_num_seqs))
         self.waiting: deque[Sequence] = deque()
