@@ -4,7 +4,8 @@ One `Engine.step()` is one scheduler iteration (nano-vllm's split, serving.md §
 1. schedule: running sequences first (one decode token, or the next prefill chunk), then admit
    waiting ones, all under a token budget; when blocks run out the youngest running sequence is
    preempted (its cache is dropped and recomputed later);
-2. run `GLMModel.forward` on the chunks;
+2. run the chunks: single decode tokens through `fastdecode.FastDecoder` (one CUDA device: kernels
+   in CUDA graphs), prefill chunks (and everything on CPU) through `GLMModel.forward`;
 3. commit: hash the blocks that became full, snapshot the KDA slot where the prefix cache wants;
 4. sample a token for every sequence whose chunk reached its last token, detokenize, check stops.
 With a speculator (dflash.py: DFlash2 or MTP), a decoding sequence's chunk is its next token plus k
