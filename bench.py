@@ -7,6 +7,7 @@
     python bench.py kda [decode] [prefill] [precision]
     python bench.py speculative [--device cpu]   the default model at batch 1: plain vs MTP vs DFlash2
     python bench.py agreement [--device cpu]     the default model: fast decode step vs reference path (KL)
+    python bench.py fp8core [--device cpu]       the default model: BF16 core vs FP8 core (bytes, KL, speed)
 
 `model` builds GLM-5.3-Flash (shapes from the fixture config.json, no files) directly on the device:
 routed experts as EXL3 random trellises (--bits 3.25: a quarter of the MoE layers K4, the rest K3),
@@ -53,7 +54,6 @@ CONFIG_CANDIDATES = [Path(os.environ.get("GLM53_SHARED", ROOT.parent / "shared")
                      ROOT / ".whl" / "shared"]
 CODEBOOK = "mcg"
 BLOCK_SIZE = 64
-BF16_LINEARS = ("kv_b_proj.weight", "indexer.weights_proj.weight")  # model_glm reads them as tensors
 START = time.time()
 
 
@@ -157,7 +157,7 @@ def weight_format(name: str, spec: checkpoint.TensorSpec, core: str) -> str:
     """"exl3" (routed experts), "fp8" (core linears with --core fp8) or "plain" (a tensor)."""
     if checkpoint.is_routed_expert(name):
         return "exl3"
-    if core == "fp8" and spec.linear and not name.endswith(BF16_LINEARS):
+    if core == "fp8" and checkpoint.is_fp8_core(name, spec):
         return "fp8"
     return "plain"
 
@@ -1077,6 +1077,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     sp = sub.add_parser("speculative", help="the default model at batch 1: plain vs MTP vs DFlash2 speculative decoding")
     sp.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     sp.add_argument("--draft-tokens", type=int, default=None, help="fixed drafts per step (default: adaptive)")
+    f = sub.add_parser("fp8core", help="the default model: BF16 core vs FP8 core (amax, pow2): bytes, KL, speed")
+    f.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    f.add_argument("--context", type=int, default=1024)
     a = sub.add_parser("agreement", help="the default model: the fast decode step vs the reference path (KL)")
     a.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     a.add_argument("--context", type=int, default=256)
@@ -1109,6 +1112,44 @@ def run_agreement(args) -> None:
         say(f"default model ({model.dtype}, {args.device}), KL(reference || {what}) over {args.steps} decode steps "
             f"after {len(ids)} tokens of json/__init__.py: mean {mean:.2e} nats (max {worst:.2e}), "
             f"top-1 agreement {agree}/{args.steps}")
+
+
+def run_fp8_core(args) -> None:
+    """The default model (EXL3 4-bit experts) with its BF16 core against the core converted to FP8
+    block-128 at load (`engine.load(fp8_core=...)`, both scale rules): core weight bytes, KL(BF16 ||
+    FP8) and top-1 agreement of teacher-forced logits over real text, and on CUDA the batch-1
+    decode speed of each (64 greedy tokens, best of 3)."""
+    import engine
+    dtype = torch.bfloat16
+    text = Path(json.__file__).read_text()
+    params = engine.SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    base = None
+    for rule in (None, *fp8.SCALE_RULES):
+        e = engine.load(device=args.device, dtype=dtype, progress=False, max_cache_tokens=8192, fp8_core=rule)
+        ids = e.tokenizer.encode(text).ids[:args.context]
+        logits = e.score(ids)
+        core = sum(w.weight.numel() + 4 * w.scale_inv.numel() if isinstance(w, fp8.FP8Linear) else
+                   w.numel() * w.element_size() for name, w in e.model.weights.items()
+                   if checkpoint.is_fp8_core(name, checkpoint.expected_tensors(e.config)[name]))
+        line = f"core {rule or 'bf16'}: {core / 2**20:.2f} MiB of core projections"
+        if base is None:
+            base = (logits, core)
+        else:
+            p, q = torch.log_softmax(base[0].double(), -1), torch.log_softmax(logits.double(), -1)
+            kl = (p.exp() * (p - q)).sum(-1)
+            top1 = (base[0].argmax(-1) == logits.argmax(-1)).float().mean()
+            line += (f" ({core / base[1]:.2f} of BF16); KL(BF16 || FP8 {rule}) over {len(ids)} positions: mean "
+                     f"{kl.mean():.2e} nats (max {kl.max():.2e}), top-1 agreement {100 * top1:.1f}%")
+        if args.device != "cpu":
+            prompt = [[{"role": "user", "content": "What does json.dumps do?"}]]
+            e.generate(prompt, engine.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+            best = math.inf
+            for _ in range(3):
+                t = time.perf_counter()
+                e.generate(prompt, params)
+                best = min(best, time.perf_counter() - t)
+            line += f"; decode B=1 {params.max_tokens / best:.1f} tok/s"
+        say(line)
 
 
 def run_speculative(args) -> None:
@@ -1173,13 +1214,13 @@ def main(argv: list[str] | None = None) -> None:
     # The model nearly fills the GPU: let the allocator grow segments instead of fragmenting.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     args = parse(argv)
-    if args.command not in ("model", "speculative", "agreement") or args.device != "cpu":
+    if args.command not in ("model", "speculative", "agreement", "fp8core") or args.device != "cpu":
         if not torch.cuda.is_available():
             sys.exit(f"bench.py {args.command} needs CUDA (only `model --device cpu --tiny` runs without)")
     torch.manual_seed(0)
     with torch.inference_mode():
         {"model": run_model, "kernels": run_kernels, "exl3": run_exl3, "kda": run_kda,
-         "speculative": run_speculative, "agreement": run_agreement}[args.command](args)
+         "speculative": run_speculative, "agreement": run_agreement, "fp8core": run_fp8_core}[args.command](args)
 
 
 if __name__ == "__main__":

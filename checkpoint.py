@@ -189,6 +189,15 @@ def is_routed_expert(name: str) -> bool:
     return ".mlp.experts." in name
 
 
+# Projections model_glm multiplies itself (as fp32 tensors), so they stay tensors whatever the format.
+TENSOR_PROJECTIONS = ("kv_b_proj.weight", "indexer.weights_proj.weight")
+
+
+def is_fp8_core(name: str, spec: TensorSpec) -> bool:
+    """A non-routed projection that may run as an FP8 block-128 linear (`fp8.FP8Linear`)."""
+    return spec.linear and not is_routed_expert(name) and not name.endswith(TENSOR_PROJECTIONS)
+
+
 # ---------------------------------------------------------------------------------------------
 # Inventory check (headers only)
 
@@ -394,10 +403,16 @@ def weight_bytes(path: str | Path, config: Any, dtype: torch.dtype = torch.bfloa
 
 def load_weights(path: str | Path, config: Any, dtype: torch.dtype = torch.bfloat16,
                  device: str | torch.device | Callable[[str], torch.device] = "cpu",
-                 progress: bool = True) -> dict[str, Any]:
+                 progress: bool = True, *, fp8_core: str | None = None) -> dict[str, Any]:
     """Language-model weights by in-memory name: tensors in `dtype` (fp32 ones stay fp32), FP8
     dequantized, EXL3 linears as `exl3.EXL3Linear`. The inventory is checked before any data is read.
-    `device` is one device for every weight, or a function of the in-memory name (a placement)."""
+    `device` is one device for every weight, or a function of the in-memory name (a placement).
+
+    fp8_core "amax" | "pow2": every non-routed projection (`is_fp8_core`) becomes an `fp8.FP8Linear`,
+    half the bytes of BF16: stored FP8 as stored (the checkpoint's scales), anything else quantized
+    here with that scale rule (`fp8.quantize_fp8_block`)."""
+    if fp8_core is not None and fp8_core not in fp8.SCALE_RULES:
+        raise ValueError(f"fp8_core must be one of {fp8.SCALE_RULES} or None, got {fp8_core!r}")
     files = checkpoint_files(Path(path))
     inventory, where = read_inventory(files)
     plan = check_inventory(inventory, config)
@@ -417,6 +432,10 @@ def load_weights(path: str | Path, config: Any, dtype: torch.dtype = torch.bfloa
                 continue
             want = torch.float32 if plan.specs[name].fp32 else dtype
             w = get(s.keys["weight"]).to(device)
+            if fp8_core and is_fp8_core(name, plan.specs[name]):
+                weights[name] = (fp8.FP8Linear(w, get(s.keys["weight_scale_inv"]).to(device), name=name)
+                                 if s.format == "fp8" else fp8.FP8Linear.from_weight(w, fp8_core, name=name))
+                continue
             if s.format == "fp8":
                 w = fp8.dequantize_fp8_block(w, get(s.keys["weight_scale_inv"]).to(device), want)
             weights[name] = w.to(want)

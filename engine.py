@@ -968,11 +968,16 @@ def load(path_or_hf_id: str | Path | None = None, device: str | torch.device | N
          memory_fraction: float = 0.9, max_num_seqs: int = 16, max_batch_tokens: int = 2048, block_size: int = 64,
          max_model_len: int | None = None, snapshot_bytes: int = 4 << 30,
          snapshot_device: str | torch.device = "cpu", progress: bool = True, speculator: str = "none",
-         drafter_path: str | Path | None = None, draft_tokens: int | None = None, use_kernels: bool = True) -> Engine:
+         drafter_path: str | Path | None = None, draft_tokens: int | None = None, use_kernels: bool = True,
+         fp8_core: str | None = None) -> Engine:
     """A checkpoint folder or Hugging Face id (None: the built-in default model) -> a ready Engine.
 
     `speculator`: "none", "mtp" (the checkpoint's MTP layer) or "dflash2" (a DFlash2 drafter folder or
     Hugging Face id in `drafter_path`); `draft_tokens` fixes the draft length (default adaptive).
+
+    `fp8_core` "amax" | "pow2": the non-routed projections run as FP8 block-128 linears (stored FP8
+    kept as stored, BF16 quantized at load with that scale rule; checkpoint.load_weights). The
+    placement plan still counts them at their stored size. `use_kernels`: see Engine.
 
     One process may drive several devices: `devices` ("cuda:0,cuda:1" or a list; instead of
     `device`) places layers, and with `split_experts` also half the routed experts of every MoE layer,
@@ -1007,7 +1012,8 @@ def load(path_or_hf_id: str | Path | None = None, device: str | torch.device | N
     plan = placement.plan(config, checkpoint.weight_bytes(path, config, dtype), devs, split_experts=split_experts,
                           budgets=_budgets(devs, memory_per_device), cache=reserve)
     print(plan.describe(), flush=True)
-    model = GLMModel(config, checkpoint.load_weights(path, config, dtype, plan.device_of, progress), plan)
+    model = GLMModel(config, checkpoint.load_weights(path, config, dtype, plan.device_of, progress,
+                                                     fp8_core=fp8_core), plan)
     if not (path / "tokenizer.json").is_file():
         raise FileNotFoundError(f"{path / 'tokenizer.json'} is missing: the engine needs the checkpoint's tokenizer")
     tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))

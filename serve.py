@@ -378,7 +378,7 @@ class Server:
             dtype = getattr(torch, a.dtype) if a.dtype else None
             print(f"serve: loading {path} ({time.monotonic() - STARTED:.1f} s since start)", flush=True)
             self.engine = engine_mod.load(str(path), device=a.device, devices=a.devices, split_experts=a.split_experts,
-                                          dtype=dtype, use_kernels=not a.no_kernels, **opts)
+                                          dtype=dtype, use_kernels=not a.no_kernels, fp8_core=a.fp8_core, **opts)
             self.engine_mod = engine_mod
             self.added_ids = set(self.engine.tokenizer.get_added_tokens_decoder())
             gen = path / "generation_config.json"
@@ -903,6 +903,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="speculative decoding: a DFlash2 drafter (--drafter) or the checkpoint's MTP layer")
     ap.add_argument("--drafter", default=None, help="DFlash2 drafter folder or Hugging Face id (with --speculator dflash2)")
     ap.add_argument("--draft-tokens", type=int, default=None, help="fixed draft length (default: adaptive)")
+    ap.add_argument("--fp8-core", default=None, choices=["amax", "pow2"],
+                    help="run the non-routed projections in FP8 block-128 (BF16 ones quantized at load with this scale rule)")
     ap.add_argument("--no-kernels", action="store_true",
                     help="decode through model_glm's reference path (no fast decode step, no CUDA graphs)")
     ap.add_argument("--threads", type=int, default=None,

@@ -439,3 +439,47 @@ def test_make_tiny_checkpoint_exl3(tmp_path, tiny_config):
     expect = tiny.random_exl3_experts(tiny_config, seed=3, bits=2)
     assert all(torch.equal(w[n].trellis, lin.trellis) and w[n].bits == 2 for n, lin in expect.items())
     assert w["layers.0.mlp.gate_proj.weight"].dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("rule", fp8.SCALE_RULES)
+def test_fp8_core_at_load(tmp_path, tiny_config, tiny_ref, rule):
+    """load_weights(fp8_core=rule): every non-routed projection becomes an FP8Linear, BF16 ones
+    quantized by `rule`, stored FP8 ones kept byte for byte; the rest is loaded as before."""
+    specs = checkpoint.expected_tensors(tiny_config)
+    bf16 = tiny.make_tiny_checkpoint(tmp_path / "bf16")
+    w = checkpoint.load_weights(bf16, tiny_config, dtype=torch.bfloat16, progress=False, fp8_core=rule)
+    converted = {n for n, t in w.items() if isinstance(t, fp8.FP8Linear)}
+    assert converted == {n for n in specs if checkpoint.is_fp8_core(n, specs[n])}
+    assert {"lm_head.weight", "layers.0.self_attn.q_proj.weight", "layers.4.eh_proj.weight"} <= converted
+    for kept in ("layers.1.self_attn.kv_b_proj.weight", "layers.1.self_attn.indexer.weights_proj.weight",
+                 "layers.1.mlp.experts.0.up_proj.weight", "layers.1.mlp.gate.weight", "embed_tokens.weight"):
+        assert isinstance(w[kept], torch.Tensor), kept
+    name = "layers.0.self_attn.q_proj.weight"
+    q, s = fp8.quantize_fp8_block(tiny_ref[name].bfloat16(), rule)
+    assert torch.equal(w[name].weight.view(torch.uint8), q.view(torch.uint8)) and torch.equal(w[name].scale_inv, s)
+
+    # the model runs on them: KL(BF16 || FP8 core) of a random tiny model is ~0.06 nats for both rules
+    from cache import CachePool
+    from model_glm import GLMModel, SeqChunk
+    logits = []
+    for weights in (checkpoint.load_weights(bf16, tiny_config, dtype=torch.float32, progress=False),
+                    checkpoint.load_weights(bf16, tiny_config, dtype=torch.float32, progress=False, fp8_core=rule)):
+        cache = CachePool(tiny_config, 8, 1, block_size=16)
+        logits.append(GLMModel(tiny_config, weights).forward(
+            [SeqChunk(torch.arange(2, 50), 0, torch.arange(8), 0)], cache, all_logits=True).logits.double())
+    p, q = (torch.log_softmax(x, -1) for x in logits)
+    assert 1e-3 < float((p.exp() * (p - q)).sum(-1).mean()) < 0.15
+
+    stored = tiny.make_tiny_checkpoint(tmp_path / "fp8", core="fp8")
+    files = _file_tensors(stored)
+    w = checkpoint.load_weights(stored, tiny_config, dtype=torch.bfloat16, progress=False, fp8_core=rule)
+    key = "model.language_model.layers.3.self_attn.q_a_proj.weight"  # FP8 in the file: not requantized
+    lin = w["layers.3.self_attn.q_a_proj.weight"]
+    assert torch.equal(lin.weight.view(torch.uint8), files[key].view(torch.uint8))
+    assert torch.equal(lin.scale_inv, files[key + "_scale_inv"])
+
+
+def test_fp8_core_rejects_an_unknown_rule(tmp_path, tiny_config):
+    path = tiny.make_tiny_checkpoint(tmp_path / "ckpt")
+    with pytest.raises(ValueError, match=r"fp8_core must be one of \('amax', 'pow2'\) or None, got 'e5m2'"):
+        checkpoint.load_weights(path, tiny_config, progress=False, fp8_core="e5m2")
