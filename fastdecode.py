@@ -42,33 +42,38 @@ class Unsupported(ValueError):
 
 @dataclass
 class Fused:
-    """Linears that read the same input. `weight` is their concatenation along the outputs (None
-    when they cannot be concatenated: then `parts` run one by one)."""
-    weight: Weight | None
-    parts: list[Weight]
-    sizes: list[int]
+    """Linears that read the same input, in runs: each run is one weight (a concatenation along the
+    outputs, or a single linear) whose output splits into its parts' `sizes`."""
+    runs: list[tuple[Weight, list[int]]]
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
-        if self.weight is None:
-            return [linear(x, w) for w in self.parts]
-        return list(linear(x, self.weight).split(self.sizes, dim=-1))
+        return [y for w, sizes in self.runs for y in linear(x, w).split(sizes, dim=-1)]
 
 
 def _out_features(w: Weight) -> int:
     return w.shape[0] if isinstance(w, torch.Tensor) else w.out_features
 
 
-def fuse(model: GLMModel, names: list[str]) -> Fused:
-    """Concatenates dense tensors of one dtype, or FP8 block-128 linears whose row blocks line up
-    (every part but the last a multiple of 128 rows); anything else (EXL3 core weights) stays
-    separate. The model's entries are replaced by views of the concatenation."""
+def _joins(run: list[Weight], w: Weight) -> bool:
+    """w may be concatenated after the run: dense tensors of one dtype, or FP8 block-128 linears
+    whose row blocks line up (every part before w a multiple of 128 rows)."""
+    last = run[-1]
+    if isinstance(w, torch.Tensor) and isinstance(last, torch.Tensor):
+        return w.dtype == last.dtype
+    return (isinstance(w, fp8.FP8Linear) and isinstance(last, fp8.FP8Linear)
+            and all(p.out_features % fp8.BLOCK == 0 for p in run))
+
+
+def _concat(model: GLMModel, names: list[str]) -> Weight:
+    """One weight for the run `names`; the model's entries become views of it."""
     parts = [model.w(n) for n in names]
+    if len(parts) == 1:
+        return parts[0]
     sizes = [_out_features(w) for w in parts]
-    if all(isinstance(w, torch.Tensor) for w in parts) and len({w.dtype for w in parts}) == 1:
-        cat = torch.cat(parts)
-        views = list(cat.split(sizes))
-        fused: Weight = cat
-    elif all(isinstance(w, fp8.FP8Linear) for w in parts) and all(n % fp8.BLOCK == 0 for n in sizes[:-1]):
+    if isinstance(parts[0], torch.Tensor):
+        fused: Weight = torch.cat(parts)
+        views = list(fused.split(sizes))
+    else:
         weight = torch.cat([w.weight.view(torch.uint8) for w in parts]).view(torch.float8_e4m3fn)
         scale = torch.cat([w.scale_inv for w in parts])
         fused = fp8.FP8Linear(weight, scale, name="+".join(names))
@@ -77,11 +82,21 @@ def fuse(model: GLMModel, names: list[str]) -> Fused:
             views.append(fp8.FP8Linear(weight[row:row + n], scale[row // fp8.BLOCK:-(-(row + n) // fp8.BLOCK)],
                                        name=name))
             row += n
-    else:
-        return Fused(None, parts, sizes)
     for name, view in zip(names, views):
         model.weights[name] = view
-    return Fused(fused, parts=[], sizes=sizes)
+    return fused
+
+
+def fuse(model: GLMModel, names: list[str]) -> Fused:
+    """Consecutive linears that can be concatenated (`_joins`) run as one GEMV; anything else (EXL3
+    core weights, a dtype change) starts a new run. The model's entries are replaced by views."""
+    runs: list[list[str]] = []
+    for name in names:
+        if runs and _joins([model.w(n) for n in runs[-1]], model.w(name)):
+            runs[-1].append(name)
+        else:
+            runs.append([name])
+    return Fused([(_concat(model, run), [_out_features(model.w(n)) for n in run]) for run in runs])
 
 
 @dataclass

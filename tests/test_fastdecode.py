@@ -170,22 +170,26 @@ def test_step_with_exl3_experts_runs_the_moe_kernel():
     assert worst < 5e-3 and kl < 1e-6, (worst, kl)  # H200 (tensor-core MoE): 1.5e-3, 1.2e-7
 
 
-def test_fuse_concatenates_fp8_blocks_and_keeps_each_linear():
+def test_fuse_concatenates_what_lines_up_and_keeps_each_linear():
     g = torch.Generator().manual_seed(3)
-    ws = [fp8.FP8Linear.from_weight(torch.randn(n, 256, generator=g), name=f"w{i}") for i, n in enumerate((256, 128, 64))]
-    names = [f"w{i}" for i in range(3)]
+    ws = {"a": fp8.FP8Linear.from_weight(torch.randn(256, 256, generator=g)),
+          "b": fp8.FP8Linear.from_weight(torch.randn(64, 256, generator=g)),  # ends an FP8 run: 64 rows
+          "c": fp8.FP8Linear.from_weight(torch.randn(128, 256, generator=g)),
+          "d": torch.randn(32, 256, generator=g), "e": torch.randn(16, 256, generator=g),
+          "f": torch.randn(8, 256, generator=g).half()}  # another dtype: its own run
     fake = GLMModel.__new__(GLMModel)
-    fake.weights = dict(zip(names, ws))
+    fake.weights = dict(ws)
     x = torch.randn(3, 256, generator=g)
-    want = [w(x) for w in ws]
-    fused = fastdecode.fuse(fake, names)
-    assert fused.weight is not None and fused.weight.out_features == 448
-    for got, ref, name in zip(fused(x), want, names):
-        torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
-        torch.testing.assert_close(fake.weights[name](x), ref, rtol=0, atol=0)
-    odd = [fp8.FP8Linear.from_weight(torch.randn(n, 256, generator=g)) for n in (64, 128)]
-    fake.weights = {"a": odd[0], "b": odd[1]}
-    assert fastdecode.fuse(fake, ["a", "b"]).weight is None  # 64 rows first: the scale blocks would not line up
+    want = [w(x) if callable(w) else x @ w.float().T for w in ws.values()]
+    fused = fastdecode.fuse(fake, list(ws))
+    assert [sizes for _, sizes in fused.runs] == [[256, 64], [128], [32, 16], [8]]
+    assert isinstance(fused.runs[0][0], fp8.FP8Linear) and fused.runs[0][0].out_features == 320
+    for got, ref, name in zip(fused(x), want, ws):
+        tol = 2e-3 if name == "f" else 1e-5  # f runs in fp16
+        torch.testing.assert_close(got.float(), ref.float(), rtol=tol, atol=tol, msg=name)
+    for name in "abc":  # the model's entries are views with the same values
+        torch.testing.assert_close(fake.weights[name](x), ws[name](x), rtol=0, atol=0)
+    assert torch.equal(fake.weights["d"], ws["d"]) and fake.weights["d"]._base is fused.runs[2][0]
 
 
 def test_unsupported_experts_are_named():
