@@ -223,16 +223,20 @@ def _layer_types(t: dict, n_layers: int) -> tuple[str, ...]:
         if from_ids is None:
             raise ValueError("config: missing field 'layer_types'")
         return from_ids
-    if len(listed) != n_layers:
-        raise ValueError(f"config: layer_types has {len(listed)} entries, "
-                         f"num_hidden_layers is {n_layers}")
-    for i, label in enumerate(listed):
-        if label not in _ATTN_LABELS:
-            raise ValueError(f"config: layer_types[{i}]={label!r} is not one of {sorted(_ATTN_LABELS)}")
+    _check_per_layer(listed, "layer_types", n_layers, _ATTN_LABELS)
     types = tuple(_ATTN_LABELS[label] for label in listed)
     if from_ids is not None and from_ids != types:
         raise ValueError("config: layer_types contradicts linear_attn_config.kda_layers/full_attn_layers")
     return types
+
+
+def _check_per_layer(listed: list, key: str, n_layers: int, allowed) -> None:
+    """A per-layer list in the config: one entry per layer, each one of `allowed`."""
+    if len(listed) != n_layers:
+        raise ValueError(f"config: {key} has {len(listed)} entries, num_hidden_layers is {n_layers}")
+    for i, label in enumerate(listed):
+        if label not in allowed:
+            raise ValueError(f"config: {key}[{i}]={label!r} is not one of {sorted(allowed)}")
 
 
 def _mlp_layer_types(t: dict, n_layers: int) -> tuple[str, ...]:
@@ -242,12 +246,7 @@ def _mlp_layer_types(t: dict, n_layers: int) -> tuple[str, ...]:
         if from_k is None:
             raise ValueError("config: missing field 'mlp_layer_types' (or 'first_k_dense_replace')")
         return from_k
-    if len(listed) != n_layers:
-        raise ValueError(f"config: mlp_layer_types has {len(listed)} entries, "
-                         f"num_hidden_layers is {n_layers}")
-    for i, label in enumerate(listed):
-        if label not in ("dense", "sparse"):
-            raise ValueError(f"config: mlp_layer_types[{i}]={label!r} is not 'dense' or 'sparse'")
+    _check_per_layer(listed, "mlp_layer_types", n_layers, ("dense", "sparse"))
     if from_k is not None and from_k != tuple(listed):
         raise ValueError(f"config: mlp_layer_types contradicts first_k_dense_replace={k}")
     return tuple(listed)
