@@ -111,6 +111,12 @@ def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
     return ((y.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
+def kl_nats(ref: torch.Tensor, got: torch.Tensor) -> torch.Tensor:
+    """KL(softmax(ref) || softmax(got)) per row of logits, in nats (float64)."""
+    p, q = torch.log_softmax(ref.double(), -1), torch.log_softmax(got.double(), -1)
+    return (p.exp() * (p - q)).sum(-1)
+
+
 # ================================================================ the synthetic model
 
 def fixture_config() -> dict:
@@ -392,10 +398,8 @@ def fast_vs_reference(model: GLMModel, fast: FastDecoder, cache: CachePool, tabl
         embed[int(tok)] = row
         restore()
         ref = model.forward(batch, cache).logits
-        p = torch.log_softmax(ref.double(), -1)
         for key, logits in got.items():
-            q = torch.log_softmax(logits.double(), -1)
-            kls[key].append(float((p.exp() * (p - q)).sum(-1)))
+            kls[key].append(float(kl_nats(ref, logits)))
             agree[key] += int(ref.argmax() == logits.argmax())
         tok = ref.argmax(-1).cpu()
     return {k: (sum(v) / len(v), max(v), agree[k]) for k, v in kls.items()}
@@ -1128,15 +1132,15 @@ def run_fp8_core(args) -> None:
         e = engine.load(device=args.device, dtype=dtype, progress=False, max_cache_tokens=8192, fp8_core=rule)
         ids = e.tokenizer.encode(text).ids[:args.context]
         logits = e.score(ids)
+        specs = checkpoint.expected_tensors(e.config)
         core = sum(w.weight.numel() + 4 * w.scale_inv.numel() if isinstance(w, fp8.FP8Linear) else
                    w.numel() * w.element_size() for name, w in e.model.weights.items()
-                   if checkpoint.is_fp8_core(name, checkpoint.expected_tensors(e.config)[name]))
+                   if checkpoint.is_fp8_core(name, specs[name]))
         line = f"core {rule or 'bf16'}: {core / 2**20:.2f} MiB of core projections"
         if base is None:
             base = (logits, core)
         else:
-            p, q = torch.log_softmax(base[0].double(), -1), torch.log_softmax(logits.double(), -1)
-            kl = (p.exp() * (p - q)).sum(-1)
+            kl = kl_nats(base[0], logits)
             top1 = (base[0].argmax(-1) == logits.argmax(-1)).float().mean()
             line += (f" ({core / base[1]:.2f} of BF16); KL(BF16 || FP8 {rule}) over {len(ids)} positions: mean "
                      f"{kl.mean():.2e} nats (max {kl.max():.2e}), top-1 agreement {100 * top1:.1f}%")

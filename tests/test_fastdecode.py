@@ -9,6 +9,7 @@ import warnings
 import pytest
 import torch
 
+import bench
 import checkpoint
 import fastdecode
 import kernels
@@ -19,14 +20,14 @@ from model_glm import (GLMConfig, GLMModel, SeqChunk, hc_post, hc_pre, kda_gate,
                        short_conv)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+CACHE_TENSORS = ("latent", "index_k", "gate", "pooled", "kda_state", "conv_state")
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 # The interpreter evaluates sigmoid as 1 / (1 + exp(-x)): exp overflows to inf for large |x|, harmlessly.
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
 
 
 def _kl(ref: torch.Tensor, got: torch.Tensor) -> float:
-    p, q = torch.log_softmax(ref.double(), -1), torch.log_softmax(got.double(), -1)
-    return float((p.exp() * (p - q)).sum(-1).max())
+    return float(bench.kl_nats(ref, got).max())
 
 
 # ---------------------------------------------------------------------------------------------- kernels
@@ -143,7 +144,7 @@ def test_step_matches_forward(dtype):
     lens = [37, 14]
     caches, tables, tok = _prefilled(model, lens)
     check = [SeqChunk(tok[i:i + 1], lens[i], tables[i], i) for i in range(2)]
-    snapshot = {n: getattr(caches[0], n).clone() for n in ("latent", "kda_state", "conv_state", "pooled")}
+    snapshot = {n: getattr(caches[0], n).clone() for n in CACHE_TENSORS}
     before = model.forward(check, caches[0]).logits
     for n, t in snapshot.items():
         getattr(caches[0], n).copy_(t)
@@ -156,7 +157,7 @@ def test_step_matches_forward(dtype):
     tight = dtype == torch.float32
     assert worst < (1e-4 if tight else 0.1), worst
     assert kl < (1e-8 if tight else 1e-4), kl  # bf16: 4.5e-6 on CPU, 4.8e-5 on the H200 (cuBLAS)
-    for n in ("latent", "index_k", "gate", "pooled", "kda_state", "conv_state"):
+    for n in CACHE_TENSORS:
         torch.testing.assert_close(getattr(caches[1], n).float(), getattr(caches[0], n).float(),
                                    rtol=1e-4 if tight else 2e-2, atol=1e-5 if tight else 2e-2, msg=n)
 
@@ -227,7 +228,7 @@ def test_cuda_graph_replay_equals_eager():
     caches, tables, tok = _prefilled(model, [37, 14])
     fast = fastdecode.FastDecoder(model, caches[1], max_context=128)
     # Capture first (it writes scratch into slots 0..1 and block 0), then restore the prefilled state.
-    saved = {n: getattr(caches[1], n).clone() for n in ("latent", "index_k", "gate", "pooled", "kda_state", "conv_state")}
+    saved = {n: getattr(caches[1], n).clone() for n in CACHE_TENSORS}
     fast.capture([1, 2], contexts=[64, 128])
     for n, t in saved.items():
         getattr(caches[1], n).copy_(t)
