@@ -597,10 +597,11 @@ class Engine:
         while c < self.max_model_len:
             contexts.append(c)
             c *= 4
+        contexts.append(self.max_model_len)
         start = time.perf_counter()
-        fast.capture(list(range(1, max_num_seqs + 1)), contexts + [self.max_model_len])
+        fast.capture(list(range(1, max_num_seqs + 1)), contexts)
         print(f"engine: {len(fast.graphs)} decode CUDA graphs (batch 1..{max_num_seqs}, contexts "
-              f"{contexts + [self.max_model_len]}) captured in {time.perf_counter() - start:.1f} s")
+              f"{contexts}) captured in {time.perf_counter() - start:.1f} s")
         return fast
 
     # --- one iteration ----------------------------------------------------------------------
@@ -614,8 +615,8 @@ class Engine:
         self._draft(batch)
         # Single decode tokens go to the fast decode step (inputs on the host), prefill chunks to the
         # reference forward; the two touch different slots and blocks.
-        fast = [i for i, (seq, n) in enumerate(batch)
-                if self.fast is not None and self.speculator is None and n == 1 and seq.num_computed > 0]
+        fast = [i for i, (seq, n) in enumerate(batch)  # (no fast step is built with a speculator)
+                if self.fast is not None and n == 1 and seq.num_computed > 0]
         chunks = [self._seq_chunk(seq, n, "cpu" if i in fast else self.device) for i, (seq, n) in enumerate(batch)]
         if self.speculator is not None:
             return outputs + self._speculative_step(batch, chunks)
