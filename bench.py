@@ -562,25 +562,30 @@ def run_model(args) -> list[Row]:
         # eager: the kernels of a graph replay are the same, but the profiler sees them one by one
         eager = (lambda b: model.forward(b, cache)) if fast is None else \
             (lambda b: fast.run(*fast._inputs(b, ctx0 // BLOCK_SIZE + 1)))
-        profile_step(eager, tables[0], ctx0, device)
+        profile_step(eager, SeqChunk(torch.ones(1, dtype=torch.long), ctx0, tables[0], 0), device,
+                     "one decode step, B=1")
+        T = prompts[-1]
+        tokens = torch.randint(0, cfg.vocab_size, (T,), generator=torch.Generator().manual_seed(T))
+        profile_step(lambda b: model.forward(b, cache), SeqChunk(tokens, 0, tables[0], 0), device,
+                     f"one prefill of {T} tokens")
     return rows
 
 
-def profile_step(step, table: torch.Tensor, ctx: int, device: torch.device) -> None:
-    """Where one eager batch-1 decode step (`step(batch)`) spends its time: torch.profiler's top
-    operators by self time on the device and on the host, and the number of device events."""
+def profile_step(step, chunk: SeqChunk, device: torch.device, what: str) -> None:
+    """Where one eager forward (`step([chunk])`) spends its time: torch.profiler's top operators by
+    self time on the device and on the host, and the number of device events."""
     from torch.profiler import ProfilerActivity, profile
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     try:
         with profile(activities=activities) as prof:
-            step([SeqChunk(torch.ones(1, dtype=torch.long), ctx, table, 0)])
+            step([chunk])
             sync(device)
     except Exception as error:  # the profiler depends on CUPTI being usable
         say(f"profile: failed: {type(error).__name__}: {error}")
         return
     events = prof.key_averages()
     on_device = sum(e.count for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
-    say(f"\nprofile of one decode step, B=1: {on_device} device events (kernels, copies)")
+    say(f"\nprofile of {what}: {on_device} device events (kernels, copies)")
     for key in (["self_device_time_total"] if device.type == "cuda" else []) + ["self_cpu_time_total"]:
         say(events.table(sort_by=key, row_limit=25, max_name_column_width=60))
 
@@ -1072,7 +1077,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     m.add_argument("--reference", action="store_true",
                    help="every step through model_glm's reference path (no fast decode step, no CUDA graphs)")
     m.add_argument("--kl-steps", type=int, default=4, help="decode steps compared between fast and reference")
-    m.add_argument("--profile", action="store_true", help="profile one eager decode step (fast, or --reference)")
+    m.add_argument("--profile", action="store_true", help="profile one eager decode step (fast, or --reference) and one prefill")
     k = sub.add_parser("kernels", help="per-kernel timings vs floors")
     k.add_argument("--peer", action="store_true", help="also exllamav3 (needs it importable; ~5 min JIT)")
     e = sub.add_parser("exl3", help="EXL3 GEMV launch sweep / exllamav3 comparison")

@@ -1004,20 +1004,36 @@ def _check_pow2(name: str, n: int) -> None:
         raise ValueError(f"{name} = {n}: the Triton kernels need a power of two >= 16")
 
 
+@triton.jit
+def _cast(x, DT: tl.constexpr):
+    # fp32 -> DT rounding to nearest even. bf16 by hand: the CPU interpreter truncates (numpy has no
+    # bf16) where the GPU's conversion rounds; the bit form gives the GPU's result on both.
+    if DT == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return x.to(DT)
+
+
 # ================================================================ FP8 block-128 GEMV
 # W [n, k] float8_e4m3fn, scale_inv [ceil(n/128), ceil(k/128)] fp32, W_real = W * scale_inv[i//128,
 # j//128]. y = x · W_real^T. Every e4m3 value and every bf16 / fp16 activation is exact in tf32, so
 # the tf32 tensor-core product is exact and sums in fp32: the only rounding beyond the twin's is the
 # order of the fp32 sums. One program: BN output features of one 128-row scale block, a range of
-# 128-wide k blocks; 16 activation rows (padded) per launch, the smallest tl.dot.
+# 128-wide k blocks; 16 activation rows (padded) per launch, the smallest tl.dot. With k split over
+# programs, each stores its fp32 partial sums in its own slab; the last program of a column block to
+# arrive adds the slabs in split order (deterministic), rounds once to the output dtype and resets
+# the block's arrival counter (one launch, no host sync).
 
 FP8_BLOCK = 128
 FP8_GEMV_ROWS = 16
+_FP8_ARRIVALS: dict[tuple[torch.device, int], torch.Tensor] = {}
 
 
 @triton.jit
-def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, m, n, k, k_blocks, blocks_per_split, out_split_stride,
-                     BN: tl.constexpr, MP: tl.constexpr, STAGES: tl.constexpr):
+def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, arrivals_ptr, m, n, k, k_blocks, blocks_per_split,
+                     split, BN: tl.constexpr, MP: tl.constexpr, STAGES: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = tl.arange(0, MP)
@@ -1035,8 +1051,32 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, m, n, k, k_blocks, blocks_per
                     mask=(cols[:, None] < n) & (ks[None, :] < k), other=0.0).to(tl.float32)
         s = tl.load(s_ptr + scale_row * k_blocks + b)
         acc += tl.dot(x, tl.trans(w), input_precision="tf32") * s
-    out = out_ptr + pid_k * out_split_stride + rows[:, None] * n + cols[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(rows[:, None] < m) & (cols[None, :] < n))
+    inside = (rows[:, None] < m) & (cols[None, :] < n)
+    out = out_ptr + rows[:, None] * n + cols[None, :]
+    if split == 1:
+        tl.store(out, _cast(acc, out_ptr.dtype.element_ty), mask=inside)
+    else:
+        slab = part_ptr + rows[:, None] * n + cols[None, :]
+        tl.store(slab + pid_k * m * n, acc, mask=inside)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(arrivals_ptr + pid_n, 1, sem="acq_rel")
+        if arrived == split - 1:
+            total = tl.zeros([MP, BN], tl.float32)
+            for p in range(0, split):
+                # .cg: read at L2, where the other programs' stores are, never a stale L1 line.
+                total += tl.load(slab + p * m * n, mask=inside, other=0.0, cache_modifier=".cg")
+            tl.store(out, _cast(total, out_ptr.dtype.element_ty), mask=inside)
+            tl.store(arrivals_ptr + pid_n, 0)
+
+
+def _fp8_arrivals(device: torch.device, n_tiles: int) -> torch.Tensor:
+    # Per-column-block arrival counters. The kernel leaves them zeroed, so they are allocated once per
+    # (device, n_tiles) and never freed: CUDA graphs captured with them keep valid addresses. Users
+    # must share one stream.
+    key = (device, n_tiles)
+    if key not in _FP8_ARRIVALS:
+        _FP8_ARRIVALS[key] = torch.zeros(n_tiles, dtype=torch.int32, device=device)
+    return _FP8_ARRIVALS[key]
 
 
 def _fp8_default_split(device: torch.device, n_tiles: int, k_blocks: int) -> int:
@@ -1076,38 +1116,31 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, out
     if not 1 <= split <= k_blocks:
         raise ValueError(f"split_k {split} must lie in 1..{k_blocks} (the k blocks of 128)")
     per_split = triton.cdiv(k_blocks, split)
+    arrivals = _fp8_arrivals(x.device, n_tiles)
     for row in range(0, m, FP8_GEMV_ROWS):
         rows = min(FP8_GEMV_ROWS, m - row)
         target = out[row:row + rows]
-        if split > 1:  # fp32 partial sums, one slab per split, added by torch
-            target = torch.empty((split, rows, n), dtype=torch.float32, device=x.device)
+        # One fp32 slab of partial sums per split; a single split writes the output directly.
+        part = torch.empty((split, rows, n), dtype=torch.float32, device=x.device) if split > 1 else target
         _fp8_gemv_kernel[(n_tiles, split)](
-            x[row:row + rows], weight, scale_inv, target, rows, n, k, k_blocks, per_split, rows * n,
-            BN=block_n, MP=FP8_GEMV_ROWS, STAGES=num_stages, num_warps=num_warps)
-        if split > 1:
-            out[row:row + rows].copy_(target.sum(0))
+            x[row:row + rows], weight, scale_inv, target, part, arrivals, rows, n, k, k_blocks,
+            per_split, split, BN=block_n, MP=FP8_GEMV_ROWS, STAGES=num_stages, num_warps=num_warps)
     return out
-
-@triton.jit
-def _cast(x, DT: tl.constexpr):
-    # fp32 -> DT rounding to nearest even. bf16 by hand: the CPU interpreter truncates (numpy has no
-    # bf16) where the GPU's conversion rounds; the bit form gives the GPU's result on both.
-    if DT == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = bits + 0x7FFF + ((bits >> 16) & 1)
-        return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    else:
-        return x.to(DT)
 
 
 # ================================================================ decode-step kernels: mHC (§4.2)
 # hc_pre for B rows of streams X [B, hc, D]: m = (X_flat · fnᵀ) · r with r = rsqrt(mean(X_flat²) + eps),
 # then pre / post / the Sinkhorn matrix C from m, u = Σ_i pre_i X_i rounded to X's dtype, and the
-# sub-layer's RMSNorm of u. Two launches: `_hc_mix_kernel` splits the 16384-long dot products over
-# programs (partial sums in a buffer, added in a fixed order: deterministic); `_hc_pre_kernel` does
-# the rest, one program per row. `_hc_post_kernel`: X'_j = post_j y + Σ_i C[i, j] X_i.
+# sub-layer's RMSNorm of u. Three launches, each parallel over blocks of D: `_hc_mix_kernel` splits
+# the 16384-long dot products over programs; in `_hc_pre_kernel` every program adds those partial
+# sums and computes pre itself (cheaper than another launch; the first program of a row also
+# computes post and C), then its block of u and the block's Σ u²; `_hc_norm_kernel` adds the Σ u²
+# partial sums and applies the RMSNorm to its block. Partial sums are added in a fixed order:
+# deterministic.
+# `_hc_post_kernel`: X'_j = post_j y + Σ_i C[i, j] X_i.
 
 HC_MIX_BLOCK = 256
+HC_BLOCK = 512
 
 
 @triton.jit
@@ -1124,10 +1157,11 @@ def _hc_mix_kernel(x_ptr, fn_ptr, part_ptr, sq_ptr, n_in, n_out, S, NP: tl.const
 
 
 @triton.jit
-def _hc_pre_kernel(x_ptr, part_ptr, sq_ptr, base_ptr, scale_ptr, norm_ptr, u_ptr, out_ptr, post_ptr, c_ptr,
-                   D, S, rms_eps, hc_eps, iters,
+def _hc_pre_kernel(x_ptr, part_ptr, sq_ptr, base_ptr, scale_ptr, u_ptr, usq_ptr, post_ptr, c_ptr,
+                   D, S, NB, rms_eps, hc_eps, iters,
                    HC: tl.constexpr, NP: tl.constexpr, SP: tl.constexpr, BD: tl.constexpr):
     b = tl.program_id(0)
+    blk = tl.program_id(1)
     s = tl.arange(0, SP)
     on = s < S
     row = (b * S + s) * NP
@@ -1135,39 +1169,44 @@ def _hc_pre_kernel(x_ptr, part_ptr, sq_ptr, base_ptr, scale_ptr, norm_ptr, u_ptr
     i = tl.arange(0, HC)
     ij = i[:, None] * HC + i[None, :]
     m_pre = tl.sum(tl.load(part_ptr + row[:, None] + i[None, :], mask=on[:, None], other=0.0), axis=0) * r
-    m_post = tl.sum(tl.load(part_ptr + row[:, None] + HC + i[None, :], mask=on[:, None], other=0.0), axis=0) * r
-    m_c = tl.sum(tl.load(part_ptr + row[:, None, None] + 2 * HC + ij[None, :, :], mask=on[:, None, None],
-                         other=0.0), axis=0) * r
     pre = tl.sigmoid(tl.load(scale_ptr) * m_pre + tl.load(base_ptr + i)) + hc_eps
-    post = 2 * tl.sigmoid(tl.load(scale_ptr + 1) * m_post + tl.load(base_ptr + HC + i))
-    cl = tl.load(scale_ptr + 2) * m_c + tl.load(base_ptr + 2 * HC + ij)
-    # Sinkhorn (model_glm.sinkhorn): softmax over j, then columns, then rows and columns alternately.
-    e = tl.exp(cl - tl.max(cl, axis=1)[:, None])
-    C = e / tl.sum(e, axis=1)[:, None] + hc_eps
-    C = C / (tl.sum(C, axis=0)[None, :] + hc_eps)
-    for _ in range(iters - 1):
-        C = C / (tl.sum(C, axis=1)[:, None] + hc_eps)
+    if blk == 0:
+        m_post = tl.sum(tl.load(part_ptr + row[:, None] + HC + i[None, :], mask=on[:, None], other=0.0), axis=0) * r
+        m_c = tl.sum(tl.load(part_ptr + row[:, None, None] + 2 * HC + ij[None, :, :], mask=on[:, None, None],
+                             other=0.0), axis=0) * r
+        post = 2 * tl.sigmoid(tl.load(scale_ptr + 1) * m_post + tl.load(base_ptr + HC + i))
+        cl = tl.load(scale_ptr + 2) * m_c + tl.load(base_ptr + 2 * HC + ij)
+        # Sinkhorn (model_glm.sinkhorn): softmax over j, then columns, then rows and columns alternately.
+        e = tl.exp(cl - tl.max(cl, axis=1)[:, None])
+        C = e / tl.sum(e, axis=1)[:, None] + hc_eps
         C = C / (tl.sum(C, axis=0)[None, :] + hc_eps)
-    tl.store(post_ptr + b * HC + i, post)
-    tl.store(c_ptr + b * HC * HC + ij, C)
-    # u in X's dtype, then RMSNorm(u) · weight (model_glm.rms_norm's roundings).
-    acc = tl.zeros([BD], tl.float32)
-    for d0 in range(0, D, BD):
-        d = d0 + tl.arange(0, BD)
-        inside = d < D
-        X = tl.load(x_ptr + b * HC * D + i[:, None] * D + d[None, :], mask=inside[None, :], other=0.0)
-        u = _cast(tl.sum(pre[:, None] * X.to(tl.float32), axis=0), u_ptr.dtype.element_ty)
-        tl.store(u_ptr + b * D + d, u, mask=inside)
-        acc += u.to(tl.float32) * u.to(tl.float32)
-    rs = 1.0 / tl.sqrt(tl.sum(acc, axis=0) / D + rms_eps)
-    tl.debug_barrier()
-    for d0 in range(0, D, BD):
-        d = d0 + tl.arange(0, BD)
-        inside = d < D
-        u = tl.load(u_ptr + b * D + d, mask=inside, other=0.0).to(tl.float32)
-        y = _cast(u * rs, u_ptr.dtype.element_ty).to(tl.float32)
-        w = tl.load(norm_ptr + d, mask=inside, other=0.0).to(tl.float32)
-        tl.store(out_ptr + b * D + d, _cast(w * y, out_ptr.dtype.element_ty), mask=inside)
+        for _ in range(iters - 1):
+            C = C / (tl.sum(C, axis=1)[:, None] + hc_eps)
+            C = C / (tl.sum(C, axis=0)[None, :] + hc_eps)
+        tl.store(post_ptr + b * HC + i, post)
+        tl.store(c_ptr + b * HC * HC + ij, C)
+    # u in X's dtype (model_glm.hc_pre's rounding); Σ u² of the rounded values for the RMSNorm.
+    d = blk * BD + tl.arange(0, BD)
+    inside = d < D
+    X = tl.load(x_ptr + b * HC * D + i[:, None] * D + d[None, :], mask=inside[None, :], other=0.0)
+    u = _cast(tl.sum(pre[:, None] * X.to(tl.float32), axis=0), u_ptr.dtype.element_ty)
+    tl.store(u_ptr + b * D + d, u, mask=inside)
+    tl.store(usq_ptr + b * NB + blk, tl.sum(u.to(tl.float32) * u.to(tl.float32), axis=0))
+
+
+@triton.jit
+def _hc_norm_kernel(u_ptr, usq_ptr, norm_ptr, out_ptr, D, NB, rms_eps, NBP: tl.constexpr, BD: tl.constexpr):
+    # RMSNorm(u) · weight with model_glm.rms_norm's roundings.
+    b = tl.program_id(0)
+    blocks = tl.arange(0, NBP)
+    usq = tl.load(usq_ptr + b * NB + blocks, mask=blocks < NB, other=0.0)
+    rs = 1.0 / tl.sqrt(tl.sum(usq, axis=0) / D + rms_eps)
+    d = tl.program_id(1) * BD + tl.arange(0, BD)
+    inside = d < D
+    u = tl.load(u_ptr + b * D + d, mask=inside, other=0.0).to(tl.float32)
+    y = _cast(u * rs, u_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(norm_ptr + d, mask=inside, other=0.0).to(tl.float32)
+    tl.store(out_ptr + b * D + d, _cast(w * y, out_ptr.dtype.element_ty), mask=inside)
 
 
 @triton.jit
@@ -1200,13 +1239,16 @@ def hc_pre(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.T
     part = torch.empty(B, S, NP, dtype=torch.float32, device=X.device)
     sq = torch.empty(B, S, dtype=torch.float32, device=X.device)
     _hc_mix_kernel[(B, S)](X, fn, part, sq, n_in, n_out, S, NP=NP, BK=HC_MIX_BLOCK)
+    BD = min(HC_BLOCK, triton.next_power_of_2(D))
+    NB = triton.cdiv(D, BD)
     u = torch.empty(B, D, dtype=X.dtype, device=X.device)
+    usq = torch.empty(B, NB, dtype=torch.float32, device=X.device)
     x = torch.empty(B, D, dtype=torch.promote_types(norm.dtype, X.dtype), device=X.device)
     post = torch.empty(B, hc, dtype=torch.float32, device=X.device)
     C = torch.empty(B, hc, hc, dtype=torch.float32, device=X.device)
-    _hc_pre_kernel[(B,)](X, part, sq, base.float().contiguous(), scale.float().contiguous(), norm, u, x, post, C,
-                         D, S, rms_eps, hc_eps, iters, HC=hc, NP=NP, SP=triton.next_power_of_2(S),
-                         BD=min(1024, triton.next_power_of_2(D)))
+    _hc_pre_kernel[(B, NB)](X, part, sq, base.float().contiguous(), scale.float().contiguous(), u, usq, post, C,
+                            D, S, NB, rms_eps, hc_eps, iters, HC=hc, NP=NP, SP=triton.next_power_of_2(S), BD=BD)
+    _hc_norm_kernel[(B, NB)](u, usq, norm, x, D, NB, rms_eps, NBP=triton.next_power_of_2(NB), BD=BD)
     return x, post, C
 
 

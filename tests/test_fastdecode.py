@@ -268,12 +268,14 @@ def test_engine_sends_decode_tokens_to_the_fast_step():
 
 @needs_gpu
 def test_engine_on_cuda_captures_graphs_and_matches_the_reference_path():
+    """fp32, where the two paths agree to ~1e-8 in KL: in bf16 a near-tie among the top logits may
+    go either way (bench.py agreement measures the bf16 KL instead)."""
     import engine as E
     params = E.SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     prompts = ["def fibonacci(n):", "import os\n", "class Stack:"]
-    fast = E.load(max_cache_tokens=4096, max_num_seqs=4)
+    fast = E.load(dtype=torch.float32, max_cache_tokens=4096, max_num_seqs=4)
     assert fast.fast is not None and sorted(fast.fast.graphs) == [(B, 64) for B in range(1, 5)]
-    reference = E.load(max_cache_tokens=4096, max_num_seqs=4, use_kernels=False)
+    reference = E.load(dtype=torch.float32, max_cache_tokens=4096, max_num_seqs=4, use_kernels=False)
     assert reference.fast is None
     assert [r.token_ids for r in fast.generate(prompts, params)] == \
         [r.token_ids for r in reference.generate(prompts, params)]
