@@ -16,6 +16,8 @@ partial sums meet in a zeroed fp32 buffer and the last program to arrive at a 12
 applies H128 and svh (stream-K style fixup, one launch).
 exl3_moe_decode runs the same loop for all selected experts of a MoE layer at once (expert ids
 read on the device), with SwiGLU and the routed sum in the block fixups.
+exl3_moe_prefill is the MoE layer for many rows: pairs sorted by expert, grouped GEMMs that decode
+each trellis tile in registers once per tile of up to 128 rows of that expert.
 
 KDA recurrence (spec glm53.md §4.3.6-7). Twins in model_glm.py: `kda_recurrent_step` and
 `kda_chunk_prefill` compute what `model_glm.kda_recurrent` computes token by token.
@@ -600,6 +602,307 @@ def exl3_moe_decode(x: torch.Tensor, ids: torch.Tensor, route: torch.Tensor,
     _moe_gemv_kernel[(D // block_n, split, P)](
         act_h, words[2], words[2], ids, partial, counters, I, D, steps // split, split * 128 // block_n,
         (I // 16) * (D // 16) * NW, P, down[2], down[2], down[1], route, y, top_k, limit, DOWN=True, **launch)
+    return y
+
+
+# ---------------------------------------------------------------- EXL3 MoE prefill: many rows per expert
+# For P = m * top_k (row, expert) pairs of one MoE layer, sorted by expert (argsort on the device; no
+# host synchronization), in four launches whatever P:
+#   1. rotate every sorted pair's row for gate and for up ((x ⊙ suh_e) · H128, fp32) and store it
+#      in fp16 times a per-row power of two that puts the row's largest value in [2^13, 2^14): exact,
+#      and it keeps small activations out of fp16's subnormals (spec §4 allows any fp16 suh);
+#   2. gate and up as one grouped GEMM: a program owns a tile of BM sorted pairs of one expert and
+#      one 128-column block, runs over all of k for gate and then for up, decoding each 16x16 trellis
+#      tile in registers straight into tl.dot's A operand (Ŵ^T, as exl3_gemv does; the activations
+#      are B, [32, BM] fp16), so a weight is decoded once per BM rows, the ALU only decodes and the
+#      tensor cores multiply; its epilogue owns a whole 128-column block of both projections: H128,
+#      svh, the clamped SwiGLU (glm53.md §4.5), ⊙ suh_down and H128 again: fp32 down inputs;
+#   3. the down inputs to fp16 with per-row powers of two, as in 1.;
+#   4. down as the same grouped GEMM; its epilogue applies H128, svh, the routing weight and the
+#      row scale and adds the block into the token's fp32 output row (atomic adds);
+# plus the small torch ops that sort and build the tile table [tiles, 3] = (expert, first sorted
+# pair, rows). The grid covers cdiv(P, BM) + E tiles, an upper bound; programs past the real tiles
+# do nothing. BM follows the mean rows per expert (16..128): at 8K tokens (228 pairs per expert)
+# most experts take two tiles, so each weight is decoded about twice per layer instead of once per
+# row as in the per-expert path, and no decoded weight is written to memory.
+# Transient memory: at most 4 P (D + I) bytes (1.6 GB at 8K tokens of the full model).
+# Twin: the per-expert fp32 sum Σ_j w_j · down_e(swiglu(gate_e(x), up_e(x))) with exl3.EXL3Linear
+# (tests/test_kernels.py); activations enter the tensor cores as fp16 (11 significant bits), which
+# sets the precision (~5e-4 relative), as in EXL3Linear's GEMM path.
+
+PREFILL_ROWS = 16  # sorted pairs per program of the rotation and scaling kernels
+
+
+@triton.jit
+def _fp16_scale(peak):
+    # Powers of two s = 2^(13 - e) and 1 / s for a row whose largest |value| is peak in [2^e, 2^(e+1)),
+    # built from the exponent bits (exact; no exp2). Zero rows get a finite scale.
+    expo = (tl.maximum(peak, 7.888609052210118e-31).to(tl.int32, bitcast=True) >> 23) & 0xFF
+    scale = ((267 - expo) << 23).to(tl.float32, bitcast=True)
+    inv = ((expo - 13) << 23).to(tl.float32, bitcast=True)
+    return scale, inv
+
+
+@triton.jit
+def _prefill_rotate(x_ptr, suh_ptr, tok, e, ok, D, out_ptr, inv_ptr, s, RB: tl.constexpr):
+    # out[s] = fp16((x[tok] ⊙ suh[e]) · H128 · scale), inv[s] = 1 / scale, for RB sorted pairs.
+    i = tl.arange(0, 128)[None, :]
+    peak = tl.zeros([RB], tl.float32)
+    for b in range(0, D // 128):
+        x = tl.load(x_ptr + tok[:, None] * D + b * 128 + i, mask=ok[:, None], other=0.0).to(tl.float32)
+        suh = tl.load(suh_ptr + e[:, None] * D + b * 128 + i, mask=ok[:, None], other=0.0).to(tl.float32)
+        xh = _times_hadamard(x * suh, RB)
+        peak = tl.maximum(peak, tl.max(tl.abs(xh), axis=1) * 0.08838834764831845)
+    scale, inv = _fp16_scale(peak)
+    tl.store(inv_ptr + s, inv, mask=ok)
+    scale = scale * 0.08838834764831845  # 1/sqrt(128) of the normalized H128, times the row's scale
+    for b in range(0, D // 128):
+        x = tl.load(x_ptr + tok[:, None] * D + b * 128 + i, mask=ok[:, None], other=0.0).to(tl.float32)
+        suh = tl.load(suh_ptr + e[:, None] * D + b * 128 + i, mask=ok[:, None], other=0.0).to(tl.float32)
+        xh = _times_hadamard(x * suh, RB) * scale[:, None]
+        tl.store(out_ptr + s[:, None] * D + b * 128 + i, xh.to(tl.float16), mask=ok[:, None])
+
+
+@triton.jit
+def _prefill_rotate_kernel(x_ptr, order_ptr, ids_ptr, suh_gate_ptr, suh_up_ptr, xs_gate_ptr, xs_up_ptr,
+                           inv_gate_ptr, inv_up_ptr, P, D, top_k, RB: tl.constexpr):
+    # Rows s of xs_gate and xs_up for the sorted pairs s of this program: rotated, scaled rows.
+    s = tl.program_id(0) * RB + tl.arange(0, RB)
+    ok = s < P
+    pair = tl.load(order_ptr + s, mask=ok, other=0)
+    e = tl.load(ids_ptr + pair, mask=ok, other=0).to(tl.int64)
+    tok = (pair // top_k).to(tl.int64)
+    s = s.to(tl.int64)
+    _prefill_rotate(x_ptr, suh_gate_ptr, tok, e, ok, D, xs_gate_ptr, inv_gate_ptr, s, RB)
+    _prefill_rotate(x_ptr, suh_up_ptr, tok, e, ok, D, xs_up_ptr, inv_up_ptr, s, RB)
+
+
+@triton.jit
+def _prefill_scale_kernel(a_ptr, out_ptr, inv_ptr, P, n, RB: tl.constexpr):
+    # out[s] = fp16(a[s] · scale), inv[s] = 1 / scale, for RB rows of a [P, n] fp32.
+    s = (tl.program_id(0) * RB + tl.arange(0, RB)).to(tl.int64)
+    ok = s < P
+    i = tl.arange(0, 128)[None, :]
+    peak = tl.zeros([RB], tl.float32)
+    for b in range(0, n // 128):
+        a = tl.load(a_ptr + s[:, None] * n + b * 128 + i, mask=ok[:, None], other=0.0)
+        peak = tl.maximum(peak, tl.max(tl.abs(a), axis=1))
+    scale, inv = _fp16_scale(peak)
+    tl.store(inv_ptr + s, inv, mask=ok)
+    for b in range(0, n // 128):
+        a = tl.load(a_ptr + s[:, None] * n + b * 128 + i, mask=ok[:, None], other=0.0)
+        tl.store(out_ptr + s[:, None] * n + b * 128 + i, (a * scale[:, None]).to(tl.float16), mask=ok[:, None])
+
+
+@triton.jit
+def _decoded_tiles(w0, w1, w2, w3, o, zero, K2: tl.constexpr, CB: tl.constexpr, RT: tl.constexpr,
+                   CT: tl.constexpr, STATIC: tl.constexpr, BASE: tl.constexpr, NR: tl.constexpr):
+    # Ŵ^T [CT * 16, RT * 16] fp16 of one step from every lane's ring words: the decode half of
+    # _step_dot, in the same mma A-operand layout (rows: output columns, columns: k, both natural).
+    if STATIC:
+        r0, r1, r2, r3 = w0, w1, w2, w3
+    else:
+        r0 = _funnel(w0, w1, o)
+        r1 = r0
+        r2 = r0
+        if NR > 1:
+            r1 = _funnel(w1, w2, o)
+        if NR > 2:
+            r2 = _funnel(w2, w3, o)
+        r3 = r0
+    v0 = _codebook(_bits16(r0, r1, r2, r3, BASE), CB, zero)
+    v1 = _codebook(_bits16(r0, r1, r2, r3, BASE + ((2 * K2) >> 1) - (K2 >> 1)), CB, zero)
+    v2 = _codebook(_bits16(r0, r1, r2, r3, BASE + ((3 * K2) >> 1) - (K2 >> 1)), CB, zero)
+    v3 = _codebook(_bits16(r0, r1, r2, r3, BASE + ((4 * K2) >> 1) - (K2 >> 1)), CB, zero)
+    v4 = _codebook(_bits16(r0, r1, r2, r3, BASE + ((5 * K2) >> 1) - (K2 >> 1)), CB, zero)
+    v5 = _codebook(_bits16(r0, r1, r2, r3, BASE + ((6 * K2) >> 1) - (K2 >> 1)), CB, zero)
+    v6 = _codebook(_bits16(r0, r1, r2, r3, BASE + ((7 * K2) >> 1) - (K2 >> 1)), CB, zero)
+    v7 = _codebook(_bits16(r0, r1, r2, r3, BASE + ((8 * K2) >> 1) - (K2 >> 1)), CB, zero)
+    w = tl.join(tl.join(tl.join(v0, v1), tl.join(v2, v3)), tl.join(tl.join(v4, v5), tl.join(v6, v7)))
+    w = tl.reshape(w, [8, 4, CT, RT, 2, 2, 2])
+    return tl.reshape(tl.permute(w, (2, 6, 0, 3, 5, 1, 4)), [CT * 16, RT * 16])
+
+
+@triton.jit
+def _prefill_products(words_ptr, xs_ptr, rows_ok, k, n, pid_n,
+                      K2: tl.constexpr, CB: tl.constexpr, RT: tl.constexpr, BM: tl.constexpr):
+    # acc [128, BM] fp32 = (xs[:BM] · Ŵ[:, 128 pid_n : 128 (pid_n + 1)])^T for one expert's trellis
+    # words (k x n) and BM fp16 rows at xs_ptr (row stride k; rows_ok [1, BM] masks the tile's end).
+    # Lane geometry as in _gemv_products: one thread element = one mma lane of one 16x16 tile.
+    CT: tl.constexpr = 8
+    NW: tl.constexpr = 4 * K2
+    RING: tl.constexpr = 128 * K2
+    SPAN: tl.constexpr = ((8 * K2) >> 1) - (K2 >> 1) + 16
+    STATIC: tl.constexpr = (4 * K2) % 32 == 0
+    BASE: tl.constexpr = ((K2 >> 1) + 16) % 32 if STATIC else 0
+    NR: tl.constexpr = (SPAN + 31) // 32
+    NL: tl.constexpr = (BASE + SPAN + 31) // 32 if STATIC else NR + 1
+    tiles_n = n // 16
+    zero = (k >> 31).to(tl.uint32)
+    lane = tl.arange(0, 32)[:, None, None]
+    b = (((8 * lane + 1) * K2) >> 1) + RING - 16
+    b = tl.where(b >= RING, b - RING, b)
+    first = b >> 5
+    o = (b & 31).to(tl.uint32)
+    tile_word0 = (tl.arange(0, RT)[None, None, :] * tiles_n + pid_n * CT + tl.arange(0, CT)[None, :, None]) * NW
+    off0 = tile_word0 + first
+    off1 = tile_word0 + (first + 1) % NW
+    off2 = tile_word0 + (first + 2) % NW
+    off3 = tile_word0 + (first + 3) % NW
+    x_off = tl.arange(0, BM)[None, :] * k + tl.arange(0, RT * 16)[:, None]  # B [RT * 16, BM] = xs^T
+    steps = k // (RT * 16)
+    step_words = RT * tiles_n * NW
+    acc = tl.zeros([CT * 16, BM], tl.float32)
+    # Each step loads the next step's words and activations before decoding its own (the last step
+    # re-reads its own).
+    w0, w1, w2, w3, x = _load_step(words_ptr, off0, off1, off2, off3, xs_ptr, x_off, rows_ok, NL)
+    for step in range(0, steps):
+        ahead = tl.minimum(step + 1, steps - 1)
+        n0, n1, n2, n3, nx = _load_step(words_ptr + ahead * step_words, off0, off1, off2, off3,
+                                        xs_ptr + ahead * (RT * 16), x_off, rows_ok, NL)
+        acc = tl.dot(_decoded_tiles(w0, w1, w2, w3, o, zero, K2, CB, RT, CT, STATIC, BASE, NR), x, acc)
+        w0, w1, w2, w3, x = n0, n1, n2, n3, nx
+    return acc
+
+
+@triton.jit
+def _prefill_gate_up_kernel(xs_gate_ptr, xs_up_ptr, inv_gate_ptr, inv_up_ptr, gate_words_ptr, up_words_ptr,
+                            tiles_ptr, svh_gate_ptr, svh_up_ptr, suh_down_ptr, act_ptr, D, I, expert_words, limit,
+                            K2: tl.constexpr, CB: tl.constexpr, RT: tl.constexpr, BM: tl.constexpr):
+    # Program (128-column block, tile): act[pairs of the tile, block] = (swiglu(gate, up) ⊙ suh_down) · H128.
+    pid_n = tl.program_id(0)
+    tile = tl.program_id(1)
+    rows = tl.load(tiles_ptr + 3 * tile + 2)
+    if rows > 0:
+        e = tl.load(tiles_ptr + 3 * tile).to(tl.int64)
+        first = tl.load(tiles_ptr + 3 * tile + 1).to(tl.int64)
+        i = tl.arange(0, BM)
+        ok = i < rows
+        s = first + i
+        gate = _prefill_products(gate_words_ptr + e * expert_words, xs_gate_ptr + first * D, ok[None, :], D, I,
+                                 pid_n, K2, CB, RT, BM)
+        up = _prefill_products(up_words_ptr + e * expert_words, xs_up_ptr + first * D, ok[None, :], D, I, pid_n,
+                               K2, CB, RT, BM)
+        c = pid_n * 128 + tl.arange(0, 128)
+        inv_gate = tl.load(inv_gate_ptr + s, mask=ok, other=0.0)
+        inv_up = tl.load(inv_up_ptr + s, mask=ok, other=0.0)
+        svh_gate = 0.08838834764831845 * tl.load(svh_gate_ptr + e * I + c).to(tl.float32)
+        svh_up = 0.08838834764831845 * tl.load(svh_up_ptr + e * I + c).to(tl.float32)
+        gate = _times_hadamard(tl.trans(gate) * inv_gate[:, None], BM) * svh_gate[None, :]
+        up = _times_hadamard(tl.trans(up) * inv_up[:, None], BM) * svh_up[None, :]
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+        act = gate * tl.sigmoid(gate) * up
+        suh = tl.load(suh_down_ptr + e * I + c).to(tl.float32)
+        act = _times_hadamard(act * suh[None, :], BM) * 0.08838834764831845
+        tl.store(act_ptr + s[:, None] * I + c[None, :], act, mask=ok[:, None])
+
+
+@triton.jit
+def _prefill_down_kernel(acts_ptr, inv_ptr, words_ptr, tiles_ptr, order_ptr, route_ptr, svh_ptr, out_ptr,
+                         I, D, top_k, expert_words,
+                         K2: tl.constexpr, CB: tl.constexpr, RT: tl.constexpr, BM: tl.constexpr):
+    # Program (128-column block, tile): out[token, block] += route · (down products · H128) ⊙ svh.
+    pid_n = tl.program_id(0)
+    tile = tl.program_id(1)
+    rows = tl.load(tiles_ptr + 3 * tile + 2)
+    if rows > 0:
+        e = tl.load(tiles_ptr + 3 * tile).to(tl.int64)
+        first = tl.load(tiles_ptr + 3 * tile + 1).to(tl.int64)
+        i = tl.arange(0, BM)
+        ok = i < rows
+        s = first + i
+        z = _prefill_products(words_ptr + e * expert_words, acts_ptr + first * I, ok[None, :], I, D, pid_n,
+                              K2, CB, RT, BM)
+        pair = tl.load(order_ptr + s, mask=ok, other=0)
+        weight = tl.load(route_ptr + pair, mask=ok, other=0.0) * tl.load(inv_ptr + s, mask=ok, other=0.0)
+        c = pid_n * 128 + tl.arange(0, 128)
+        svh = 0.08838834764831845 * tl.load(svh_ptr + e * D + c).to(tl.float32)
+        y = _times_hadamard(tl.trans(z) * weight[:, None], BM) * svh[None, :]
+        token = (pair // top_k).to(tl.int64)
+        tl.atomic_add(out_ptr + token[:, None] * D + c[None, :], y, mask=ok[:, None], sem="relaxed")
+
+
+def _prefill_tiles(ids: torch.Tensor, experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    # The pairs sorted by expert (stable) and the tile table [cdiv(P, BM) + E, 3] int32 of
+    # (expert, first sorted pair, rows), rows 0 past the last real tile; all on the device.
+    P = ids.numel()
+    order = torch.argsort(ids, stable=True)
+    counts = torch.zeros(experts, dtype=torch.int64, device=ids.device).scatter_add_(0, ids, torch.ones_like(ids))
+    per_expert = (counts + block_m - 1) // block_m
+    tile_end = torch.cumsum(per_expert, 0)
+    t = torch.arange(triton.cdiv(P, block_m) + min(experts, P), device=ids.device)
+    e = torch.searchsorted(tile_end, t, right=True).clamp_(max=experts - 1)
+    j = t - (tile_end[e] - per_expert[e])
+    first = torch.cumsum(counts, 0)[e] - counts[e] + j * block_m
+    rows = (counts[e] - j * block_m).clamp(0, block_m)
+    return order.to(torch.int32), torch.stack([e, first, rows], 1).to(torch.int32).contiguous()
+
+
+def exl3_moe_prefill(x: torch.Tensor, ids: torch.Tensor, route: torch.Tensor,
+                     gate: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                     up: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                     down: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                     codebook: str, limit: float, *, block_m: int | None = None, row_tiles: int = 2,
+                     num_warps: int | None = None) -> torch.Tensor:
+    """exl3_moe_decode's contract for many rows: Σ_j route[t, j] · down_e(swiglu(gate_e(x_t), up_e(x_t))),
+    e = ids[t, j], as grouped GEMMs over the pairs sorted by expert (see the section comment).
+
+    x [m, D] fp16 / bf16; ids [m, top_k] integer expert ids, route [m, top_k] fp32; gate, up, down
+    stacked as for exl3_moe_decode. Returns fp32 [m, D]. block_m (sorted pairs per GEMM tile, 16..128;
+    None picks by the mean pairs per expert), row_tiles (16-row trellis tiles per loop step) and
+    num_warps (None: 8 from 64 rows on) are launch tuning.
+    """
+    k2 = _check_experts("gate", *gate, codebook, None)
+    E = gate[0].shape[0]
+    if _check_experts("up", *up, codebook, E) != k2 or _check_experts("down", *down, codebook, E) != k2:
+        raise ValueError("gate, up and down must share one K (trellis last dim)")
+    D, I = gate[0].shape[1] * 16, gate[0].shape[2] * 16
+    if up[0].shape != gate[0].shape or tuple(down[0].shape[1:3]) != (I // 16, D // 16):
+        raise ValueError(f"expert shapes disagree: gate {tuple(gate[0].shape)}, up {tuple(up[0].shape)}, "
+                         f"down {tuple(down[0].shape)}")
+    if D % 128 or I % 128:
+        raise ValueError(f"expert dims must be multiples of 128, got {D} x {I}")
+    if x.dim() != 2 or x.shape[1] != D or x.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"x must be fp16 or bf16 [m, {D}], got {x.dtype} {tuple(x.shape)}")
+    m = x.shape[0]
+    if ids.dim() != 2 or ids.shape[0] != m or tuple(route.shape) != tuple(ids.shape):
+        raise ValueError(f"ids and route must both be [{m}, top_k], got {tuple(ids.shape)} and {tuple(route.shape)}")
+    if row_tiles not in (1, 2, 4, 8):
+        raise ValueError(f"row_tiles must be 1, 2, 4 or 8, got {row_tiles}")
+    top_k = ids.shape[1]
+    P = m * top_k
+    dev = x.device
+    y = torch.zeros((m, D), dtype=torch.float32, device=dev)
+    if P == 0:
+        return y
+    BM = block_m or min(128, max(16, triton.next_power_of_2(triton.cdiv(P, E))))
+    if BM not in (16, 32, 64, 128):
+        raise ValueError(f"block_m must be 16, 32, 64 or 128, got {BM}")
+    warps = num_warps or (8 if BM >= 64 else 4)
+    ids = ids.reshape(-1).to(torch.int64)
+    order, tiles = _prefill_tiles(ids, E, BM)
+    ids = ids.to(torch.int32)
+    route = route.reshape(-1).float().contiguous()
+    words = [t[0].contiguous().view(torch.int32) for t in (gate, up, down)]
+    launch = dict(K2=k2, CB=CODEBOOKS.index(codebook), RT=row_tiles, BM=BM, num_warps=warps)
+    rows_grid = (triton.cdiv(P, PREFILL_ROWS),)
+
+    xs = torch.empty((2, P, D), dtype=torch.float16, device=dev)
+    inv = torch.empty((2, P), dtype=torch.float32, device=dev)
+    _prefill_rotate_kernel[rows_grid](x.contiguous(), order, ids, gate[1], up[1], xs[0], xs[1], inv[0], inv[1],
+                                      P, D, top_k, RB=PREFILL_ROWS)
+    act = torch.empty((P, I), dtype=torch.float32, device=dev)
+    _prefill_gate_up_kernel[(I // 128, tiles.shape[0])](
+        xs[0], xs[1], inv[0], inv[1], words[0], words[1], tiles, gate[2], up[2], down[1], act, D, I,
+        (D // 16) * (I // 16) * 4 * k2, limit, **launch)
+    del xs
+    acts = torch.empty((P, I), dtype=torch.float16, device=dev)
+    inv = torch.empty((P,), dtype=torch.float32, device=dev)
+    _prefill_scale_kernel[rows_grid](act, acts, inv, P, I, RB=PREFILL_ROWS)
+    del act
+    _prefill_down_kernel[(D // 128, tiles.shape[0])](
+        acts, inv, words[2], tiles, order, route, down[2], y, I, D, top_k, (I // 16) * (D // 16) * 4 * k2, **launch)
     return y
 
 # ================================================================ KDA recurrence

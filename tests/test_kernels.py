@@ -354,3 +354,81 @@ def test_moe_decode_matches_expert_twins(m, top_k, k_words, codebook, block_n, r
     assert rel_err(y, ref) <= (1e-5 if DEVICE == "cpu" else 1e-4), f"relative error {rel_err(y, ref):.2e}"
     again = kernels.exl3_moe_decode(x, ids, route, *projections, codebook, limit, block_n=block_n, row_tiles=row_tiles)
     assert rel_err(again, y) <= 1e-6, "the second call sees the first's partial sums"
+
+
+# ---------------------------------------------------------------- EXL3 MoE prefill
+
+def _stacked_experts(E: int, D: int, I: int, width: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    projections = []
+    for k, n in ((D, I), (D, I), (I, D)):
+        parts = [_random_linear(k, n, width, seed=int(torch.randint(0, 1 << 30, (1,), generator=g))) for _ in range(E)]
+        projections.append(tuple(torch.stack(t) for t in zip(*parts)))
+    return projections
+
+
+def _skewed_routing(m: int, top_k: int, E: int, seed: int):
+    # Distinct experts per row, uneven counts: expert 0 takes the most rows, the last expert none.
+    g = torch.Generator().manual_seed(seed)
+    popularity = torch.tensor([2.0 ** -e for e in range(E - 1)] + [0.0])
+    ids = torch.stack([torch.multinomial(popularity, top_k, generator=g) for _ in range(m)])
+    return ids.to(DEVICE), torch.rand(m, top_k, generator=g).to(DEVICE)
+
+
+def _moe_twin(x, ids, route, projections, codebook, limit):
+    """Σ_j route · down_e(swiglu(gate_e(x), up_e(x))) per expert with EXL3Linear's fp32 torch math."""
+    from model_glm import swiglu
+
+    ref = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e in ids.unique().tolist():
+        tok, j = (ids == e).nonzero(as_tuple=True)
+        gate, up, down = (exl3.EXL3Linear(p[0][e], p[1][e], p[2][e], codebook) for p in projections)
+        xt = x[tok].float()
+        act = swiglu(gate._forward_torch(xt), up._forward_torch(xt), limit)
+        ref.index_add_(0, tok, route[tok, j, None] * down._forward_torch(act))
+    return ref
+
+
+# Activations enter the tensor cores in fp16 (per-row powers of two keep them clear of subnormals):
+# ~5e-4 relative against the fp32 twin.
+PREFILL_MOE_REL = 2e-3
+
+
+@pytest.mark.parametrize("width,codebook,block_m,row_tiles,scale,dtype", [
+    (48, "3inst", None, 8, 4.0, torch.float16),   # K3; 37 rows x 2 -> block_m 16: expert 0 spans several tiles
+    (64, "mcg", 32, 8, 0.05, torch.bfloat16),     # K4, small activations (down's input ~1e-5), bf16 x
+    (40, "mul1", 16, 4, 4.0, torch.float16),      # K2.5 (a half rate), 4 k-tiles per step
+])
+def test_moe_prefill_matches_expert_twins(width, codebook, block_m, row_tiles, scale, dtype):
+    m, top_k, E, D, I, limit = 37, 2, 6, 256, 128, 1.0  # a low limit, so both clamps act
+    projections = _stacked_experts(E, D, I, width, seed=width)
+    ids, route = _skewed_routing(m, top_k, E, seed=width)
+    x = (scale * torch.randn(m, D, generator=torch.Generator().manual_seed(width))).to(dtype).to(DEVICE)
+    y = kernels.exl3_moe_prefill(x, ids, route, *projections, codebook, limit, block_m=block_m, row_tiles=row_tiles)
+    ref = _moe_twin(x, ids, route, projections, codebook, limit)
+    assert (ids == E - 1).sum() == 0 and y.dtype == torch.float32
+    err = rel_err(y, ref)
+    assert err <= PREFILL_MOE_REL, f"relative error {err:.2e} against the per-expert twin"
+
+
+def test_moe_prefill_equals_moe_decode():
+    m, top_k, E, D, I, limit, codebook = 5, 3, 4, 256, 128, 2.0, "mcg"
+    projections = _stacked_experts(E, D, I, 48, seed=3)
+    ids, route = _skewed_routing(m, top_k, E, seed=3)
+    x = torch.randn(m, D, generator=torch.Generator().manual_seed(3)).half().to(DEVICE)
+    y = kernels.exl3_moe_prefill(x, ids, route, *projections, codebook, limit, row_tiles=8)
+    ref = kernels.exl3_moe_decode(x, ids, route, *projections, codebook, limit, row_tiles=8)
+    err = rel_err(y, ref)
+    assert err <= PREFILL_MOE_REL, f"relative error {err:.2e} against exl3_moe_decode"
+
+
+def test_moe_prefill_bad_input_is_named():
+    projections = _stacked_experts(2, 128, 128, 48, seed=1)
+    x = torch.zeros(3, 128, dtype=torch.float16, device=DEVICE)
+    ids = torch.zeros(3, 2, dtype=torch.int64, device=DEVICE)
+    with pytest.raises(ValueError, match=r"ids and route must both be \[3, top_k\]"):
+        kernels.exl3_moe_prefill(x, ids, torch.ones(3, 1, device=DEVICE), *projections, "mcg", 1.0)
+    with pytest.raises(ValueError, match="block_m must be"):
+        kernels.exl3_moe_prefill(x, ids, torch.ones(3, 2, device=DEVICE), *projections, "mcg", 1.0, block_m=48)
+    with pytest.raises(ValueError, match=r"x must be fp16 or bf16 \[m, 128\]"):
+        kernels.exl3_moe_prefill(x.float(), ids, torch.ones(3, 2, device=DEVICE), *projections, "mcg", 1.0)
