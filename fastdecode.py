@@ -12,9 +12,13 @@ twin (tests/test_fastdecode.py holds them together). Only the way of computing d
   selected experts in three launches with the expert ids read on the device;
 - KDA (§4.3): conv window, SiLU, L2 norms, gate and β in one kernel (`kernels.kda_decode_inputs`),
   the recurrence in `kernels.kda_recurrent_step`, the output norm and gate in one more;
-- DSA (§4.4): the indexer scores every pool of a fixed-width block table and takes a fixed top-k
-  (2051 positions at full size), masking what does not exist instead of slicing; cache rows are
-  addressed through device index tensors.
+- DSA (§4.4): one kernel applies q_a_layernorm and writes the token's cache rows and pooled key
+  (`kernels.dsa_decode_inputs`);
+  the indexer scores every pool of a fixed-width block table (`kernels.dsa_index_scores`) and takes
+  a fixed top-k (2051 positions at full size), masking what does not exist instead of slicing; the
+  attention gathers the selected latent rows itself (`kernels.dsa_sparse_attention`); cache rows
+  are addressed through device index tensors;
+- the router (§4.5): GEMV, sigmoid, top-k and weights in `kernels.moe_route` (two launches).
 The multi-token paths (prefill, speculative verification, MTP) stay in model_glm.
 """
 from __future__ import annotations
@@ -29,7 +33,7 @@ import exl3
 import fp8
 import kernels
 from cache import CachePool
-from model_glm import ForwardOutput, GLMModel, SeqChunk, Weight, linear, pool_keys, rms_norm, swiglu
+from model_glm import ForwardOutput, GLMModel, SeqChunk, Weight, linear, rms_norm, swiglu
 
 
 class Unsupported(ValueError):
@@ -371,55 +375,32 @@ class FastDecoder:
 
     def dsa(self, layer: Layer, x: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
         cfg, cache, a = self.cfg, self.cache, layer.attn
-        eps, bs, kpool, row = cfg.rms_norm_eps, cache.block_size, cfg.index_kpool, layer.row
-        B = x.shape[0]
+        kpool, row = cfg.index_kpool, layer.row
+        B, H, dn = x.shape[0], cfg.num_attention_heads, cfg.qk_nope_head_dim
         q_a, kv_a, wk, gamma = layer.proj(x)
-        q_r = rms_norm(q_a, a["q_norm"], eps)
+        # q_a_layernorm; this token's cache rows (kv_a_layernorm and k_norm applied there), and its
+        # pool's pooled key once the pool is complete.
+        q_r = kernels.dsa_decode_inputs(q_a, kv_a, wk, gamma, a["q_norm"], a["kv_norm"], a["k_norm_w"], a["k_norm_b"],
+                                        a["ape"], cache.latent[row], cache.index_k[row], cache.gate[row],
+                                        cache.pooled[row], tables, positions, cfg.rms_norm_eps)
         q, q_idx = layer.proj2[0](q_r)
-        q = q.view(B, cfg.num_attention_heads, cfg.qk_nope_head_dim)
-        q_idx = q_idx.view(B, cfg.index_n_heads, cfg.index_head_dim)
-        c = rms_norm(kv_a, a["kv_norm"], eps)
-        k_idx = F.layer_norm(wk, (cfg.index_head_dim,), a["k_norm_w"], a["k_norm_b"], eps=1e-6)
-        w_idx = F.linear(x.float(), a["w_idx"]) / math.sqrt(cfg.index_n_heads)
-
-        # This token's cache rows, then its pool's pooled key once the pool is complete.
-        blk = tables.gather(1, (positions // bs)[:, None])[:, 0]
-        off = positions % bs
-        cache.latent[row, blk, off] = c.to(cache.latent.dtype)
-        cache.index_k[row, blk, off] = k_idx.to(cache.index_k.dtype)
-        cache.gate[row, blk, off] = gamma.to(cache.gate.dtype)
-        first = off - off % kpool
-        members = first[:, None] + torch.arange(kpool, device=x.device)
-        pooled = pool_keys(cache.index_k[row, blk[:, None], members].flatten(0, 1),
-                           cache.gate[row, blk[:, None], members].flatten(0, 1), a["ape"])  # one pool per row
-        complete = ((positions + 1) % kpool == 0)[:, None]
-        old = cache.pooled[row, blk, first // kpool]
-        cache.pooled[row, blk, first // kpool] = torch.where(complete, pooled.to(old.dtype), old)
-
-        # The indexer over every pool of the table; pools past the candidates score -inf.
-        pools = cache.pooled[row][tables].flatten(1, 2)  # [B, P, d]
-        P = pools.shape[1]
-        dots = torch.einsum("bhd,bpd->bhp", q_idx.float(), pools.float()) / math.sqrt(cfg.index_head_dim)
-        score = torch.einsum("bh,bhp->bp", w_idx, F.relu(dots))
-        n_candidates = (positions + 1) // kpool
-        score = score.masked_fill(torch.arange(P, device=x.device)[None, :] >= n_candidates[:, None], -math.inf)
-        top = torch.topk(score, min(cfg.index_topk // kpool, P), dim=1, sorted=False)
-        chosen = (top.indices[:, :, None] * kpool + torch.arange(kpool, device=x.device)).flatten(1)
-        valid = torch.isfinite(top.values)[:, :, None].expand(-1, -1, kpool).flatten(1)
-        if cfg.index_kpool_always_select_tail:
-            tail = n_candidates[:, None] * kpool + torch.arange(kpool - 1, device=x.device)
-            chosen = torch.cat([chosen, tail], dim=1)
-            valid = torch.cat([valid, tail <= positions[:, None]], dim=1)
-        chosen = chosen.clamp(max=tables.shape[1] * bs - 1)  # masked tail positions past the table
-        latent = cache.latent[row, tables.gather(1, chosen // bs), chosen % bs].float()  # [B, W, R]
-
-        # Absorbed NoPE MLA over the chosen positions (model_glm.mla_attention).
-        q_hat = torch.einsum("bhd,hdr->bhr", q.float(), a["W_UK"])
-        s = torch.einsum("bhr,bwr->bhw", q_hat, latent) / math.sqrt(cfg.qk_nope_head_dim)
-        p = torch.softmax(s.masked_fill(~valid[:, None, :], -math.inf), dim=-1)
-        o = torch.einsum("bhw,bwr->bhr", p, latent)
-        o = torch.einsum("bhr,hvr->bhv", o, a["W_UV"]).flatten(1).to(x.dtype)
-        return linear(o, layer.o_proj)
+        # The indexer scores every pool of the table and takes a fixed top-k (pools past the
+        # candidates score -inf and are skipped); a table with no more pools than the top-k selects
+        # them all, whatever their scores, so it needs no indexer.
+        top = None
+        n_top = cfg.index_topk // kpool
+        if tables.shape[1] * (cache.block_size // kpool) > n_top:
+            w_idx = F.linear(x.float(), a["w_idx"])
+            score = kernels.dsa_index_scores(q_idx.view(B, cfg.index_n_heads, cfg.index_head_dim), w_idx,
+                                             cache.pooled[row], tables, positions, kpool)
+            top = torch.topk(score, n_top, dim=1, sorted=False).indices
+        # Absorbed NoPE MLA over the selected positions (model_glm.mla_attention), heads as the bmm batch.
+        q_hat = torch.bmm(q.view(B, H, dn).transpose(0, 1).float(), a["W_UK"]).transpose(0, 1)
+        o = kernels.dsa_sparse_attention(q_hat, cache.latent[row], tables, positions, top, kpool,
+                                         cfg.index_kpool_always_select_tail, math.sqrt(dn))
+        out = torch.empty(B, H, cfg.v_head_dim, dtype=x.dtype, device=x.device)
+        out.transpose(0, 1).copy_(torch.bmm(o.transpose(0, 1), a["W_UV"].transpose(1, 2)))
+        return linear(out.flatten(1), layer.o_proj)
 
     # -- §4.5 feed-forward ------------------------------------------------------------------------
 
@@ -429,13 +410,8 @@ class FastDecoder:
 
     def moe(self, layer: Layer, h: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
-        gate_w, bias = layer.router
-        s = torch.sigmoid(F.linear(h.float(), gate_w))
-        ids = torch.topk(s + bias, cfg.num_experts_per_tok, dim=-1, sorted=False).indices
-        w = s.gather(1, ids)
-        if cfg.norm_topk_prob:
-            w = w / (w.sum(-1, keepdim=True) + 1e-20)
-        w = w * cfg.routed_scaling_factor
+        ids, w = kernels.moe_route(h, *layer.router, cfg.num_experts_per_tok, cfg.norm_topk_prob,
+                                   cfg.routed_scaling_factor)
         ex = layer.experts
         if ex.exl3 is not None:
             gate, up, down, codebook = ex.exl3

@@ -28,7 +28,12 @@ dequantizing in registers.
 The decode step's glue (fastdecode.py), twins in model_glm.py: `hc_pre` / `hc_post` (mHC, §4.2:
 the 24 mixing dot products, Sinkhorn, the collapse and the sub-layer's RMSNorm; the stream update),
 `kda_decode_inputs` (short conv, SiLU, L2 norms, gate, β for one token, §4.3.2-5) and
-`kda_output_gate` (§4.3.8's norm and gate).
+`kda_output_gate` (§4.3.8's norm and gate);
+`moe_route` (the router GEMV, sigmoid, top-k and weights, §4.5: `route`);
+`dsa_decode_inputs` (q_a / kv_a layernorms, indexer k_norm, the token's cache rows and pooled key, §4.4:
+`rms_norm`, `pool_keys` and GLMModel.dsa's writes), `dsa_index_scores` (the indexer's pool scores:
+`select_tokens` before its top-k) and `dsa_sparse_attention` (absorbed MLA over the selected positions,
+gathered from the paged cache: `mla_attention` between W_UK and W_UV).
 
 This file imports neither exl3.py nor model_glm.py (they sit above it).
 """
@@ -1665,3 +1670,381 @@ def kda_output_gate(o: torch.Tensor, o_g: torch.Tensor, o_norm: torch.Tensor, ep
     out = torch.empty(B, H * d, dtype=dtype, device=o.device)
     _kda_output_kernel[(B, H)](o.contiguous(), o_g, o_g.stride(0), o_norm.float().contiguous(), out, eps, H=H, DH=d)
     return out
+
+
+# ================================================================ decode-step kernels: routing (§4.5)
+# moe_route in two launches. `_route_logits_kernel`: the fp32 router GEMV split over blocks of
+# experts and of D, so that at full size (288 x 4096, 4.7 MB) ~150 programs stream gate_w at once;
+# each holds its gate_w block in registers for every row of h. `_route_topk_kernel`: one program
+# per row adds the partial sums in a fixed order, applies the sigmoid and takes the top-k of s + bias
+# by k rounds of argmax (ties to the lower expert), the weights coming from s, then normalizes and
+# scales them. The logits never exist as a separate tensor, and there is no torch op in between.
+
+ROUTE_BLOCK_E = 16
+ROUTE_BLOCK_K = 512
+
+
+@triton.jit
+def _route_logits_kernel(h_ptr, h_stride, w_ptr, part_ptr, B, E, D, BE: tl.constexpr, BK: tl.constexpr):
+    e = tl.program_id(0) * BE + tl.arange(0, BE)
+    s = tl.program_id(1)
+    k = s * BK + tl.arange(0, BK)
+    w = tl.load(w_ptr + e[:, None] * D + k[None, :], mask=(e[:, None] < E) & (k[None, :] < D), other=0.0)
+    for b in range(B):
+        x = tl.load(h_ptr + b * h_stride + k, mask=k < D, other=0.0).to(tl.float32)
+        tl.store(part_ptr + (b * tl.num_programs(1) + s) * E + e, tl.sum(w * x[None, :], axis=1), mask=e < E)
+
+
+@triton.jit
+def _route_topk_kernel(part_ptr, bias_ptr, ids_ptr, wt_ptr, E, S, scaling,
+                       NORM: tl.constexpr, TOPK: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr,
+                       SP: tl.constexpr):
+    b = tl.program_id(0)
+    e = tl.arange(0, EP)
+    s = tl.arange(0, SP)
+    inside = e < E
+    part = tl.load(part_ptr + (b * S + s[:, None]) * E + e[None, :], mask=(s[:, None] < S) & inside[None, :],
+                   other=0.0)
+    score = tl.sigmoid(tl.sum(part, axis=0))
+    choice = tl.where(inside, score + tl.load(bias_ptr + e, mask=inside, other=0.0), -float("inf"))
+    j = tl.arange(0, KP)
+    ids = tl.zeros([KP], dtype=tl.int32)
+    w = tl.zeros([KP], dtype=tl.float32)
+    for r in tl.static_range(TOPK):
+        pick = tl.min(tl.where(choice == tl.max(choice, axis=0), e, EP), axis=0)
+        ids = tl.where(j == r, pick, ids)
+        w = tl.where(j == r, tl.sum(tl.where(e == pick, score, 0.0), axis=0), w)
+        choice = tl.where(e == pick, -float("inf"), choice)
+    if NORM:
+        w = w / (tl.sum(w, axis=0) + 1e-20)
+    tl.store(ids_ptr + b * TOPK + j, ids.to(tl.int64), mask=j < TOPK)
+    tl.store(wt_ptr + b * TOPK + j, w * scaling, mask=j < TOPK)
+
+
+def moe_route(h: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, top_k: int, norm_topk_prob: bool,
+              scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """model_glm.route for rows h [B, D]: s = sigmoid(h·gate_wᵀ) in fp32 (gate_w [E, D] fp32), the
+    top_k experts of s + bias (bias [E] fp32), their s normalized (norm_topk_prob) and scaled.
+    Returns (ids int64 [B, top_k], weights fp32 [B, top_k]), in no particular order."""
+    B, D = h.shape
+    E = gate_w.shape[0]
+    if tuple(gate_w.shape) != (E, D) or gate_w.dtype != torch.float32 or not gate_w.is_contiguous():
+        raise ValueError(f"moe_route: gate_w must be contiguous fp32 (E, {D}), got {gate_w.dtype} "
+                         f"{tuple(gate_w.shape)}")
+    if tuple(bias.shape) != (E,):
+        raise ValueError(f"moe_route: bias must be ({E},), got {tuple(bias.shape)}")
+    if not 1 <= top_k <= E:
+        raise ValueError(f"moe_route: top_k = {top_k} must be in 1..{E}")
+    _rows(h, "moe_route: h", B, D)
+    S = triton.cdiv(D, ROUTE_BLOCK_K)
+    part = torch.empty(B, S, E, dtype=torch.float32, device=h.device)
+    _route_logits_kernel[(triton.cdiv(E, ROUTE_BLOCK_E), S)](h, h.stride(0), gate_w, part, B, E, D,
+                                                             BE=ROUTE_BLOCK_E, BK=ROUTE_BLOCK_K)
+    ids = torch.empty(B, top_k, dtype=torch.int64, device=h.device)
+    weights = torch.empty(B, top_k, dtype=torch.float32, device=h.device)
+    _route_topk_kernel[(B,)](part, bias.float().contiguous(), ids, weights, E, S, float(scaling),
+                             NORM=bool(norm_topk_prob), TOPK=top_k, KP=triton.next_power_of_2(top_k),
+                             EP=triton.next_power_of_2(E), SP=triton.next_power_of_2(S))
+    return ids, weights
+
+
+# ================================================================ decode-step kernels: DSA (§4.4)
+# One token per sequence against a paged cache: row tensors latent [blocks, bs, R], index_k / gate
+# [blocks, bs, d], pooled [blocks, bs / kpool, d]; tables [B, width] (block ids) and positions [B] on
+# the device. Pools are numbered along the table (pool p = block table[p // (bs / kpool)]).
+# `dsa_decode_inputs`: q_a_layernorm, and this token's latent (kv_a_layernorm), indexer key (k_norm)
+# and gate rows, and the pooled key of its pool when the token completes it: one program per sequence.
+# `dsa_index_scores`: Σ_h w[h] · relu(q[h] · K_p / √d) for every pool of the table, -inf past the
+# candidates (complete pools).
+# `dsa_sparse_attention`: the absorbed MLA over the selected positions (the chosen pools' members and
+# the tail), gathering the latent rows itself; the positions are split over programs (flash-decoding:
+# an online softmax per split, then `_dsa_combine_kernel`). Products whose operands are bf16 run on
+# bf16 tensor cores, exact (a bf16 x bf16 product fits fp32); an fp32 operand (q̂, p) facing a bf16
+# latent is split into bf16 hi + lo parts (16 of its 24 significand bits); an fp32 cache runs
+# fp32 dots.
+
+DSA_SCORE_BLOCK = 64
+DSA_ATTN_HEADS = 16  # heads per program (tl.dot needs >= 16 rows; fewer heads are padded)
+DSA_ATTN_BLOCK = 32  # selected positions per inner step
+DSA_ATTN_WARPS = 8
+
+
+@triton.jit
+def _dot_bf16(a, b, TC: tl.constexpr):
+    # bf16 x bf16 -> fp32. TC: on tensor cores; else (the CPU interpreter, whose bf16 dot is wrong)
+    # as fp32, which gives the same exact products.
+    if TC:
+        return tl.dot(a, b)
+    return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+
+
+@triton.jit
+def _split(a, B_DT: tl.constexpr):
+    # fp32 a as the (hi, lo) operand pair `_dot_pair` takes against a B_DT operand.
+    if B_DT == tl.bfloat16:
+        hi = a.to(tl.bfloat16)
+        return hi, (a - hi.to(tl.float32)).to(tl.bfloat16)
+    return a, a
+
+
+@triton.jit
+def _dot_pair(hi, lo, b, TC: tl.constexpr):
+    # (hi + lo) · b in fp32 for bf16 b (from `_split`); hi · b in fp32 otherwise.
+    if b.dtype == tl.bfloat16:
+        return _dot_bf16(hi, b, TC) + _dot_bf16(lo, b, TC)
+    return tl.dot(hi.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+
+
+@triton.jit
+def _dot_f32(a, b, TC: tl.constexpr):
+    # a (fp32 or bf16) · b in fp32 (see the section comment).
+    if a.dtype == tl.bfloat16 and b.dtype == tl.bfloat16:
+        return _dot_bf16(a, b, TC)
+    hi, lo = _split(a.to(tl.float32), b.dtype)
+    return _dot_pair(hi, lo, b, TC)
+
+
+@triton.jit
+def _rms_norm_row(x_ptr, w_ptr, eps, N: tl.constexpr, NP: tl.constexpr, OUT_DT: tl.constexpr):
+    # model_glm.rms_norm of one row of N, with its roundings (to x's dtype, then to OUT_DT), as fp32.
+    i = tl.arange(0, NP)
+    x = tl.load(x_ptr + i, mask=i < N, other=0.0).to(tl.float32)
+    normed = _cast(x * (1.0 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps)), x_ptr.dtype.element_ty)
+    w = tl.load(w_ptr + i, mask=i < N, other=0.0).to(tl.float32)
+    return _cast(w * normed.to(tl.float32), OUT_DT).to(tl.float32)
+
+
+@triton.jit
+def _dsa_inputs_kernel(qa_ptr, qa_stride, kv_ptr, kv_stride, wk_ptr, wk_stride, g_ptr, g_stride, qn_ptr, kvn_ptr,
+                       knw_ptr, knb_ptr, ape_ptr, qr_ptr, lat_ptr, ik_ptr, gate_ptr, pool_ptr, tables_ptr, t_stride,
+                       pos_ptr, rms_eps, bs, Q: tl.constexpr, QP: tl.constexpr, R: tl.constexpr, DI: tl.constexpr,
+                       KPOOL: tl.constexpr, C_DT: tl.constexpr):
+    b = tl.program_id(0)
+    i = tl.arange(0, QP)
+    q_r = _rms_norm_row(qa_ptr + b * qa_stride, qn_ptr, rms_eps, Q, QP, qr_ptr.dtype.element_ty)
+    tl.store(qr_ptr + b * Q + i, q_r.to(qr_ptr.dtype.element_ty), mask=i < Q)
+    pos = tl.load(pos_ptr + b)
+    blk = tl.load(tables_ptr + b * t_stride + pos // bs)
+    off = pos % bs
+    # latent: kv_a_layernorm's output (C_DT), then the cache's dtype
+    r = tl.arange(0, R)
+    c = _rms_norm_row(kv_ptr + b * kv_stride, kvn_ptr, rms_eps, R, R, C_DT)
+    tl.store(lat_ptr + (blk * bs + off) * R + r, _cast(c, lat_ptr.dtype.element_ty))
+    # indexer key: F.layer_norm(wk, k_norm, eps 1e-6) in wk's dtype; the gate row as it is
+    d = tl.arange(0, DI)
+    x = tl.load(wk_ptr + b * wk_stride + d).to(tl.float32)
+    xc = x - tl.sum(x, axis=0) / DI
+    k = xc * (1.0 / tl.sqrt(tl.sum(xc * xc, axis=0) / DI + 1e-6))
+    k = k * tl.load(knw_ptr + d).to(tl.float32) + tl.load(knb_ptr + d).to(tl.float32)
+    k = _cast(_cast(k, wk_ptr.dtype.element_ty).to(tl.float32), ik_ptr.dtype.element_ty)
+    g = _cast(tl.load(g_ptr + b * g_stride + d).to(tl.float32), gate_ptr.dtype.element_ty)
+    tl.store(ik_ptr + (blk * bs + off) * DI + d, k)
+    tl.store(gate_ptr + (blk * bs + off) * DI + d, g)
+    # the pooled key (model_glm.pool_keys) when this token is its pool's last: the other members
+    # come from the cache, this one from registers
+    if (pos + 1) % KPOOL == 0:
+        m = tl.arange(0, KPOOL)
+        rows = (blk * bs + off - (KPOOL - 1) + m)[:, None] * DI + d[None, :]
+        earlier = (m < KPOOL - 1)[:, None]
+        km = tl.where(earlier, tl.load(ik_ptr + rows, mask=earlier, other=0.0), k[None, :]).to(tl.float32)
+        gm = tl.where(earlier, tl.load(gate_ptr + rows, mask=earlier, other=0.0), g[None, :]).to(tl.float32)
+        logit = gm + tl.load(ape_ptr + m[:, None] * DI + d[None, :])
+        e = tl.exp(logit - tl.max(logit, axis=0)[None, :])
+        pooled = tl.sum(e / tl.sum(e, axis=0)[None, :] * km, axis=0)
+        pooled = _cast(_cast(pooled, ik_ptr.dtype.element_ty).to(tl.float32), pool_ptr.dtype.element_ty)
+        tl.store(pool_ptr + (blk * (bs // KPOOL) + off // KPOOL) * DI + d, pooled)
+
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def _check_cache_row(name: str, t: torch.Tensor, blocks: int, rows: int, width: int) -> None:
+    if t.dim() != 3 or tuple(t.shape) != (blocks, rows, width) or not t.is_contiguous():
+        raise ValueError(f"{name} must be a contiguous cache row ({blocks}, {rows}, {width}), got "
+                         f"{tuple(t.shape)} contiguous={t.is_contiguous()}")
+
+
+def _check_tables(name: str, tables: torch.Tensor, positions: torch.Tensor) -> int:
+    B = positions.shape[0]
+    if positions.dim() != 1 or tables.dim() != 2 or tables.shape[0] != B or tables.stride(1) != 1:
+        raise ValueError(f"{name}: positions must be [B] and tables [B, width] with unit column stride, got "
+                         f"{tuple(positions.shape)} and {tuple(tables.shape)}")
+    return B
+
+
+def dsa_decode_inputs(q_a: torch.Tensor, kv_a: torch.Tensor, wk: torch.Tensor, gamma: torch.Tensor,
+                      q_norm: torch.Tensor, kv_norm: torch.Tensor, k_norm_w: torch.Tensor, k_norm_b: torch.Tensor,
+                      ape: torch.Tensor, latent: torch.Tensor, index_k: torch.Tensor, gate: torch.Tensor,
+                      pooled: torch.Tensor, tables: torch.Tensor, positions: torch.Tensor,
+                      rms_eps: float) -> torch.Tensor:
+    """§4.4 for one token per sequence, from the first projections' outputs q_a [B, q_lora], kv_a
+    [B, R], wk and gamma [B, d] (rows may be strided): returns q_r = rms_norm(q_a, q_norm), and
+    writes the token's cache rows as model_glm.GLMModel.dsa does: latent ← rms_norm(kv_a, kv_norm),
+    index_k ← layer_norm(wk, k_norm_w, k_norm_b, eps 1e-6), gate ← gamma, and pooled ←
+    pool_keys(the pool's members, ape [kpool, d] fp32) when position + 1 completes a pool."""
+    B = _check_tables("dsa_decode_inputs", tables, positions)
+    Q, R, (kpool, d) = q_a.shape[-1], kv_a.shape[-1], ape.shape
+    nb, bs = latent.shape[:2]
+    _check_cache_row("dsa_decode_inputs: latent", latent, nb, bs, R)
+    _check_cache_row("dsa_decode_inputs: index_k", index_k, nb, bs, d)
+    _check_cache_row("dsa_decode_inputs: gate", gate, nb, bs, d)
+    _check_cache_row("dsa_decode_inputs: pooled", pooled, nb, bs // kpool, d)
+    for name, t, width in (("q_a", q_a, Q), ("kv_a", kv_a, R), ("wk", wk, d), ("gamma", gamma, d)):
+        _rows(t, f"dsa_decode_inputs: {name}", B, width)
+    if bs % kpool or R & (R - 1) or d & (d - 1) or kpool & (kpool - 1):
+        raise ValueError(f"dsa_decode_inputs: needs block_size ({bs}) a multiple of kpool ({kpool}) and powers "
+                         f"of two for kv_lora_rank ({R}), index_head_dim ({d}) and kpool")
+    q_r = torch.empty(B, Q, dtype=torch.promote_types(q_norm.dtype, q_a.dtype), device=q_a.device)
+    _dsa_inputs_kernel[(B,)](q_a, q_a.stride(0), kv_a, kv_a.stride(0), wk, wk.stride(0), gamma, gamma.stride(0),
+                             q_norm, kv_norm, k_norm_w, k_norm_b, ape.float().contiguous(), q_r, latent, index_k,
+                             gate, pooled, tables, tables.stride(0), positions, rms_eps, bs, Q=Q,
+                             QP=triton.next_power_of_2(Q), R=R, DI=d, KPOOL=kpool,
+                             C_DT=_TL_DTYPES[torch.promote_types(kv_norm.dtype, kv_a.dtype)])
+    return q_r
+
+
+@triton.jit
+def _dsa_scores_kernel(q_ptr, q_stride, w_ptr, pool_ptr, tables_ptr, t_stride, pos_ptr, out_ptr, P, ppb,
+                       q_scale, w_scale, HI: tl.constexpr, DI: tl.constexpr, KPOOL: tl.constexpr,
+                       BP: tl.constexpr, TC: tl.constexpr):
+    b = tl.program_id(0)
+    p = tl.program_id(1) * BP + tl.arange(0, BP)
+    candidate = p < (tl.load(pos_ptr + b) + 1) // KPOOL
+    h = tl.arange(0, HI)
+    d = tl.arange(0, DI)
+    q = tl.load(q_ptr + b * q_stride + h[:, None] * DI + d[None, :])
+    blk = tl.load(tables_ptr + b * t_stride + p // ppb, mask=candidate, other=0)
+    keys = tl.load(pool_ptr + (blk * ppb + p % ppb)[:, None] * DI + d[None, :], mask=candidate[:, None], other=0.0)
+    dots = _dot_f32(q, tl.trans(keys), TC) / q_scale
+    w = tl.load(w_ptr + b * HI + h) / w_scale
+    score = tl.sum(w[:, None] * tl.maximum(dots, 0.0), axis=0)
+    tl.store(out_ptr + b * P + p, tl.where(candidate, score, -float("inf")), mask=p < P)
+
+
+def dsa_index_scores(q_idx: torch.Tensor, w_idx: torch.Tensor, pooled: torch.Tensor, tables: torch.Tensor,
+                     positions: torch.Tensor, kpool: int) -> torch.Tensor:
+    """The indexer's pool scores (model_glm.select_tokens before its top-k) over every pool of the
+    table: q_idx [B, heads, d] (the last two dims packed, rows may be strided), w_idx [B, heads]
+    fp32 (weights_proj's output, divided by √heads here), pooled the cache row. Returns fp32
+    [B, width · bs / kpool], -inf for pools that are not complete at the position."""
+    B = _check_tables("dsa_index_scores", tables, positions)
+    _, Hi, d = q_idx.shape
+    nb, ppb = pooled.shape[:2]
+    _check_cache_row("dsa_index_scores: pooled", pooled, nb, ppb, d)
+    if q_idx.stride(2) != 1 or q_idx.stride(1) != d or tuple(w_idx.shape) != (B, Hi):
+        raise ValueError(f"dsa_index_scores: q_idx must be [{B}, heads, {d}] with packed heads and w_idx "
+                         f"[{B}, heads], got {tuple(q_idx.shape)} {q_idx.stride()} and {tuple(w_idx.shape)}")
+    _check_pow2("dsa_index_scores: index heads", Hi)
+    _check_pow2("dsa_index_scores: index_head_dim", d)
+    P = tables.shape[1] * ppb
+    out = torch.empty(B, P, dtype=torch.float32, device=q_idx.device)
+    _dsa_scores_kernel[(B, triton.cdiv(P, DSA_SCORE_BLOCK))](
+        q_idx, q_idx.stride(0), w_idx.float().contiguous(), pooled, tables, tables.stride(0), positions, out, P, ppb,
+        d ** 0.5, Hi ** 0.5, HI=Hi, DI=d, KPOOL=kpool, BP=DSA_SCORE_BLOCK, TC=q_idx.is_cuda)
+    return out
+
+
+@triton.jit
+def _dsa_attn_kernel(q_ptr, q_sb, q_sh, lat_ptr, tables_ptr, t_stride, pos_ptr, top_ptr, top_stride,
+                     m_ptr, l_ptr, acc_ptr, H, NT, steps, bs, scale,
+                     R: tl.constexpr, KPOOL: tl.constexpr, TAIL: tl.constexpr, ALL: tl.constexpr,
+                     BH: tl.constexpr, BW: tl.constexpr, TC: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1) * BH + tl.arange(0, BH)
+    split = tl.program_id(2)
+    r = tl.arange(0, R)
+    q = tl.load(q_ptr + b * q_sb + h[:, None] * q_sh + r[None, :], mask=h[:, None] < H, other=0.0)
+    q_hi, q_lo = _split(q, lat_ptr.dtype.element_ty)
+    pos = tl.load(pos_ptr + b)
+    n_cand = (pos + 1) // KPOOL
+    m = tl.full([BH], -float("inf"), tl.float32)
+    l = tl.zeros([BH], dtype=tl.float32)
+    acc = tl.zeros([BH, R], dtype=tl.float32)
+    i = tl.arange(0, BW)
+    for step in range(steps):
+        # selected position t0 + i: member (t0 + i) % kpool of pool slot j, slot NT being the tail
+        t0 = (split * steps + step) * BW
+        j = (t0 + i) // KPOOL
+        if ALL:
+            pool = j
+        else:
+            pool = tl.load(top_ptr + b * top_stride + j, mask=j < NT, other=0)
+        valid = (j < NT) & (pool < n_cand)
+        if TAIL:
+            pool = tl.where(j == NT, n_cand, pool)
+            valid = valid | ((j == NT) & (pool * KPOOL + (t0 + i) % KPOOL <= pos))
+        if tl.max(valid.to(tl.int32), axis=0) > 0:
+            t = pool * KPOOL + (t0 + i) % KPOOL
+            blk = tl.load(tables_ptr + b * t_stride + t // bs, mask=valid, other=0)
+            lat = tl.load(lat_ptr + (blk * bs + t % bs)[:, None] * R + r[None, :], mask=valid[:, None], other=0.0)
+            s = tl.where(valid[None, :], _dot_pair(q_hi, q_lo, tl.trans(lat), TC) / scale, -float("inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
+            p = tl.exp(s - m_safe[:, None])
+            alpha = tl.exp(m - m_safe)
+            l = l * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + _dot_f32(p, lat, TC)
+            m = m_new
+    part = (b * tl.num_programs(2) + split) * H + h
+    tl.store(m_ptr + part, m, mask=h < H)
+    tl.store(l_ptr + part, l, mask=h < H)
+    tl.store(acc_ptr + part[:, None] * R + r[None, :], acc, mask=h[:, None] < H)
+
+
+@triton.jit
+def _dsa_combine_kernel(m_ptr, l_ptr, acc_ptr, o_ptr, o_sb, o_sh, H, NS, R: tl.constexpr, SP: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.arange(0, SP)
+    r = tl.arange(0, R)
+    part = (b * NS + s) * H + h
+    m = tl.load(m_ptr + part, mask=s < NS, other=-float("inf"))
+    top = tl.max(m, axis=0)
+    w = tl.exp(m - tl.where(top == -float("inf"), 0.0, top))
+    l = tl.sum(w * tl.load(l_ptr + part, mask=s < NS, other=0.0), axis=0)
+    acc = tl.load(acc_ptr + part[:, None] * R + r[None, :], mask=(s < NS)[:, None], other=0.0)
+    tl.store(o_ptr + b * o_sb + h * o_sh + r, tl.sum(w[:, None] * acc, axis=0) / l)
+
+
+def dsa_sparse_attention(q_hat: torch.Tensor, latent: torch.Tensor, tables: torch.Tensor, positions: torch.Tensor,
+                         top: torch.Tensor | None, kpool: int, select_tail: bool, scale: float,
+                         splits: int | None = None) -> torch.Tensor:
+    """model_glm.mla_attention between W_UK and W_UV: softmax_t(q̂ · c_t / scale) over the selected
+    positions t, times c_t. q̂ [B, H, R] fp32 (any strides); latent the cache row. The selection
+    (model_glm.select_tokens): the members of pools top [B, NT] (top-k pool indices; those that are
+    not complete at the position are skipped) or, top None, of every pool of the table, plus the
+    tail (positions after the last complete pool) with select_tail. Returns o [B, H, R] fp32 in
+    q̂'s memory layout. `splits`: programs per (sequence, head block) (default: enough to fill the GPU)."""
+    B = _check_tables("dsa_sparse_attention", tables, positions)
+    H, R = q_hat.shape[1:]
+    nb, bs = latent.shape[:2]
+    _check_cache_row("dsa_sparse_attention: latent", latent, nb, bs, R)
+    if q_hat.shape[0] != B or q_hat.dtype != torch.float32 or q_hat.stride(2) != 1:
+        raise ValueError(f"dsa_sparse_attention: q_hat must be fp32 [{B}, H, {R}] with unit last stride, got "
+                         f"{q_hat.dtype} {tuple(q_hat.shape)} {q_hat.stride()}")
+    _check_pow2("dsa_sparse_attention: kv_lora_rank", R)
+    every = top is None
+    if every:
+        NT, top = tables.shape[1] * (bs // kpool), positions  # a pointer the kernel never reads
+    elif top.dim() != 2 or top.shape[0] != B or top.stride(1) != 1:
+        raise ValueError(f"dsa_sparse_attention: top must be [{B}, NT] with unit column stride, got {tuple(top.shape)}")
+    else:
+        NT = top.shape[1]
+    n_steps = triton.cdiv((NT + select_tail) * kpool, DSA_ATTN_BLOCK)
+    head_blocks = triton.cdiv(H, DSA_ATTN_HEADS)
+    if splits is None:
+        # about one program per SM: more splits cost more partial sums to combine
+        programs = torch.cuda.get_device_properties(q_hat.device).multi_processor_count if q_hat.is_cuda else 2
+        splits = max(1, min(n_steps, programs // (B * head_blocks)))
+    steps = triton.cdiv(n_steps, splits)
+    m = torch.empty(B, splits, H, dtype=torch.float32, device=q_hat.device)
+    l = torch.empty_like(m)
+    acc = torch.empty(B, splits, H, R, dtype=torch.float32, device=q_hat.device)
+    _dsa_attn_kernel[(B, head_blocks, splits)](
+        q_hat, q_hat.stride(0), q_hat.stride(1), latent, tables, tables.stride(0), positions, top, top.stride(0),
+        m, l, acc, H, NT, steps, bs, scale, R=R, KPOOL=kpool, TAIL=bool(select_tail), ALL=every,
+        BH=DSA_ATTN_HEADS, BW=DSA_ATTN_BLOCK, TC=q_hat.is_cuda, num_warps=DSA_ATTN_WARPS)
+    o = torch.empty_like(q_hat)
+    _dsa_combine_kernel[(B, H)](m, l, acc, o, o.stride(0), o.stride(1), H, splits, R=R,
+                                SP=triton.next_power_of_2(splits))
+    return o

@@ -8,6 +8,7 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import bench
 import checkpoint
@@ -16,8 +17,8 @@ import kernels
 import fp8
 import tiny
 from cache import CachePool
-from model_glm import (GLMConfig, GLMModel, SeqChunk, hc_post, hc_pre, kda_gate, l2_norm, rms_norm,
-                       short_conv)
+from model_glm import (GLMConfig, GLMModel, SeqChunk, hc_post, hc_pre, kda_gate, l2_norm, mla_attention, pool_keys,
+                       rms_norm, route, select_tokens, short_conv)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CACHE_TENSORS = ("latent", "index_k", "gate", "pooled", "kda_state", "conv_state")
@@ -96,6 +97,102 @@ def test_kda_inputs_and_output_match_model_glm(dtype):
     w = (1 + 0.1 * torch.randn(d, generator=g)).to(DEVICE)
     want = (rms_norm(o, w, 1e-5) * torch.sigmoid(o_g.float().view(B, H, d))).to(dtype).flatten(1)
     torch.testing.assert_close(kernels.kda_output_gate(o, o_g, w, 1e-5, dtype), want, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("E,D,k,norm", [(8, 256, 2, True), (40, 1100, 6, False)], ids=["tiny", "ragged"])
+def test_moe_route_matches_model_glm(dtype, E, D, k, norm):
+    cfg = GLMConfig.from_dict(tiny.tiny_config_dict(n_routed_experts=E, num_experts_per_tok=k, norm_topk_prob=norm))
+    g = torch.Generator().manual_seed(2)
+    h = torch.randn(5, D + 3, generator=g).to(dtype).to(DEVICE)[:, :D]  # strided rows
+    gate_w = (torch.randn(E, D, generator=g) / D ** 0.5).to(DEVICE)
+    bias = (0.1 * torch.randn(E, generator=g)).to(DEVICE)
+    want_ids, want_w = route(h, gate_w, bias, cfg)
+    ids, w = kernels.moe_route(h, gate_w, bias, k, norm, cfg.routed_scaling_factor)
+    assert ids.dtype == torch.int64 and w.dtype == torch.float32
+    order, want_order = ids.sort(1), want_ids.sort(1)
+    assert torch.equal(order.values, want_order.values)  # the same set of experts per row
+    torch.testing.assert_close(w.gather(1, order.indices), want_w.gather(1, want_order.indices), rtol=1e-5, atol=1e-6)
+
+
+def _dsa_cache(dtype, g, nb=6, bs=8, R=32, d=32, kpool=4):
+    return [torch.randn(nb, rows, width, generator=g).to(dtype).to(DEVICE)
+            for rows, width in ((bs, R), (bs, d), (bs, d), (bs // kpool, d))]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dsa_decode_inputs_match_model_glm(dtype):
+    g = torch.Generator().manual_seed(4)
+    B, Q, R, d, kpool, bs, eps = 4, 48, 32, 32, 4, 8, 1e-5  # Q: not a power of two, as q_lora_rank 1536
+    latent, index_k, gate, pooled = _dsa_cache(dtype, g)
+    tables = torch.tensor([[5, 2, 0], [1, 3, 4], [4, 0, 1], [2, 5, 3]], device=DEVICE)
+    positions = torch.tensor([7, 12, 18, 21], device=DEVICE)  # completes a pool (end of a block), no, no, yes
+    fused = torch.randn(B, Q + R + 2 * d + 5, generator=g).to(dtype).to(DEVICE)  # strided rows
+    q_a, kv_a, wk, gamma = fused[:, :Q], fused[:, Q:Q + R], fused[:, Q + R:Q + R + d], fused[:, Q + R + d:Q + R + 2 * d]
+    q_norm, kv_norm, k_w, k_b = ((1 + 0.1 * torch.randn(n, generator=g)).to(dtype).to(DEVICE) for n in (Q, R, d, d))
+    ape = (0.5 * torch.randn(kpool, d, generator=g)).to(DEVICE)
+    want = [t.clone() for t in (latent, index_k, gate, pooled)]
+    blk, off = tables.gather(1, (positions // bs)[:, None])[:, 0], positions % bs
+    want[0][blk, off] = rms_norm(kv_a, kv_norm, eps).to(dtype)
+    want[1][blk, off] = F.layer_norm(wk, (d,), k_w, k_b, eps=1e-6).to(dtype)
+    want[2][blk, off] = gamma.to(dtype)
+    for b, o, p in zip(blk.tolist(), off.tolist(), positions.tolist()):
+        if (p + 1) % kpool == 0:
+            first = o + 1 - kpool
+            want[3][b, first // kpool] = pool_keys(want[1][b, first:o + 1], want[2][b, first:o + 1], ape)
+    q_r = kernels.dsa_decode_inputs(q_a, kv_a, wk, gamma, q_norm, kv_norm, k_w, k_b, ape, latent, index_k, gate,
+                                    pooled, tables, positions, eps)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-2)
+    torch.testing.assert_close(q_r, rms_norm(q_a, q_norm, eps), **tol)
+    for got, ref, name in zip((latent, index_k, gate, pooled), want, ("latent", "index_k", "gate", "pooled")):
+        torch.testing.assert_close(got, ref, **tol, msg=name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [3, 2], ids=["indexer", "all_pools"])
+def test_dsa_kernels_match_select_tokens_and_mla_attention(dtype, width):
+    """The indexer scores, a top-k and the sparse attention (2 splits), against model_glm's
+    select_tokens and mla_attention over each sequence's own contiguous history. The top-k is 4
+    pools; a table of 2 blocks holds 4 pools, so every pool is taken and no indexer runs."""
+    cfg = GLMConfig.from_dict(tiny.tiny_config_dict())
+    g = torch.Generator().manual_seed(5)
+    H, dn, R, Hi, d, kpool, bs = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank,
+                                  cfg.index_n_heads, cfg.index_head_dim, cfg.index_kpool, 8)
+    latent, _, _, pooled = _dsa_cache(dtype, g, R=R, d=d)
+    if width == 3:  # 6, 3 and 0 candidate pools: more than the top-k, fewer (a -inf pick), only the tail
+        tables, positions = torch.tensor([[5, 2, 0], [1, 3, 4], [4, 0, 1]]), torch.tensor([23, 14, 2])
+    else:
+        tables, positions = torch.tensor([[5, 2], [1, 3], [4, 0]]), torch.tensor([15, 9, 6])
+    tables, positions = tables.to(DEVICE), positions.to(DEVICE)
+    B = positions.shape[0]
+    q_idx = torch.randn(B, Hi * d + 3, generator=g).to(dtype).to(DEVICE)[:, :Hi * d].view(B, Hi, d)
+    w_idx = torch.randn(B, Hi, generator=g).to(DEVICE)
+    q = torch.randn(B, H, dn, generator=g).to(dtype).to(DEVICE)
+    kv_b = (torch.randn(H * (dn + cfg.v_head_dim), R, generator=g) / R ** 0.5).to(dtype).to(DEVICE)
+    W = kv_b.float().view(H, dn + cfg.v_head_dim, R)
+
+    top = None
+    if width == 3:
+        score = kernels.dsa_index_scores(q_idx, w_idx, pooled, tables, positions, kpool)
+        top = torch.topk(score, cfg.index_topk // kpool, dim=1, sorted=False).indices
+    q_hat = torch.einsum("bhd,hdr->bhr", q.float(), W[:, :dn])
+    o = kernels.dsa_sparse_attention(q_hat, latent, tables, positions, top, kpool, True, dn ** 0.5, splits=2)
+    got = torch.einsum("bhr,hvr->bhv", o, W[:, dn:]).flatten(1).to(dtype)
+
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-2)
+    for b in range(B):
+        pos = int(positions[b])
+        n_cand = (pos + 1) // kpool
+        hist = latent[tables[b]].flatten(0, 1)[:pos + 1]
+        pools = pooled[tables[b]].flatten(0, 1)[:n_cand]
+        if top is not None:
+            dots = torch.einsum("hd,pd->hp", q_idx[b].float(), pools.float()) / d ** 0.5
+            want_score = (w_idx[b, :, None] / Hi ** 0.5 * F.relu(dots)).sum(0)
+            torch.testing.assert_close(score[b, :n_cand], want_score, rtol=1e-5, atol=1e-5)
+            assert torch.isinf(score[b, n_cand:]).all()
+        mask = select_tokens(q_idx[b:b + 1], w_idx[b:b + 1] / Hi ** 0.5, pools, positions[b:b + 1], cfg)
+        want = mla_attention(q[b:b + 1], hist, kv_b, mask, cfg)
+        torch.testing.assert_close(got[b:b + 1], want, **tol, msg=f"sequence {b}")
 
 
 # ---------------------------------------------------------------------------------------------- the step
