@@ -396,7 +396,7 @@ PREFILL_MOE_REL = 2e-3
 
 @pytest.mark.parametrize("width,codebook,block_m,row_tiles,scale,dtype", [
     (48, "3inst", None, 8, 4.0, torch.float16),   # K3; 37 rows x 2 -> block_m 16: expert 0 spans several tiles
-    (64, "mcg", 32, 8, 0.05, torch.bfloat16),     # K4, small activations (down's input ~1e-5), bf16 x
+    (64, "mcg", 128, 8, 0.05, torch.bfloat16),    # K4, small activations (down's input ~1e-5), bf16 x, 128-row tiles
     (40, "mul1", 16, 4, 4.0, torch.float16),      # K2.5 (a half rate), 4 k-tiles per step
 ])
 def test_moe_prefill_matches_expert_twins(width, codebook, block_m, row_tiles, scale, dtype):
@@ -420,6 +420,22 @@ def test_moe_prefill_equals_moe_decode():
     ref = kernels.exl3_moe_decode(x, ids, route, *projections, codebook, limit, row_tiles=8)
     err = rel_err(y, ref)
     assert err <= PREFILL_MOE_REL, f"relative error {err:.2e} against exl3_moe_decode"
+
+
+@needs_gpu
+@pytest.mark.parametrize("width,codebook,block_m,num_warps", [(64, "mcg", None, None), (48, "mul1", 64, 4),
+                                                              (48, "3inst", 32, None)])
+def test_moe_prefill_large_on_gpu(width, codebook, block_m, num_warps):
+    m, top_k, E, D, I, limit = 1024, 8, 32, 1024, 512, 10.0  # ~256 pairs per expert: 128-row tiles by default
+    projections = _stacked_experts(E, D, I, width, seed=width)
+    ids, route = _skewed_routing(m, top_k, E, seed=width)
+    x = torch.randn(m, D, generator=torch.Generator().manual_seed(width)).bfloat16().to(DEVICE)
+    ref = _moe_twin(x, ids, route, projections, codebook, limit)
+    for _ in range(2):  # a second call must not see the first's buffers
+        y = kernels.exl3_moe_prefill(x, ids, route, *projections, codebook, limit, block_m=block_m,
+                                     num_warps=num_warps)
+        err = rel_err(y, ref)
+        assert err <= PREFILL_MOE_REL, f"relative error {err:.2e} against the per-expert twin"
 
 
 def test_moe_prefill_bad_input_is_named():
