@@ -46,7 +46,8 @@ import checkpoint
 import exl3
 import fp8
 from cache import CachePool
-from fastdecode import FastDecoder
+from fastdecode import FastDecoder, Unsupported
+from fastprefill import FastPrefill
 from model_glm import GLMConfig, GLMModel, SeqChunk, kda_recurrent
 
 ROOT = Path(__file__).resolve().parent
@@ -441,11 +442,11 @@ def run_model(args) -> list[Row]:
         say(f"kernel warm-up failed: {type(error).__name__}: {error}")
 
     batches = [b for b in (1, 4, 16) if b <= args.max_batch]
-    prompts = [64, 256] if args.tiny else [1024, 8192]
+    prompts = [64, 256] if args.tiny else [1024, 8192, 32768, 131072]
     long_ctx = 512 if args.tiny else args.long_context
     ctx0, steps = args.context, args.steps
-    blocks_per_seq = -(-(max(ctx0 + steps + 1, max(prompts) + 1)) // BLOCK_SIZE)
-    long_blocks = -(-(long_ctx + steps + 1) // BLOCK_SIZE)
+    blocks_per_seq = -(-(ctx0 + steps + 1) // BLOCK_SIZE)
+    long_blocks = -(-(max(long_ctx + steps + 1, max(prompts))) // BLOCK_SIZE)  # also the prompts' table
     num_blocks = max(max(batches) * blocks_per_seq, long_blocks)
     num_slots = max(batches)
     probe = CachePool(cfg, 1, 1, block_size=BLOCK_SIZE, dtype=dtype, device="meta")
@@ -475,6 +476,12 @@ def run_model(args) -> list[Row]:
                     f"{torch.cuda.memory_allocated(device) / 1e9:.2f} GB allocated")
             except Exception as error:  # the eager fast step still runs
                 say(f"CUDA graph capture failed: {type(error).__name__}: {error}")
+    pre = None
+    if fast is not None:
+        try:
+            pre = FastPrefill(fast)
+        except Unsupported as why:
+            say(f"fast prefill: not available: {why}")
     path = "reference" if fast is None else ("graph" if device.type == "cuda" else "fast eager")
     step = (lambda batch: model.forward(batch, cache).logits) if fast is None else (lambda batch: fast.step(batch).logits)
 
@@ -509,6 +516,12 @@ def run_model(args) -> list[Row]:
         return Row(f"decode B=1 ctx {long_ctx} ({path})", rate, bw / budget.decode_bytes(1, long_ctx),
                    f"({budget.decode_bytes(1, long_ctx) / 1e9:.2f} GB/step)")
 
+    def prefill_agreement(T: int) -> None:
+        ref, _ = prefill_logits(T, fast_path=False)
+        got, _ = prefill_logits(T, fast_path=True)
+        say(f"KL(reference || fast prefill), last row of a {T}-token prompt: {float(kl_nats(ref, got)):.2e} nats, "
+            f"top-1 {'agrees' if int(ref.argmax()) == int(got.argmax()) else 'differs'}")
+
     def verify_cost() -> None:
         """What a speculative verify pass costs: 8 rows of one sequence vs 1, reference path (dflash2.md §6.3)."""
         fill_context(cache, tables[0], 0, ctx0, gen)
@@ -530,15 +543,22 @@ def run_model(args) -> list[Row]:
             say(f"KL(reference || {what}), B=1 ctx {ctx0}, {args.kl_steps} steps: mean {mean:.2e} nats "
                 f"(max {worst:.2e}), top-1 agreement {agree}/{args.kl_steps}")
 
-    def prefill(T: int) -> Row:
+    def prefill_logits(T: int, fast_path: bool) -> tuple[torch.Tensor, float]:
+        """One prompt of T tokens in chunks of --prefill-chunk, as the engine runs it: last logits, seconds."""
         tokens = torch.randint(0, cfg.vocab_size, (T,), generator=torch.Generator().manual_seed(T))
+        table = torch.arange(long_blocks)
         sync(device)
         start = time.perf_counter()
-        model.forward([SeqChunk(tokens, 0, tables[0], 0)], cache)
+        for s in range(0, T, args.prefill_chunk):
+            chunk = [SeqChunk(tokens[s:s + args.prefill_chunk], s, table, 0)]
+            logits = pre.forward(chunk).logits if fast_path else model.forward(chunk, cache).logits
         sync(device)
-        seconds = time.perf_counter() - start
+        return logits, time.perf_counter() - start
+
+    def prefill(T: int, fast_path: bool = pre is not None) -> Row:
+        _, seconds = prefill_logits(T, fast_path)
         floor_s = max(budget.all_bytes / bw, budget.prefill_flops(T) / tflops)
-        return Row(f"prefill {T}", T / seconds, T / floor_s,
+        return Row(f"prefill {T} ({'fast' if fast_path else 'reference'})", T / seconds, T / floor_s,
                    f"(TTFT {seconds:.2f} s, floor {floor_s:.3f} s: {budget.prefill_flops(T) / T / 1e9:.1f} "
                    f"GFLOP/token, weights {budget.all_bytes / 1e9:.1f} GB)")
 
@@ -550,6 +570,9 @@ def run_model(args) -> list[Row]:
     section("verify cost", verify_cost)
     section("prefill warm-up (compiles, untimed)", lambda: prefill(prompts[0] // 4) and None)
     section(f"prefill {prompts[0]}", lambda: prefill(prompts[0]))
+    if pre is not None:
+        section(f"prefill {prompts[0]} reference path", lambda: prefill(prompts[0], fast_path=False))
+        section("prefill fast vs reference", lambda: prefill_agreement(prompts[0]))
     section(f"decode long context {long_ctx}", decode_long)
     for B in batches[1:]:
         section(f"decode B={B}", lambda B=B: decode(B))
@@ -564,10 +587,11 @@ def run_model(args) -> list[Row]:
             (lambda b: fast.run(*fast._inputs(b, ctx0 // BLOCK_SIZE + 1)))
         profile_step(eager, SeqChunk(torch.ones(1, dtype=torch.long), ctx0, tables[0], 0), device,
                      "one decode step, B=1")
-        T = prompts[-1]
+        T = min(args.prefill_chunk, prompts[-1])
         tokens = torch.randint(0, cfg.vocab_size, (T,), generator=torch.Generator().manual_seed(T))
-        profile_step(lambda b: model.forward(b, cache), SeqChunk(tokens, 0, tables[0], 0), device,
-                     f"one prefill of {T} tokens")
+        forward = (lambda b: model.forward(b, cache)) if pre is None else pre.forward
+        profile_step(forward, SeqChunk(tokens, 0, torch.arange(long_blocks), 0), device,
+                     f"one prefill of {T} tokens ({'reference' if pre is None else 'fast'})")
     return rows
 
 
@@ -1070,6 +1094,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     m.add_argument("--steps", type=int, default=8, help="timed decode steps per batch size")
     m.add_argument("--context", type=int, default=1024, help="context already in the cache for decode")
     m.add_argument("--long-context", type=int, default=131072)
+    m.add_argument("--prefill-chunk", type=int, default=8192, help="tokens per prefill forward (the engine's chunk)")
     m.add_argument("--max-batch", type=int, default=16)
     m.add_argument("--reserve-gb", type=float, default=8.0, help="GPU memory kept for activations")
     m.add_argument("--budget", type=float, default=240.0, help="seconds; later sections are skipped past it")

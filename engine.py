@@ -41,6 +41,7 @@ import cache as cache_mod
 import chat
 import dflash
 import fastdecode
+import fastprefill
 import placement
 from cache import CachePool
 from model_glm import GLMConfig, GLMModel, SeqChunk
@@ -422,8 +423,9 @@ class Engine:
         `draft_row_cost`, the cost of one more verify row relative to a decode step; 0.25 is CuteAFD's
         GLM-Flash table, 8 rows = 2.8x one row, dflash2.md §6.3).
         use_kernels: on one CUDA device, plain decode steps run fastdecode.FastDecoder's kernels in
-        CUDA graphs captured here (batch 1..max_num_seqs, context buckets up to max_model_len);
-        False runs every step through model_glm's reference path."""
+        CUDA graphs captured here (batch 1..max_num_seqs, context buckets up to max_model_len) and
+        prefill chunks run fastprefill.FastPrefill's; False runs every step through model_glm's
+        reference path."""
         self.model, self.tokenizer, self.chat_template = model, tokenizer, chat_template
         self.config: GLMConfig = model.config
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -456,6 +458,7 @@ class Engine:
               f"{(num_blocks * block_bytes + num_slots * slot_bytes) / 2**30:.3f} GiB; context {self.max_model_len}")
         # Speculative steps verify several rows per sequence: they take the reference path.
         self.fast = self._fast_decoder(max_num_seqs) if use_kernels and speculator == "none" else None
+        self.prefill = self._fast_prefill()
         if speculator != "none" and self.device.type == "cuda":
             print(f"engine: speculator {speculator!r}: verify passes run the reference path (no CUDA graphs); "
                   "on a GPU plain decoding with the fast step is faster today (BENCHMARKS.md)")
@@ -583,6 +586,16 @@ class Engine:
                            sum(b.hash[i] is not None for i in b.free), len(b.snapshots.items),
                            b.snapshots.nbytes, speculator=self.speculator_name, **self.counters)
 
+    def _fast_prefill(self) -> "fastprefill.FastPrefill | None":
+        """The kernel prefill, over the fast decode step's prepared weights (so only beside it)."""
+        if self.fast is None:
+            return None
+        try:
+            return fastprefill.FastPrefill(self.fast)
+        except fastdecode.Unsupported as why:
+            print(f"engine: prefill chunks take the reference path: {why}")
+            return None
+
     def _fast_decoder(self, max_num_seqs: int) -> "fastdecode.FastDecoder | None":
         """The graph-captured decode step, where it applies (one CUDA device, a model it supports).
         Captured now, before any sequence lives in the cache (capture writes scratch rows)."""
@@ -614,7 +627,7 @@ class Engine:
             return outputs
         self._draft(batch)
         # Single decode tokens go to the fast decode step (inputs on the host), prefill chunks to the
-        # reference forward; the two touch different slots and blocks.
+        # fast prefill (or the reference forward); the two touch different slots and blocks.
         fast = [i for i, (seq, n) in enumerate(batch)  # (no fast step is built with a speculator)
                 if self.fast is not None and n == 1 and seq.num_computed > 0]
         chunks = [self._seq_chunk(seq, n, "cpu" if i in fast else self.device) for i, (seq, n) in enumerate(batch)]
@@ -625,7 +638,9 @@ class Engine:
         if fast:
             logits[fast] = self.fast.step([chunks[i] for i in fast]).logits
         if rest:
-            logits[rest] = self.model.forward([chunks[i] for i in rest], self.cache).logits
+            todo = [chunks[i] for i in rest]
+            out = self.model.forward(todo, self.cache) if self.prefill is None else self.prefill.forward(todo)
+            logits[rest] = out.logits
         argmax = logits.argmax(-1).tolist()  # one device sync serves every plain-greedy sequence
         for i, (seq, n) in enumerate(batch):
             self._commit(seq, n)

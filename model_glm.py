@@ -711,10 +711,14 @@ class GLMModel:
         return linear(swiglu(gate, up, self.config.swiglu_limit), self.w(p + "down_proj.weight"))
 
     def moe(self, p: str, h: torch.Tensor) -> torch.Tensor:
-        """`p` = "layers.L.mlp.". Each device of the placement's expert groups sums its own selected
-        experts; the partial sums are added on the layer's device (h's)."""
+        """`p` = "layers.L.mlp.": the routed experts and the shared expert."""
         experts, weights = route(h, self.w(p + "gate.weight"), self.w(p + "gate.e_score_correction_bias"),
                                  self.config)
+        return (self.routed_experts(p, h, experts, weights) + self.mlp(p + "shared_experts.", h).float()).to(h.dtype)
+
+    def routed_experts(self, p: str, h: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Σ_j weights[t, j] · expert_{experts[t, j]}(h_t), fp32 [N, D]. Each device of the placement's
+        expert groups sums its own selected experts; the partial sums are added on h's device."""
         selected = experts.unique().tolist()
         out = None
         for device, ids in self.placement.expert_groups(int(p.split(".")[1])):
@@ -729,7 +733,7 @@ class GLMModel:
                     y = self.mlp(p + f"experts.{e}.", hd[tok])
                     partial.index_add_(0, tok, y.float() * wd[tok, k, None])
             out = partial.to(h.device) if out is None else out + partial.to(h.device)
-        return (out + self.mlp(p + "shared_experts.", h).float()).to(h.dtype)
+        return out
 
     # -- §4.7 MTP --------------------------------------------------------------------------------
 

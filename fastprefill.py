@@ -1,0 +1,128 @@
+"""The fast prefill: `GLMModel.forward` for prompt chunks (many tokens of one sequence), with the
+kernels where the reference spends its time (spec performance.md §5: prefill is compute-bound).
+
+The trunk is model_glm's, in the same order (spec glm53.md §4.1), over the fused projections and
+stacked experts that `fastdecode.FastDecoder` prepared; model_glm.forward is this file's twin
+(tests/test_fastprefill.py holds them together). What differs:
+- mHC (§4.2): `kernels.hc_pre` / `hc_post`, row-parallel, as in the decode step;
+- KDA (§4.3): the chunked WY form runs in `kernels.kda_chunk_prefill` (three launches for the whole
+  chunk) instead of a Python loop of torch ops per 64 tokens;
+- DSA (§4.4): model_glm's own code, with fp32 products on the tensor cores (TF32 inputs, fp32
+  accumulation), which is what makes its [rows, heads, keys] scores affordable at 8K+ tokens;
+- routed experts (§4.5): `kernels.exl3_moe_prefill` runs every selected expert of the layer in a few
+  launches instead of a Python loop over up to 288 experts.
+Decode steps go to FastDecoder; speculative verification and MTP stay in model_glm.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+
+import kernels
+from fastdecode import FastDecoder, Layer, Unsupported
+from model_glm import (KDA_CHUNK, ForwardOutput, SeqChunk, kda_gate, l2_norm, linear, rms_norm, route,
+                       short_conv)
+
+
+@contextlib.contextmanager
+def tf32() -> Iterator[None]:
+    """fp32 matmuls on the tensor cores (10-bit mantissa inputs, fp32 accumulation) inside the block."""
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+
+
+class FastPrefill:
+    """Prompt chunks of `decoder.model` against `decoder.cache`: `forward(batch)` for chunks of any
+    length >= 1 (each a sequence's next positions, as model_glm.forward takes them), one chunk
+    after another. Logits of each chunk's last row, like model_glm.forward without all_logits."""
+
+    def __init__(self, decoder: FastDecoder):
+        self.decoder, self.model, self.cache, self.cfg = decoder, decoder.model, decoder.cache, decoder.cfg
+        bs = self.cache.block_size
+        # kda_chunk_prefill chunks from its first row; model_glm cuts at multiples of KDA_CHUNK and of
+        # the block size, which is one stride when one divides the other.
+        self.kda_chunk = min(KDA_CHUNK, bs)
+        if self.kda_chunk not in (16, 32, 64) or max(KDA_CHUNK, bs) % self.kda_chunk:
+            raise Unsupported(f"block size {bs}: the KDA prefill kernel needs a block size that is a multiple "
+                              f"of {KDA_CHUNK} or one of 16 and 32")
+
+    def forward(self, batch: list[SeqChunk]) -> ForwardOutput:
+        self.model._check_batch(batch, self.cache)
+        rows = [self.chunk(c) for c in batch]
+        return ForwardOutput(torch.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows]))
+
+    # -- §4.1 the trunk, one chunk ------------------------------------------------------------
+
+    def chunk(self, c: SeqChunk) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits [1, vocab] fp32, final hidden [1, D]) of the chunk's last row."""
+        d, cfg = self.decoder, self.cfg
+        tokens = c.tokens.to(self.cache.device)
+        X = d.embed[tokens][:, None, :].repeat(1, cfg.hc_mult, 1).contiguous()
+        for L, layer in enumerate(d.layers):
+            x, post, C = d._hc_pre(X, layer.attn_hc, layer.input_norm)
+            if layer.kind == "kda":
+                y = self.kda(layer, x, c)
+            else:
+                with tf32():
+                    y = self.model.dsa(L, x, [c], [(0, x.shape[0])], self.cache)
+            X = kernels.hc_post(X, y, post, C)
+            h, post, C = d._hc_pre(X, layer.ffn_hc, layer.post_norm)
+            y = self.moe(L, layer, h) if layer.experts is not None else d.mlp(layer, h)
+            X = kernels.hc_post(X, y, post, C)
+        h = rms_norm(X[-1:].float().mean(1).to(X.dtype), d.norm, cfg.rms_norm_eps)
+        return linear(h, d.head).float(), h
+
+    # -- §4.3 KDA ------------------------------------------------------------------------------
+
+    def kda(self, layer: Layer, x: torch.Tensor, c: SeqChunk) -> torch.Tensor:
+        cfg, cache, a = self.cfg, self.cache, layer.attn
+        H, d, K = cfg.linear_num_heads, cfg.linear_head_dim, cfg.linear_conv_kernel
+        n, row, slot = x.shape[0], layer.row, c.slot
+        q_pre, k_pre, v_pre, f_a, g_a, b = layer.proj(x)
+        (f,), (o_g,) = layer.proj2[0](f_a), layer.proj2[1](g_a)
+        g = kda_gate(f, a["A_log"], a["dt_bias"], cfg.linear_lower_bound, H, d)
+        beta = torch.sigmoid(b.float())
+        if c.start == 0:
+            cache.conv_state[row, slot] = 0
+            cache.kda_state[row, slot] = 0
+        history = cache.conv_state[row, slot]  # [3, K-1, H*d]
+        windows = [torch.cat([history[j], t.to(history.dtype)]) for j, t in enumerate((q_pre, k_pre, v_pre))]
+        q, k, v = (short_conv(windows[j], a["conv"][j]).float().view(n, H, d) for j in range(3))
+        q, k = l2_norm(q) * d ** -0.5, l2_norm(k)
+        o, S = self.recurrence(q, k, v, g, beta, cache.kda_state[row, slot], c.start)
+        cache.kda_state[row, slot] = S
+        cache.conv_state[row, slot] = torch.stack([w[-(K - 1):] for w in windows])
+        return linear(kernels.kda_output_gate(o, o_g, a["o_norm"], cfg.rms_norm_eps, x.dtype), layer.o_proj)
+
+    def recurrence(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                   beta: torch.Tensor, S: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """§4.3.6-7 from state S for positions start.., chunked at the same absolute positions as
+        model_glm (a head piece up to the next chunk boundary first)."""
+        head = min((-start) % self.kda_chunk, q.shape[0])
+        outs = []
+        for r0, r1 in ((0, head), (head, q.shape[0])):
+            if r1 > r0:
+                o, S, _ = kernels.kda_chunk_prefill(q[r0:r1], k[r0:r1], v[r0:r1], g[r0:r1], beta[r0:r1], S,
+                                                    chunk=self.kda_chunk)
+                outs.append(o)
+        return torch.cat(outs), S
+
+    # -- §4.5 routed experts ------------------------------------------------------------------------
+
+    def moe(self, L: int, layer: Layer, h: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
+        gate_w, bias = layer.router
+        ids, w = route(h, gate_w, bias, cfg)
+        ex = layer.experts
+        if ex.exl3 is not None:
+            gate, up, down, codebook = ex.exl3
+            routed = kernels.exl3_moe_prefill(h, ids, w, gate, up, down, codebook, cfg.swiglu_limit)
+        else:
+            routed = self.model.routed_experts(f"layers.{L}.mlp.", h, ids, w)
+        return (routed + self.decoder.mlp(layer, h).float()).to(h.dtype)

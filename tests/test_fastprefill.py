@@ -1,0 +1,102 @@
+"""fastprefill.FastPrefill against its twin, model_glm.GLMModel.forward, on the tiny real-layout model:
+the last-row logits of every chunk and every cache tensor afterwards (what decoding reads next).
+
+On CPU the Triton kernels run under the interpreter (tests/conftest.py)."""
+import pytest
+import torch
+
+import fastdecode
+import fastprefill
+from cache import CachePool
+from model_glm import SeqChunk
+from test_fastdecode import CACHE_TENSORS, DEVICE, _kl, _model
+
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
+
+
+def _both(model, block_size: int = 16, blocks: int = 8, slots: int = 3):
+    """A reference cache and a fast one (with its FastPrefill), alike."""
+    caches = [CachePool(model.config, num_blocks=blocks * slots, num_slots=slots, block_size=block_size,
+                        dtype=model.dtype, device=DEVICE) for _ in range(2)]
+    decoder = fastdecode.FastDecoder(model, caches[1], max_context=blocks * block_size)
+    return caches, fastprefill.FastPrefill(decoder)
+
+
+def _steps(model, caches, fast, steps: list[list[SeqChunk]]) -> tuple[float, float]:
+    """Runs each step's chunks on both paths; the worst logit gap and KL over the steps."""
+    worst, kl = 0.0, 0.0
+    for batch in steps:
+        ref = model.forward(batch, caches[0]).logits
+        got = fast.forward(batch).logits
+        assert got.shape == ref.shape
+        worst, kl = max(worst, float((ref - got).abs().max())), max(kl, _kl(ref, got))
+    return worst, kl
+
+
+def _chunks(model, lens: list[list[int]], blocks: int = 8) -> list[list[SeqChunk]]:
+    """lens[s] = the chunk lengths of sequence s (slot s, blocks s*blocks..): one step per round of
+    chunks, sequences side by side."""
+    g = torch.Generator().manual_seed(11)
+    steps, starts = [], [0] * len(lens)
+    for r in range(max(len(ls) for ls in lens)):
+        batch = []
+        for s, ls in enumerate(lens):
+            if r < len(ls):
+                toks = torch.randint(2, model.config.vocab_size, (ls[r],), generator=g)
+                batch.append(SeqChunk(toks, starts[s], torch.arange(s * blocks, (s + 1) * blocks), s))
+                starts[s] += ls[r]
+        steps.append(batch)
+    return steps
+
+
+def _two_layers(dtype, experts: str = "dense"):
+    """KDA + dense MLP, then DSA + MoE: every kind of sub-layer, at half the interpreter time."""
+    return _model(dtype, experts, num_hidden_layers=2, first_k_dense_replace=1)
+
+
+def _same_caches(caches, tight: bool) -> None:
+    for n in CACHE_TENSORS:
+        got, ref = getattr(caches[1], n).float(), getattr(caches[0], n).float()
+        if tight:
+            torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4, msg=n)
+        else:  # bf16: a rounding may flip any element by an ulp of its size
+            gap = (got - ref).abs()
+            assert float(gap.max()) <= 2 ** -6 * float(ref.abs().max()) and float(gap.mean()) < 1e-3, n
+
+
+def test_prefill_matches_forward():
+    """fp32. Chunks that start mid KDA chunk and mid block (19 = 16 + 3), cross pool completions and
+    the indexer's top-k (16 positions), two sequences in one step; then a fast decode step reads
+    the state the fast prefill left."""
+    model = _two_layers(torch.float32)
+    caches, fast = _both(model)
+    steps = _chunks(model, [[19, 14], [5, 9]])
+    worst, kl = _steps(model, caches, fast, steps)
+    assert worst < 1e-3 and kl < 1e-7, (worst, kl)
+    _same_caches(caches, tight=True)
+    step = [SeqChunk(torch.tensor([5]), 33, steps[0][0].block_table, 0)]
+    assert _kl(model.forward(step, caches[0]).logits, fast.decoder.step(step).logits) < 1e-7
+
+
+def test_prefill_matches_forward_in_bf16():
+    model = _two_layers(torch.bfloat16)
+    caches, fast = _both(model)
+    worst, kl = _steps(model, caches, fast, _chunks(model, [[21]]))
+    assert worst < 0.1 and kl < 1e-4, (worst, kl)  # CPU: 0.04, 4.8e-5 on the 4-layer model
+    _same_caches(caches, tight=False)
+
+
+def test_prefill_with_exl3_experts_runs_the_moe_kernel():
+    model = _two_layers(torch.float32, experts="exl3")
+    caches, fast = _both(model)
+    assert fast.decoder.layers[1].experts.exl3 is not None
+    worst, kl = _steps(model, caches, fast, _chunks(model, [[19]]))
+    assert worst < 5e-3 and kl < 1e-6, (worst, kl)
+    _same_caches(caches, tight=True)
+
+
+def test_unsupported_block_size_is_named():
+    model = _model(torch.float32)
+    cache = CachePool(model.config, num_blocks=8, num_slots=2, block_size=48, dtype=model.dtype, device=DEVICE)
+    with pytest.raises(fastdecode.Unsupported, match="block size 48"):
+        fastprefill.FastPrefill(fastdecode.FastDecoder(model, cache, max_context=96))
