@@ -7,40 +7,31 @@ stacked experts that `fastdecode.FastDecoder` prepared; model_glm.forward is thi
 - mHC (§4.2): `kernels.hc_pre` / `hc_post`, row-parallel, as in the decode step;
 - KDA (§4.3): the chunked WY form runs in `kernels.kda_chunk_prefill` (three launches for the whole
   chunk) instead of a Python loop of torch ops per 64 tokens;
-- DSA (§4.4): model_glm's own code, with fp32 products on the tensor cores (TF32 inputs, fp32
-  accumulation), which is what makes its [rows, heads, keys] scores affordable at 8K+ tokens;
+- DSA (§4.4): the decode step's indexer and sparse-attention kernels with the chunk's rows as the
+  batch, so each query reads its 2051 selected positions instead of a mask over the whole context;
 - routed experts (§4.5): `kernels.exl3_moe_prefill` runs every selected expert of the layer in a few
   launches instead of a Python loop over up to 288 experts.
 Decode steps go to FastDecoder; speculative verification and MTP stay in model_glm.
 """
 from __future__ import annotations
 
-import contextlib
-from typing import Iterator
+import math
 
 import torch
+import torch.nn.functional as F
 
 import kernels
 from fastdecode import FastDecoder, Layer, Unsupported
 from model_glm import (KDA_CHUNK, ForwardOutput, SeqChunk, kda_gate, l2_norm, linear, rms_norm, route,
-                       short_conv)
-
-
-@contextlib.contextmanager
-def tf32() -> Iterator[None]:
-    """fp32 matmuls on the tensor cores (10-bit mantissa inputs, fp32 accumulation) inside the block."""
-    old = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = True
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = old
+                       short_conv, write_dsa_rows)
 
 
 class FastPrefill:
     """Prompt chunks of `decoder.model` against `decoder.cache`: `forward(batch)` for chunks of any
     length >= 1 (each a sequence's next positions, as model_glm.forward takes them), one chunk
     after another. Logits of each chunk's last row, like model_glm.forward without all_logits."""
+
+    DSA_ROWS = 2048  # queries per indexer launch: their fp32 pool scores take 256 MiB at 128K context
 
     def __init__(self, decoder: FastDecoder):
         self.decoder, self.model, self.cache, self.cfg = decoder, decoder.model, decoder.cache, decoder.cfg
@@ -66,11 +57,7 @@ class FastPrefill:
         X = d.embed[tokens][:, None, :].repeat(1, cfg.hc_mult, 1).contiguous()
         for L, layer in enumerate(d.layers):
             x, post, C = d._hc_pre(X, layer.attn_hc, layer.input_norm)
-            if layer.kind == "kda":
-                y = self.kda(layer, x, c)
-            else:
-                with tf32():
-                    y = self.model.dsa(L, x, [c], [(0, x.shape[0])], self.cache)
+            y = self.kda(layer, x, c) if layer.kind == "kda" else self.dsa(layer, x, c)
             X = kernels.hc_post(X, y, post, C)
             h, post, C = d._hc_pre(X, layer.ffn_hc, layer.post_norm)
             y = self.moe(L, layer, h) if layer.experts is not None else d.mlp(layer, h)
@@ -113,6 +100,40 @@ class FastPrefill:
                 outs.append(o)
         return torch.cat(outs), S
 
+    # -- §4.4 DSA ------------------------------------------------------------------------------
+
+    def dsa(self, layer: Layer, x: torch.Tensor, c: SeqChunk) -> torch.Tensor:
+        """The chunk's cache rows first (model_glm.write_dsa_rows), then every row as a query over its
+        own selection: the decode step's indexer and sparse attention kernels, the chunk's rows
+        standing in for the batch (one block table, their own positions), so the work grows with
+        the top-k (2051 positions at full size), not with the context."""
+        cfg, cache, a = self.cfg, self.cache, layer.attn
+        eps, kpool, row = cfg.rms_norm_eps, cfg.index_kpool, layer.row
+        n, H, dn = x.shape[0], cfg.num_attention_heads, cfg.qk_nope_head_dim
+        q_a, kv_a, wk, gamma = layer.proj(x)
+        q, q_idx = layer.proj2[0](rms_norm(q_a, a["q_norm"], eps))
+        k_idx = F.layer_norm(wk, (cfg.index_head_dim,), a["k_norm_w"], a["k_norm_b"], eps=1e-6)
+        write_dsa_rows(cache, row, c, rms_norm(kv_a, a["kv_norm"], eps), k_idx, gamma, a["ape"], kpool)
+        w_idx = F.linear(x.float(), a["w_idx"])
+        width = -(-(c.start + n) // cache.block_size)
+        table = c.block_table[:width].to(x.device)
+        n_top = cfg.index_topk // kpool
+        out = torch.empty(n, H, cfg.v_head_dim, dtype=x.dtype, device=x.device)
+        for r0 in range(0, n, self.DSA_ROWS):
+            r1 = min(r0 + self.DSA_ROWS, n)
+            positions = torch.arange(c.start + r0, c.start + r1, device=x.device)
+            tables = table.expand(r1 - r0, width)
+            top = None  # as in the decode step: a table of at most top-k pools selects them all
+            if width * (cache.block_size // kpool) > n_top:
+                score = kernels.dsa_index_scores(q_idx[r0:r1].view(-1, cfg.index_n_heads, cfg.index_head_dim),
+                                                 w_idx[r0:r1], cache.pooled[row], tables, positions, kpool)
+                top = torch.topk(score, n_top, dim=1, sorted=False).indices
+            q_hat = torch.bmm(q[r0:r1].view(-1, H, dn).transpose(0, 1).float(), a["W_UK"]).transpose(0, 1)
+            o = kernels.dsa_sparse_attention(q_hat, cache.latent[row], tables, positions, top, kpool,
+                                             cfg.index_kpool_always_select_tail, math.sqrt(dn))
+            out[r0:r1].transpose(0, 1).copy_(torch.bmm(o.transpose(0, 1), a["W_UV"].transpose(1, 2)))
+        return linear(out.flatten(1), layer.o_proj)
+
     # -- §4.5 routed experts ------------------------------------------------------------------------
 
     def moe(self, L: int, layer: Layer, h: torch.Tensor) -> torch.Tensor:
@@ -122,7 +143,8 @@ class FastPrefill:
         ex = layer.experts
         if ex.exl3 is not None:
             gate, up, down, codebook = ex.exl3
-            routed = kernels.exl3_moe_prefill(h, ids, w, gate, up, down, codebook, cfg.swiglu_limit)
+            x = h if h.dtype != torch.float32 else h.half()  # the kernel's GEMMs take fp16 activations
+            routed = kernels.exl3_moe_prefill(x, ids, w, gate, up, down, codebook, cfg.swiglu_limit)
         else:
             routed = self.model.routed_experts(f"layers.{L}.mlp.", h, ids, w)
         return (routed + self.decoder.mlp(layer, h).float()).to(h.dtype)

@@ -478,6 +478,31 @@ def mla_attention(q: torch.Tensor, latent: torch.Tensor, kv_b: torch.Tensor, mas
     return torch.einsum("nhr,hvr->nhv", o, W_UV).flatten(1).to(q.dtype)
 
 
+def write_dsa_rows(cache: CachePool, row: int, chunk: SeqChunk, c: torch.Tensor, k_idx: torch.Tensor,
+                   gamma: torch.Tensor, ape: torch.Tensor, kpool: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cache side of §4.4 for one chunk of n tokens: their latent, indexer-key and gate rows, and
+    the pooled key of every pool the chunk completes (older pools are cached). Returns the chunk's
+    whole context: pooled keys [T // kpool, d] and latents [T, R], T = chunk.start + n."""
+    bs, device = cache.block_size, c.device
+    T = chunk.start + c.shape[0]
+    positions = torch.arange(chunk.start, T, device=device)
+    blocks = chunk.block_table.to(device)
+    new_blocks, new_offsets = blocks[positions // bs], positions % bs
+    cache.latent[row, new_blocks, new_offsets] = c.to(cache.latent.dtype)
+    cache.index_k[row, new_blocks, new_offsets] = k_idx.to(cache.index_k.dtype)
+    cache.gate[row, new_blocks, new_offsets] = gamma.to(cache.gate.dtype)
+    used = blocks[:(T + bs - 1) // bs]
+    first_new, n_pools = chunk.start // kpool, T // kpool
+    if n_pools > first_new:
+        span = slice(first_new * kpool, n_pools * kpool)
+        k_hist = cache.index_k[row, used].flatten(0, 1)[span]
+        g_hist = cache.gate[row, used].flatten(0, 1)[span]
+        pool_pos = torch.arange(first_new, n_pools, device=device) * kpool
+        cache.pooled[row, blocks[pool_pos // bs], (pool_pos % bs) // kpool] = \
+            pool_keys(k_hist, g_hist, ape).to(cache.pooled.dtype)
+    return cache.pooled[row, used].flatten(0, 1)[:n_pools], cache.latent[row, used].flatten(0, 1)[:T]
+
+
 # §4.5 feed-forward ----------------------------------------------------------------------------
 
 def route(h: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor,
@@ -670,29 +695,12 @@ class GLMModel:
         ape = self.w(pi + "index_kpool_compress_ape")
 
         row = cache.dsa_index(L)
-        kpool, bs = cfg.index_kpool, cache.block_size
+        kpool = cfg.index_kpool
         out = []
         for chunk, (a, b) in zip(batch, spans):
             T = chunk.start + (b - a)
             positions = torch.arange(chunk.start, T, device=x.device)
-            blocks = chunk.block_table.to(x.device)
-            new_blocks, new_offsets = blocks[positions // bs], positions % bs
-            cache.latent[row, new_blocks, new_offsets] = c[a:b].to(cache.latent.dtype)
-            cache.index_k[row, new_blocks, new_offsets] = k_idx[a:b].to(cache.index_k.dtype)
-            cache.gate[row, new_blocks, new_offsets] = gamma[a:b].to(cache.gate.dtype)
-
-            used = blocks[:(T + bs - 1) // bs]
-            # Pools that complete inside this chunk get their pooled key now; older ones are cached.
-            first_new, n_pools = chunk.start // kpool, T // kpool
-            if n_pools > first_new:
-                span = slice(first_new * kpool, n_pools * kpool)
-                k_hist = cache.index_k[row, used].flatten(0, 1)[span]
-                g_hist = cache.gate[row, used].flatten(0, 1)[span]
-                pool_pos = torch.arange(first_new, n_pools, device=x.device) * kpool
-                cache.pooled[row, blocks[pool_pos // bs], (pool_pos % bs) // kpool] = \
-                    pool_keys(k_hist, g_hist, ape).to(cache.pooled.dtype)
-            pooled = cache.pooled[row, used].flatten(0, 1)[:n_pools]
-            latent = cache.latent[row, used].flatten(0, 1)[:T]
+            pooled, latent = write_dsa_rows(cache, row, chunk, c[a:b], k_idx[a:b], gamma[a:b], ape, kpool)
             # Queries go in groups small enough that the [rows, heads, keys] scores stay bounded.
             group = max(1, SCORE_BUDGET // (max(cfg.num_attention_heads, cfg.index_n_heads) * T))
             for r0 in range(a, b, group):
