@@ -1765,8 +1765,8 @@ def moe_route(h: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, top_k: 
 
 DSA_SCORE_BLOCK = 64
 DSA_ATTN_HEADS = 16  # heads per program (tl.dot needs >= 16 rows; fewer heads are padded)
-DSA_ATTN_BLOCK = 32  # selected positions per inner step
-DSA_ATTN_WARPS = 8
+DSA_ATTN_BLOCK = 16  # selected positions per inner step
+DSA_ATTN_WARPS = 8  # 178 registers, no spill, for sm_90 at full size (ptxas, triton 3.9); 32 positions spill
 
 
 @triton.jit
@@ -1775,7 +1775,8 @@ def _dot_bf16(a, b, TC: tl.constexpr):
     # as fp32, which gives the same exact products.
     if TC:
         return tl.dot(a, b)
-    return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
 
 
 @triton.jit
@@ -1784,7 +1785,8 @@ def _split(a, B_DT: tl.constexpr):
     if B_DT == tl.bfloat16:
         hi = a.to(tl.bfloat16)
         return hi, (a - hi.to(tl.float32)).to(tl.bfloat16)
-    return a, a
+    else:
+        return a, a
 
 
 @triton.jit
@@ -1792,16 +1794,21 @@ def _dot_pair(hi, lo, b, TC: tl.constexpr):
     # (hi + lo) · b in fp32 for bf16 b (from `_split`); hi · b in fp32 otherwise.
     if b.dtype == tl.bfloat16:
         return _dot_bf16(hi, b, TC) + _dot_bf16(lo, b, TC)
-    return tl.dot(hi.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(hi.to(tl.float32), b.to(tl.float32), input_precision="ieee")
 
 
 @triton.jit
 def _dot_f32(a, b, TC: tl.constexpr):
     # a (fp32 or bf16) · b in fp32 (see the section comment).
-    if a.dtype == tl.bfloat16 and b.dtype == tl.bfloat16:
-        return _dot_bf16(a, b, TC)
-    hi, lo = _split(a.to(tl.float32), b.dtype)
-    return _dot_pair(hi, lo, b, TC)
+    if a.dtype == b.dtype:
+        if b.dtype == tl.bfloat16:
+            return _dot_bf16(a, b, TC)
+        else:
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        hi, lo = _split(a.to(tl.float32), b.dtype)
+        return _dot_pair(hi, lo, b, TC)
 
 
 @triton.jit

@@ -259,6 +259,25 @@ def test_step_matches_forward(dtype):
                                    rtol=1e-4 if tight else 2e-2, atol=1e-5 if tight else 2e-2, msg=n)
 
 
+def test_step_matches_forward_when_the_table_needs_no_indexer():
+    """Contexts of one block (4 pools, the tiny top-k): the step takes every pool without scoring them."""
+    model = _model(torch.float32)
+    lens = [6, 3]
+    caches, tables, tok = _prefilled(model, lens)
+    fast = fastdecode.FastDecoder(model, caches[1], max_context=128)
+    calls = []
+    scores = kernels.dsa_index_scores
+    kernels.dsa_index_scores = lambda *a: calls.append(1) or scores(*a)
+    try:
+        worst, kl = _decode_both(model, fast, caches, tables, tok, lens, steps=3)  # a pool completes at 7
+    finally:
+        kernels.dsa_index_scores = scores
+    assert not calls
+    assert worst < 1e-4 and kl < 1e-8, (worst, kl)
+    for n in CACHE_TENSORS:
+        torch.testing.assert_close(getattr(caches[1], n), getattr(caches[0], n), rtol=1e-4, atol=1e-5, msg=n)
+
+
 def test_step_with_exl3_experts_runs_the_moe_kernel():
     model = _model(torch.float32, experts="exl3")
     caches, tables, tok = _prefilled(model, [21])
