@@ -1766,7 +1766,7 @@ def moe_route(h: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, top_k: 
 DSA_SCORE_BLOCK = 64
 DSA_ATTN_HEADS = 16  # heads per program (tl.dot needs >= 16 rows; fewer heads are padded)
 DSA_ATTN_BLOCK = 16  # selected positions per inner step
-DSA_ATTN_WARPS = 8  # 178 registers, no spill, for sm_90 at full size (ptxas, triton 3.9); 32 positions spill
+DSA_ATTN_WARPS = 8  # 156 registers, no spill, for sm_90 at full size (ptxas, triton 3.9); 32 positions spill
 
 
 @triton.jit
@@ -1975,7 +1975,10 @@ def _dsa_attn_kernel(q_ptr, q_sb, q_sh, lat_ptr, tables_ptr, t_stride, pos_ptr, 
         if ALL:
             pool = j
         else:
-            pool = tl.load(top_ptr + b * top_stride + j, mask=j < NT, other=0)
+            # With no more candidates than NT the top-k holds them all (and -inf picks): take pools
+            # 0.. in order instead, so that the skipped steps are the last ones.
+            picked = j < tl.where(n_cand > NT, NT, 0)
+            pool = tl.where(picked, tl.load(top_ptr + b * top_stride + j, mask=picked, other=0), j)
         valid = (j < NT) & (pool < n_cand)
         if TAIL:
             pool = tl.where(j == NT, n_cand, pool)
@@ -2018,9 +2021,10 @@ def dsa_sparse_attention(q_hat: torch.Tensor, latent: torch.Tensor, tables: torc
                          splits: int | None = None) -> torch.Tensor:
     """model_glm.mla_attention between W_UK and W_UV: softmax_t(q̂ · c_t / scale) over the selected
     positions t, times c_t. q̂ [B, H, R] fp32 (any strides); latent the cache row. The selection
-    (model_glm.select_tokens): the members of pools top [B, NT] (top-k pool indices; those that are
-    not complete at the position are skipped) or, top None, of every pool of the table, plus the
-    tail (positions after the last complete pool) with select_tail. Returns o [B, H, R] fp32 in
+    (model_glm.select_tokens): the members of pools top [B, NT] (the top-k of `dsa_index_scores`;
+    a sequence with no more complete pools than NT takes them all, as its top-k does) or, top None,
+    of every complete pool of the table, plus the tail (positions after the last complete pool)
+    with select_tail. Returns o [B, H, R] fp32 in
     q̂'s memory layout. `splits`: programs per (sequence, head block) (default: enough to fill the GPU)."""
     B = _check_tables("dsa_sparse_attention", tables, positions)
     H, R = q_hat.shape[1:]

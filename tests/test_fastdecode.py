@@ -115,6 +115,21 @@ def test_moe_route_matches_model_glm(dtype, E, D, k, norm):
     torch.testing.assert_close(w.gather(1, order.indices), want_w.gather(1, want_order.indices), rtol=1e-5, atol=1e-6)
 
 
+def test_glue_kernels_name_bad_operands():
+    h = torch.zeros(2, 64, device=DEVICE)
+    with pytest.raises(ValueError, match=r"gate_w must be contiguous fp32 \(E, 64\)"):
+        kernels.moe_route(h, torch.zeros(8, 32, device=DEVICE), torch.zeros(8, device=DEVICE), 2, True, 1.0)
+    latent = torch.zeros(4, 8, 32, device=DEVICE)
+    tables = torch.zeros(2, 1, dtype=torch.long, device=DEVICE)
+    positions = torch.ones(2, dtype=torch.long, device=DEVICE)
+    with pytest.raises(ValueError, match=r"q_hat must be fp32 \[2, H, 32\]"):
+        kernels.dsa_sparse_attention(torch.zeros(2, 4, 32, dtype=torch.bfloat16, device=DEVICE), latent, tables,
+                                     positions, None, 4, True, 1.0)
+    with pytest.raises(ValueError, match=r"latent must be a contiguous cache row"):
+        kernels.dsa_sparse_attention(torch.zeros(2, 4, 32, device=DEVICE), latent[:, :, :16], tables, positions,
+                                     None, 4, True, 1.0)
+
+
 def _dsa_cache(dtype, g, nb=6, bs=8, R=32, d=32, kpool=4):
     return [torch.randn(nb, rows, width, generator=g).to(dtype).to(DEVICE)
             for rows, width in ((bs, R), (bs, d), (bs, d), (bs // kpool, d))]
