@@ -380,8 +380,8 @@ def short_conv(window: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """Depthwise causal conv + SiLU. window [K-1+n, C] holds K-1 history rows then the n new ones;
     weight [C, 1, K], tap K-1 multiplies the current token. Runs in fp32."""
     K = weight.shape[-1]
-    taps = window.float().unfold(0, K, 1)  # [n, C, K]
-    return F.silu(torch.einsum("nck,ck->nc", taps, weight.float().squeeze(1))).to(window.dtype)
+    n, w = window.shape[0] - (K - 1), weight.float().reshape(-1, K)
+    return F.silu(sum(window[k:k + n].float() * w[:, k] for k in range(K))).to(window.dtype)
 
 
 def kda_gate(f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float,

@@ -385,6 +385,7 @@ def test_engine_sends_decode_tokens_to_the_fast_step():
     reference = [r.token_ids for r in make().generate(prompts, params)]
     eng = make()
     eng.fast = fastdecode.FastDecoder(model, eng.cache, max_context=eng.max_model_len)
+    eng.prefill = None  # (on a GPU the engine built a FastPrefill too: here the chunks go to the counted forward)
     calls = []  # per engine step: the fast step first, then the reference forward
     fast_step, forward = eng.fast.step, model.forward
     eng.fast.step = lambda batch: calls.append(f"fast {len(batch)}") or fast_step(batch)
@@ -406,6 +407,7 @@ def test_engine_on_cuda_captures_graphs_and_matches_the_reference_path():
     prompts = ["def fibonacci(n):", "import os\n", "class Stack:"]
     fast = E.load(dtype=torch.float32, max_cache_tokens=4096, max_num_seqs=4)
     assert fast.fast is not None and sorted(fast.fast.graphs) == [(B, 64) for B in range(1, 5)]
+    assert fast.prefill is not None  # prompts go through fastprefill.FastPrefill
     reference = E.load(dtype=torch.float32, max_cache_tokens=4096, max_num_seqs=4, use_kernels=False)
     assert reference.fast is None
     assert [r.token_ids for r in fast.generate(prompts, params)] == \

@@ -64,16 +64,22 @@ def _same_caches(caches, tight: bool) -> None:
             assert float(gap.max()) <= 2 ** -6 * float(ref.abs().max()) and float(gap.mean()) < 1e-3, n
 
 
-def test_prefill_matches_forward():
-    """fp32. Chunks that start mid KDA chunk and mid block (19 = 16 + 3), cross pool completions and
-    the indexer's top-k (16 positions), two sequences in one step; then a fast decode step reads
-    the state the fast prefill left."""
+# On a GPU the fp32 products of the KDA and DSA kernels run as TF32 (10-bit mantissa inputs).
+EXACT = DEVICE == "cpu"
+
+
+@pytest.mark.parametrize("dense_up_to", [1 << 20, 0], ids=["dense", "sparse"])
+def test_prefill_matches_forward(dense_up_to, monkeypatch):
+    """fp32, DSA in both forms. Chunks that start mid KDA chunk and mid block (19 = 16 + 3), cross
+    pool completions and the indexer's top-k (16 positions), two sequences in one step; then a fast
+    decode step reads the state the fast prefill left."""
+    monkeypatch.setattr(fastprefill.FastPrefill, "DSA_DENSE_UP_TO", dense_up_to)
     model = _two_layers(torch.float32)
     caches, fast = _both(model)
     steps = _chunks(model, [[19, 14], [5, 9]])
     worst, kl = _steps(model, caches, fast, steps)
-    assert worst < 1e-3 and kl < 1e-7, (worst, kl)
-    _same_caches(caches, tight=True)
+    assert worst < (1e-3 if EXACT else 1e-2) and kl < (1e-7 if EXACT else 1e-6), (worst, kl)  # H200: 2.1e-3, 2.5e-7
+    _same_caches(caches, tight=EXACT)
     step = [SeqChunk(torch.tensor([5]), 33, steps[0][0].block_table, 0)]
     assert _kl(model.forward(step, caches[0]).logits, fast.decoder.step(step).logits) < 1e-7
 
@@ -92,7 +98,7 @@ def test_prefill_with_exl3_experts_runs_the_moe_kernel():
     assert fast.decoder.layers[1].experts.exl3 is not None
     worst, kl = _steps(model, caches, fast, _chunks(model, [[19]]))
     assert worst < 5e-3 and kl < 1e-6, (worst, kl)
-    _same_caches(caches, tight=True)
+    _same_caches(caches, tight=EXACT)
 
 
 def test_unsupported_block_size_is_named():
