@@ -7,19 +7,16 @@ stacked experts that `fastdecode.FastDecoder` prepared; model_glm.forward is thi
 - mHC (§4.2): `kernels.hc_pre` / `hc_post`, row-parallel, as in the decode step;
 - KDA (§4.3): the chunked WY form runs in `kernels.kda_chunk_prefill` (three launches for the whole
   chunk) instead of a Python loop of torch ops per 64 tokens;
-- DSA (§4.4): up to `DSA_DENSE_UP_TO` tokens of context, model_glm's own masked form with its fp32
-  products on the tensor cores (TF32 inputs, fp32 accumulation); past it, the decode step's indexer
-  and sparse-attention kernels with the chunk's rows as the batch, so each query reads its 2051
-  selected positions instead of a mask over the whole context;
+- DSA (§4.4): the decode step's indexer and sparse-attention kernels with the chunk's rows as the
+  batch, so each query reads its 2051 selected positions instead of a mask over the whole context
+  (H200, 4 full-size layers: 8K prompt as fast as model_glm's masked form under TF32, 32K 2.6x faster);
 - routed experts (§4.5): `kernels.exl3_moe_prefill` runs every selected expert of the layer in a few
   launches instead of a Python loop over up to 288 experts.
 Decode steps go to FastDecoder; speculative verification and MTP stay in model_glm.
 """
 from __future__ import annotations
 
-import contextlib
 import math
-from typing import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -30,26 +27,11 @@ from model_glm import (KDA_CHUNK, ForwardOutput, SeqChunk, kda_gate, l2_norm, li
                        short_conv, write_dsa_rows)
 
 
-@contextlib.contextmanager
-def tf32() -> Iterator[None]:
-    """fp32 matmuls on the tensor cores (10-bit mantissa inputs, fp32 accumulation) inside the block."""
-    old = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = True
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = old
-
-
 class FastPrefill:
     """Prompt chunks of `decoder.model` against `decoder.cache`: `forward(batch)` for chunks of any
     length >= 1 (each a sequence's next positions, as model_glm.forward takes them), one chunk
     after another. Logits of each chunk's last row, like model_glm.forward without all_logits."""
 
-    # DSA over a context of up to this many tokens runs model_glm's masked form (dense TF32 GEMMs over
-    # every earlier position), past it the sparse kernels (work per query fixed by the top-k, but
-    # gathered rows): H200, one 8K chunk at full size, 35 vs 107 ms a layer (bench.py model --profile).
-    DSA_DENSE_UP_TO = 16384
     DSA_ROWS = 2048  # queries per indexer launch: their fp32 pool scores take 256 MiB at 128K context
 
     def __init__(self, decoder: FastDecoder):
@@ -76,14 +58,7 @@ class FastPrefill:
         X = d.embed[tokens][:, None, :].repeat(1, cfg.hc_mult, 1).contiguous()
         for L, layer in enumerate(d.layers):
             x, post, C = d._hc_pre(X, layer.attn_hc, layer.input_norm)
-            if layer.kind == "kda":
-                y = self.kda(layer, x, c)
-            elif c.start + x.shape[0] <= self.DSA_DENSE_UP_TO:
-                with tf32():
-                    y = self.model.dsa(L, x, [c], [(0, x.shape[0])], self.cache)
-            else:
-                with tf32():
-                    y = self.dsa(layer, x, c)
+            y = self.kda(layer, x, c) if layer.kind == "kda" else self.dsa(layer, x, c)
             X = kernels.hc_post(X, y, post, C)
             h, post, C = d._hc_pre(X, layer.ffn_hc, layer.post_norm)
             y = self.moe(L, layer, h) if layer.experts is not None else d.mlp(layer, h)

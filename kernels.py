@@ -1450,20 +1450,26 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, out
 # `_hc_post_kernel`: X'_j = post_j y + Σ_i C[i, j] X_i.
 
 HC_MIX_BLOCK = 256
+HC_MIX_ROWS = 16
 HC_BLOCK = 512
 
 
 @triton.jit
-def _hc_mix_kernel(x_ptr, fn_ptr, part_ptr, sq_ptr, n_in, n_out, S, NP: tl.constexpr, BK: tl.constexpr):
-    b = tl.program_id(0)
+def _hc_mix_kernel(x_ptr, fn_ptr, part_ptr, sq_ptr, B, n_in, n_out, S, NP: tl.constexpr, BK: tl.constexpr,
+                   BR: tl.constexpr):
+    # BR rows per program share each load of fn (a prefill chunk has thousands of rows; fn is 1.5 MB);
+    # each row's sums are the one-row kernel's, in fp32 FMA (tl.dot may round its inputs to TF32)
     s = tl.program_id(1)
     k = s * BK + tl.arange(0, BK)
     inside = k < n_in
-    x = tl.load(x_ptr + b * n_in + k, mask=inside, other=0.0).to(tl.float32)
     o = tl.arange(0, NP)
     fn = tl.load(fn_ptr + o[:, None] * n_in + k[None, :], mask=(o[:, None] < n_out) & inside[None, :], other=0.0)
-    tl.store(part_ptr + (b * S + s) * NP + o, tl.sum(fn * x[None, :], axis=1))
-    tl.store(sq_ptr + b * S + s, tl.sum(x * x, axis=0))
+    for i in tl.static_range(BR):
+        b = tl.program_id(0) * BR + i
+        if b < B:
+            x = tl.load(x_ptr + b * n_in + k, mask=inside, other=0.0).to(tl.float32)
+            tl.store(part_ptr + (b * S + s) * NP + o, tl.sum(fn * x[None, :], axis=1))
+            tl.store(sq_ptr + b * S + s, tl.sum(x * x, axis=0))
 
 
 @triton.jit
@@ -1548,7 +1554,8 @@ def hc_pre(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.T
     NP = triton.next_power_of_2(n_out)
     part = torch.empty(B, S, NP, dtype=torch.float32, device=X.device)
     sq = torch.empty(B, S, dtype=torch.float32, device=X.device)
-    _hc_mix_kernel[(B, S)](X, fn, part, sq, n_in, n_out, S, NP=NP, BK=HC_MIX_BLOCK)
+    _hc_mix_kernel[(triton.cdiv(B, HC_MIX_ROWS), S)](X, fn, part, sq, B, n_in, n_out, S, NP=NP, BK=HC_MIX_BLOCK,
+                                                     BR=HC_MIX_ROWS)
     BD = min(HC_BLOCK, triton.next_power_of_2(D))
     NB = triton.cdiv(D, BD)
     u = torch.empty(B, D, dtype=X.dtype, device=X.device)

@@ -68,12 +68,10 @@ def _same_caches(caches, tight: bool) -> None:
 EXACT = DEVICE == "cpu"
 
 
-@pytest.mark.parametrize("dense_up_to", [1 << 20, 0], ids=["dense", "sparse"])
-def test_prefill_matches_forward(dense_up_to, monkeypatch):
-    """fp32, DSA in both forms. Chunks that start mid KDA chunk and mid block (19 = 16 + 3), cross
-    pool completions and the indexer's top-k (16 positions), two sequences in one step; then a fast
-    decode step reads the state the fast prefill left."""
-    monkeypatch.setattr(fastprefill.FastPrefill, "DSA_DENSE_UP_TO", dense_up_to)
+def test_prefill_matches_forward():
+    """fp32. Chunks that start mid KDA chunk and mid block (19 = 16 + 3), cross pool completions and
+    the indexer's top-k (16 positions), two sequences in one step; then a fast decode step reads
+    the state the fast prefill left."""
     model = _two_layers(torch.float32)
     caches, fast = _both(model)
     steps = _chunks(model, [[19, 14], [5, 9]])
