@@ -568,7 +568,9 @@ def run_model(args) -> list[Row]:
         section("decode B=1 reference path", lambda: decode(1, lambda b: model.forward(b, cache).logits, "reference", 2))
         section("fast vs reference", agreement)
     section("verify cost", verify_cost)
-    section("prefill warm-up (compiles, untimed)", lambda: prefill(prompts[0] // 4) and None)
+    # compiles every kernel variant: a full chunk picks other launch tiles than a short prompt
+    section("prefill warm-up (compiles, untimed)",
+            lambda: prefill(prompts[0] // 4) and prefill(min(args.prefill_chunk, max(prompts))) and None)
     section(f"prefill {prompts[0]}", lambda: prefill(prompts[0]))
     if pre is not None:
         section(f"prefill {prompts[0]} reference path", lambda: prefill(prompts[0], fast_path=False))
@@ -1132,13 +1134,14 @@ SPEC_CACHE_TOKENS = 8192  # per engine: the three live side by side (a default p
 
 def run_agreement(args) -> None:
     """The trained default model (EXL3 4-bit experts): KL(reference || fast step) over decode steps
-    that follow a prefill of real text, beside the reference's own move for a 1-ulp input change."""
+    that follow a prefill of real text, beside the reference's own move for a 1-ulp input change;
+    then KL(reference || fast prefill) of the last row of 8 prompts (prefixes of the same text)."""
     import engine
     device = torch.device(args.device)
     e = engine.load(device=args.device, progress=False, max_cache_tokens=8192, use_kernels=False)
     model, cfg = e.model, e.model.config
     ids = e.tokenizer.encode(Path(json.__file__).read_text()).ids[:args.context]
-    cache = CachePool(cfg, num_blocks=64, num_slots=2, block_size=BLOCK_SIZE, dtype=model.dtype, device=device)
+    cache = CachePool(cfg, num_blocks=128, num_slots=2, block_size=BLOCK_SIZE, dtype=model.dtype, device=device)
     table = torch.arange(64)
     model.forward([SeqChunk(torch.tensor(ids), 0, table, 0)], cache)
     fast = FastDecoder(model, cache, max_context=4096)
@@ -1146,6 +1149,14 @@ def run_agreement(args) -> None:
         say(f"default model ({model.dtype}, {args.device}), KL(reference || {what}) over {args.steps} decode steps "
             f"after {len(ids)} tokens of json/__init__.py: mean {mean:.2e} nats (max {worst:.2e}), "
             f"top-1 agreement {agree}/{args.steps}")
+    prefill, kls, agree = FastPrefill(fast), [], 0
+    for n in (len(ids) * (i + 1) // 8 for i in range(8)):  # slot 1 and blocks 64.. (slot 0 holds the text)
+        chunk = [SeqChunk(torch.tensor(ids[:n]), 0, torch.arange(64, 128), 1)]
+        ref, got = model.forward(chunk, cache).logits, prefill.forward(chunk).logits
+        kls.append(float(kl_nats(ref, got)))
+        agree += int(ref.argmax() == got.argmax())
+    say(f"default model ({model.dtype}, {args.device}), KL(reference || fast prefill), last row of 8 prompts of "
+        f"{len(ids) // 8}..{len(ids)} tokens: mean {sum(kls) / 8:.2e} nats (max {max(kls):.2e}), top-1 agreement {agree}/8")
 
 
 def run_fp8_core(args) -> None:

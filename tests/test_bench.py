@@ -53,7 +53,7 @@ def test_tiny_model_runs_every_section_on_cpu():
         rows = bench.run_model(bench.parse(["model", "--device", "cpu", "--tiny", "--steps", "2",
                                             "--context", "64", "--budget", "600", "--reference"]))
     names = [r.what for r in rows]
-    assert names == ["decode B=1 ctx 64 (reference)", "prefill 64", "decode B=1 ctx 512 (reference)",
-                     "decode B=4 ctx 64 (reference)", "decode B=16 ctx 64 (reference)", "prefill 256"]
+    assert names == ["decode B=1 ctx 64 (reference)", "prefill 64 (reference)", "decode B=1 ctx 512 (reference)",
+                     "decode B=4 ctx 64 (reference)", "decode B=16 ctx 64 (reference)", "prefill 256 (reference)"]
     for r in rows:
         assert 0 < r.measured < r.floor < math.inf, r
