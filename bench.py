@@ -1056,7 +1056,7 @@ def kda_prefill(gbps: float) -> None:
 
 def kda_precision(gbps: float) -> None:
     import kernels
-    say("\n== tl.dot input precision (prefill T=8192, default tiles; tf32 is the default) ==")
+    say("\n== tl.dot input precision (prefill T=8192, default tiles; kernels.DOT_PRECISION is the default) ==")
     T = 8192
     q, k, v, g, beta = kda_inputs(T, seed=11)
     S0 = 0.1 * torch.randn(KDA_H, KDA_D, KDA_D, device="cuda")

@@ -924,15 +924,17 @@ def exl3_moe_prefill(x: torch.Tensor, ids: torch.Tensor, route: torch.Tensor,
 # `kda_recurrent_step` runs that for one token of B sequences against a state pool (decode);
 # `kda_chunk_prefill` runs a whole sequence in the chunked WY form (§4.3.7).
 #
-# Matrix products inside the prefill kernels use `tl.dot` with DOT_PRECISION = "tf32": operands are
-# rounded to a 10-bit mantissa on the tensor cores (about 1e-3 relative error per product), while
-# everything else (the carried state, Γ, the exact solve of the 16-row diagonal blocks) stays fp32.
-# "tf32x3" (near fp32 on the tensor cores) and "ieee" (plain fp32 FMA) both spill registers in these
-# kernels when compiled for sm_90; `bench.py kda precision` measures the error and time of all three.
+# Matrix products inside the prefill kernels use `tl.dot` with DOT_PRECISION = "tf32x3": each fp32
+# operand goes to the tensor cores as a TF32 hi part plus a TF32 remainder (three products), near
+# fp32; everything else (the carried state, Γ, the exact solve of the 16-row diagonal blocks) is fp32.
+# `bench.py kda precision`, H200, T = 8192, one layer: "tf32" 9.2 ms at 1.5e-3 relative error of o,
+# "tf32x3" 11.3 ms at 1.5e-6, "ieee" (fp32 FMA) 16.3 ms at 1.5e-6. With "tf32" the fast prefill of
+# the trained default model (bf16) was 5.9e-3 nats of KL from the reference; with "tf32x3" 5.5e-4,
+# the size of that model's own move for a 1-ulp change of its input (5.4e-4).
 # Under the CPU interpreter tl.dot is exact fp32 whatever the setting. The decode kernel has no
 # matrix product.
 
-DOT_PRECISION = "tf32"
+DOT_PRECISION = "tf32x3"
 SUB_CHUNK = 16  # rows of the diagonal blocks solved exactly inside a chunk; tl.dot needs >= 16
 OUT_BLOCK_V, OUT_BLOCK_K = 64, 32
 
