@@ -191,17 +191,26 @@ def _load_step(words_ptr, off0, off1, off2, off3, xh_ptr, x_off, x_ok, NL: tl.co
 
 
 @triton.jit
-def _step_dot(w0, w1, w2, w3, x, o, zero, acc, K2: tl.constexpr, CB: tl.constexpr, MP: tl.constexpr,
-              RT: tl.constexpr, CT: tl.constexpr, STATIC: tl.constexpr, BASE: tl.constexpr, NR: tl.constexpr):
-    # acc [CT * 16, 16] += Ŵ^T · B for one step of RT x CT tiles: y^T = Ŵ^T x^T, so that the decoded
-    # weights are the mma A operand, whose fragment is exactly a lane's 8 states (spec §3: rows
-    # 2(L%4) + {0, 1, 8, 9} of Ŵ, columns L/4 and L/4 + 8) and never leave the registers (on sm_90
-    # triton 3.6 makes this a wgmma with A in registers). B holds each fp32 activation row as fp16
-    # hi (column i) and lo * 2^11 (column MP + i) parts, so the fp16 products summed in fp32 lose
-    # nothing that matters: the 2^11 keeps lo out of fp16's subnormals for |x| >= 2^-14 (without it
-    # a MoE layer with ~1e-4 activations was 6.5e-3 off on the H200); |x| must stay below 65504, as
-    # in exllamav3's fp16 path.
-    # Columns from 2 MP on are zero.
+def _lane_words(tiles_n, pid_n, K2: tl.constexpr, RT: tl.constexpr, CT: tl.constexpr):
+    # For each mma lane L of each of the RT x CT tiles of a step (column block pid_n of tiles_n
+    # tiles): the bit offset o of b_L, the start of its first state, in its word, and the offsets of
+    # the 4 ring words from that one on (the ring wraps) relative to the step's first word.
+    NW: tl.constexpr = 4 * K2
+    RING: tl.constexpr = 128 * K2
+    lane = tl.arange(0, 32)[:, None, None]
+    b = (((8 * lane + 1) * K2) >> 1) + RING - 16
+    b = tl.where(b >= RING, b - RING, b)
+    first = b >> 5
+    tile_word0 = (tl.arange(0, RT)[None, None, :] * tiles_n + pid_n * CT + tl.arange(0, CT)[None, :, None]) * NW
+    return ((b & 31).to(tl.uint32), tile_word0 + first, tile_word0 + (first + 1) % NW,
+            tile_word0 + (first + 2) % NW, tile_word0 + (first + 3) % NW)
+
+
+@triton.jit
+def _decoded_tiles(w0, w1, w2, w3, o, zero, K2: tl.constexpr, CB: tl.constexpr, RT: tl.constexpr,
+                   CT: tl.constexpr, STATIC: tl.constexpr, BASE: tl.constexpr, NR: tl.constexpr):
+    # Ŵ^T [CT * 16, RT * 16] fp16 of one step from every lane's ring words, in the mma A-operand
+    # layout (rows: output columns, columns: k, both natural).
     if STATIC:
         r0, r1, r2, r3 = w0, w1, w2, w3
     else:
@@ -223,8 +232,23 @@ def _step_dot(w0, w1, w2, w3, x, o, zero, acc, K2: tl.constexpr, CB: tl.constexp
     v7 = _codebook(_bits16(r0, r1, r2, r3, BASE + ((8 * K2) >> 1) - (K2 >> 1)), CB, zero)
     # w[L, ct, rt, j0, j1, j2] = v_(4 j2 + 2 j1 + j0): Ŵ row 8 j1 + 2 (L % 4) + j0, column 8 j2 + L / 4.
     w = tl.join(tl.join(tl.join(v0, v1), tl.join(v2, v3)), tl.join(tl.join(v4, v5), tl.join(v6, v7)))
-    w = tl.reshape(w, [8, 4, CT, RT, 2, 2, 2])                                   # c, g, ct, rt, j0, j1, j2
-    w = tl.reshape(tl.permute(w, (2, 6, 0, 3, 5, 1, 4)), [CT * 16, RT * 16])  # Ŵ^T: ct j2 c | rt j1 g j0
+    w = tl.reshape(w, [8, 4, CT, RT, 2, 2, 2])                                  # c, g, ct, rt, j0, j1, j2
+    return tl.reshape(tl.permute(w, (2, 6, 0, 3, 5, 1, 4)), [CT * 16, RT * 16])  # Ŵ^T: ct j2 c | rt j1 g j0
+
+
+@triton.jit
+def _step_dot(w0, w1, w2, w3, x, o, zero, acc, K2: tl.constexpr, CB: tl.constexpr, MP: tl.constexpr,
+              RT: tl.constexpr, CT: tl.constexpr, STATIC: tl.constexpr, BASE: tl.constexpr, NR: tl.constexpr):
+    # acc [CT * 16, 16] += Ŵ^T · B for one step of RT x CT tiles: y^T = Ŵ^T x^T, so that the decoded
+    # weights are the mma A operand, whose fragment is exactly a lane's 8 states (spec §3: rows
+    # 2(L%4) + {0, 1, 8, 9} of Ŵ, columns L/4 and L/4 + 8) and never leave the registers (on sm_90
+    # triton 3.6 makes this a wgmma with A in registers). B holds each fp32 activation row as fp16
+    # hi (column i) and lo * 2^11 (column MP + i) parts, so the fp16 products summed in fp32 lose
+    # nothing that matters: the 2^11 keeps lo out of fp16's subnormals for |x| >= 2^-14 (without it
+    # a MoE layer with ~1e-4 activations was 6.5e-3 off on the H200); |x| must stay below 65504, as
+    # in exllamav3's fp16 path.
+    # Columns from 2 MP on are zero.
+    w = _decoded_tiles(w0, w1, w2, w3, o, zero, K2, CB, RT, CT, STATIC, BASE, NR)
     hi = x.to(tl.float16)
     b = tl.where(tl.arange(0, 16)[None, :] < MP, hi, ((x - hi.to(tl.float32)) * 2048.0).to(tl.float16))
     return tl.dot(w, b, acc)
@@ -241,7 +265,6 @@ def _gemv_products(xh_ptr, words_ptr, m, k, n, steps, pid_n, pid_k,
     # Returns this program's partial sums z [MP, CT * 16]; the callers add them up across programs
     # and let the last program of each 128-column block apply H128 and svh.
     NW: tl.constexpr = 4 * K2
-    RING: tl.constexpr = 128 * K2
     # Position 8L + j of a tile ends at ring bit 4 L K2 + (((j + 1) K2) >> 1), so relative to the
     # start b_L of lane L's first state, state j starts at the compile-time bit
     # ((j + 1) K2 >> 1) - (K2 >> 1), and all 8 end SPAN bits after b_L. Only b_L's offset in its word
@@ -257,16 +280,7 @@ def _gemv_products(xh_ptr, words_ptr, m, k, n, steps, pid_n, pid_k,
     # A zero the compiler cannot see through: with it, the codebook's two LOP3 constants are one
     # immediate and one loop-invariant register, instead of a constant re-materialized per weight.
     zero = (k >> 31).to(tl.uint32)
-    lane = tl.arange(0, 32)[:, None, None]
-    b = (((8 * lane + 1) * K2) >> 1) + RING - 16
-    b = tl.where(b >= RING, b - RING, b)
-    first = b >> 5
-    o = (b & 31).to(tl.uint32)
-    tile_word0 = (tl.arange(0, RT)[None, None, :] * tiles_n + pid_n * CT + tl.arange(0, CT)[None, :, None]) * NW
-    off0 = tile_word0 + first
-    off1 = tile_word0 + (first + 1) % NW
-    off2 = tile_word0 + (first + 2) % NW
-    off3 = tile_word0 + (first + 3) % NW
+    o, off0, off1, off2, off3 = _lane_words(tiles_n, pid_n, K2, RT, CT)
     # B's columns i and MP + i both read activation row i; tile row r sits at the rotation's slot for it.
     b_col = tl.arange(0, 16)[None, :]
     x_row = tl.where(b_col < MP, b_col, b_col - MP)
@@ -700,35 +714,6 @@ def _prefill_scale_kernel(a_ptr, out_ptr, inv_ptr, P, n, RB: tl.constexpr):
 
 
 @triton.jit
-def _decoded_tiles(w0, w1, w2, w3, o, zero, K2: tl.constexpr, CB: tl.constexpr, RT: tl.constexpr,
-                   CT: tl.constexpr, STATIC: tl.constexpr, BASE: tl.constexpr, NR: tl.constexpr):
-    # Ŵ^T [CT * 16, RT * 16] fp16 of one step from every lane's ring words: the decode half of
-    # _step_dot, in the same mma A-operand layout (rows: output columns, columns: k, both natural).
-    if STATIC:
-        r0, r1, r2, r3 = w0, w1, w2, w3
-    else:
-        r0 = _funnel(w0, w1, o)
-        r1 = r0
-        r2 = r0
-        if NR > 1:
-            r1 = _funnel(w1, w2, o)
-        if NR > 2:
-            r2 = _funnel(w2, w3, o)
-        r3 = r0
-    v0 = _codebook(_bits16(r0, r1, r2, r3, BASE), CB, zero)
-    v1 = _codebook(_bits16(r0, r1, r2, r3, BASE + ((2 * K2) >> 1) - (K2 >> 1)), CB, zero)
-    v2 = _codebook(_bits16(r0, r1, r2, r3, BASE + ((3 * K2) >> 1) - (K2 >> 1)), CB, zero)
-    v3 = _codebook(_bits16(r0, r1, r2, r3, BASE + ((4 * K2) >> 1) - (K2 >> 1)), CB, zero)
-    v4 = _codebook(_bits16(r0, r1, r2, r3, BASE + ((5 * K2) >> 1) - (K2 >> 1)), CB, zero)
-    v5 = _codebook(_bits16(r0, r1, r2, r3, BASE + ((6 * K2) >> 1) - (K2 >> 1)), CB, zero)
-    v6 = _codebook(_bits16(r0, r1, r2, r3, BASE + ((7 * K2) >> 1) - (K2 >> 1)), CB, zero)
-    v7 = _codebook(_bits16(r0, r1, r2, r3, BASE + ((8 * K2) >> 1) - (K2 >> 1)), CB, zero)
-    w = tl.join(tl.join(tl.join(v0, v1), tl.join(v2, v3)), tl.join(tl.join(v4, v5), tl.join(v6, v7)))
-    w = tl.reshape(w, [8, 4, CT, RT, 2, 2, 2])
-    return tl.reshape(tl.permute(w, (2, 6, 0, 3, 5, 1, 4)), [CT * 16, RT * 16])
-
-
-@triton.jit
 def _prefill_products(words_ptr, xs_ptr, rows_ok, k, n, pid_n,
                       K2: tl.constexpr, CB: tl.constexpr, RT: tl.constexpr, BM: tl.constexpr):
     # acc [128, BM] fp32 = (xs[:BM] · Ŵ[:, 128 pid_n : 128 (pid_n + 1)])^T for one expert's trellis
@@ -736,7 +721,6 @@ def _prefill_products(words_ptr, xs_ptr, rows_ok, k, n, pid_n,
     # Lane geometry as in _gemv_products: one thread element = one mma lane of one 16x16 tile.
     CT: tl.constexpr = 8
     NW: tl.constexpr = 4 * K2
-    RING: tl.constexpr = 128 * K2
     SPAN: tl.constexpr = ((8 * K2) >> 1) - (K2 >> 1) + 16
     STATIC: tl.constexpr = (4 * K2) % 32 == 0
     BASE: tl.constexpr = ((K2 >> 1) + 16) % 32 if STATIC else 0
@@ -744,16 +728,7 @@ def _prefill_products(words_ptr, xs_ptr, rows_ok, k, n, pid_n,
     NL: tl.constexpr = (BASE + SPAN + 31) // 32 if STATIC else NR + 1
     tiles_n = n // 16
     zero = (k >> 31).to(tl.uint32)
-    lane = tl.arange(0, 32)[:, None, None]
-    b = (((8 * lane + 1) * K2) >> 1) + RING - 16
-    b = tl.where(b >= RING, b - RING, b)
-    first = b >> 5
-    o = (b & 31).to(tl.uint32)
-    tile_word0 = (tl.arange(0, RT)[None, None, :] * tiles_n + pid_n * CT + tl.arange(0, CT)[None, :, None]) * NW
-    off0 = tile_word0 + first
-    off1 = tile_word0 + (first + 1) % NW
-    off2 = tile_word0 + (first + 2) % NW
-    off3 = tile_word0 + (first + 3) % NW
+    o, off0, off1, off2, off3 = _lane_words(tiles_n, pid_n, K2, RT, CT)
     x_off = tl.arange(0, BM)[None, :] * k + tl.arange(0, RT * 16)[:, None]  # B [RT * 16, BM] = xs^T
     steps = k // (RT * 16)
     step_words = RT * tiles_n * NW
