@@ -53,11 +53,13 @@ class TargetPass:
 
 
 def target_forward(model: GLMModel, batch: list[SeqChunk], cache: CachePool, logit_rows: list[int],
-                   taps: tuple[int, ...] = (), record_rows: list[int] = ()) -> TargetPass:
+                   taps: tuple[int, ...] = (), record_rows: list[int] = (), prefill=None) -> TargetPass:
     """`GLMModel.forward` with logits at `logit_rows`, every row's hidden, the DFlash2 taps and the KDA
-    layers' inputs at `record_rows` (the verify rows: a prefill chunk in the same pass is not kept)."""
+    layers' inputs at `record_rows` (the verify rows: a prefill chunk in the same pass is not kept).
+    `prefill`: a fastprefill.FastPrefill over the same model and cache computes it instead."""
+    asked = dict(logit_rows=list(logit_rows), taps=taps, kda_input_rows=list(record_rows))
     with torch.no_grad():
-        out = model.forward(batch, cache, logit_rows=list(logit_rows), taps=taps, kda_input_rows=list(record_rows))
+        out = model.forward(batch, cache, **asked) if prefill is None else prefill.forward(batch, **asked)
     return TargetPass(out.logits, out.hidden, out.taps, out.kda_inputs, list(record_rows))
 
 

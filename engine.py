@@ -424,8 +424,8 @@ class Engine:
         GLM-Flash table, 8 rows = 2.8x one row, dflash2.md §6.3).
         use_kernels: on one CUDA device, plain decode steps run fastdecode.FastDecoder's kernels in
         CUDA graphs captured here (batch 1..max_num_seqs, context buckets up to max_model_len) and
-        prefill chunks run fastprefill.FastPrefill's; False runs every step through model_glm's
-        reference path."""
+        prefill chunks (and a speculator's verify passes) run fastprefill.FastPrefill's; False runs
+        every step through model_glm's reference path."""
         self.model, self.tokenizer, self.chat_template = model, tokenizer, chat_template
         self.config: GLMConfig = model.config
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -456,12 +456,13 @@ class Engine:
         print(f"engine: cache {num_blocks} blocks x {block_size} tokens, {block_bytes / block_size:.0f} B/token, "
               f"{slot_bytes / 2**20:.1f} MiB KDA state per sequence, {num_slots} slots, "
               f"{(num_blocks * block_bytes + num_slots * slot_bytes) / 2**30:.3f} GiB; context {self.max_model_len}")
-        # Speculative steps verify several rows per sequence: they take the reference path.
+        # Speculative steps verify several rows per sequence: FastPrefill runs them (eagerly), and no
+        # decode graphs are captured.
         self.fast = self._fast_decoder(max_num_seqs) if use_kernels and speculator == "none" else None
-        self.prefill = self._fast_prefill()
+        self.prefill = self._fast_prefill() if use_kernels else None
         if speculator != "none" and self.device.type == "cuda":
-            print(f"engine: speculator {speculator!r}: verify passes run the reference path (no CUDA graphs); "
-                  "on a GPU plain decoding with the fast step is faster today (BENCHMARKS.md)")
+            print(f"engine: speculator {speculator!r}: verify passes run fastprefill's kernels without CUDA "
+                  "graphs; their speed against plain graph decoding is not measured yet (BENCHMARKS.md)")
         self.blocks = BlockManager(num_blocks, SnapshotStore(snapshot_bytes, torch.device(snapshot_device)))
         self.free_slots = list(range(max_num_seqs))
         self.waiting: deque[Sequence] = deque()
@@ -587,13 +588,15 @@ class Engine:
                            b.snapshots.nbytes, speculator=self.speculator_name, **self.counters)
 
     def _fast_prefill(self) -> "fastprefill.FastPrefill | None":
-        """The kernel prefill, over the fast decode step's prepared weights (so only beside it)."""
-        if self.fast is None:
+        """The kernel prefill (and verify passes) on one CUDA device, over the fast decode step's
+        prepared weights (with a speculator, over a decoder of its own: no graphs are captured)."""
+        if len(self.model.placement.devices) != 1 or self.device.type != "cuda":
             return None
         try:
-            return fastprefill.FastPrefill(self.fast)
+            decoder = self.fast or fastdecode.FastDecoder(self.model, self.cache, max_context=self.max_model_len)
+            return fastprefill.FastPrefill(decoder)
         except fastdecode.Unsupported as why:
-            print(f"engine: prefill chunks take the reference path: {why}")
+            print(f"engine: prefill chunks and verify passes take the reference path: {why}")
             return None
 
     def _fast_decoder(self, max_num_seqs: int) -> "fastdecode.FastDecoder | None":
@@ -693,7 +696,7 @@ class Engine:
             rows += range(a, a + n) if seq.draft else [a + n - 1]
         saved = dflash.save_kda_slots(self.cache, [seq.slot for seq, _ in batch if seq.draft])
         drafted = [r for (seq, n), a in zip(batch, offsets) if seq.draft for r in range(a, a + n)]
-        verify = dflash.target_forward(self.model, chunks, self.cache, rows, self.speculator.taps, drafted)
+        verify = dflash.target_forward(self.model, chunks, self.cache, rows, self.speculator.taps, drafted, self.prefill)
         logits = verify.logits
         argmax = logits.argmax(-1).tolist()
         emitted = {i: self._verify(seq, logits[first[i]:first[i] + n]) for i, (seq, n) in enumerate(batch) if seq.draft}

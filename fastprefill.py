@@ -12,11 +12,13 @@ stacked experts that `fastdecode.FastDecoder` prepared; model_glm.forward is thi
   (H200, 4 full-size layers: 8K prompt as fast as model_glm's masked form under TF32, 32K 2.6x faster);
 - routed experts (§4.5): `kernels.exl3_moe_prefill` runs every selected expert of the layer in a few
   launches instead of a Python loop over up to 288 experts.
-Decode steps go to FastDecoder; speculative verification and MTP stay in model_glm.
+Decode steps go to FastDecoder; speculative verify passes come here too (dflash.target_forward);
+MTP drafting and the KDA rollback after a partial accept stay in model_glm.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -27,10 +29,18 @@ from model_glm import (KDA_CHUNK, ForwardOutput, SeqChunk, kda_gate, l2_norm, li
                        short_conv, write_dsa_rows)
 
 
+@dataclass
+class ChunkRun:
+    """What one chunk's pass through the trunk keeps (see FastPrefill.chunk)."""
+    h: torch.Tensor | None = None
+    taps: dict[int, torch.Tensor] = field(default_factory=dict)
+    kda_inputs: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
 class FastPrefill:
-    """Prompt chunks of `decoder.model` against `decoder.cache`: `forward(batch)` for chunks of any
-    length >= 1 (each a sequence's next positions, as model_glm.forward takes them), one chunk
-    after another. Logits of each chunk's last row, like model_glm.forward without all_logits."""
+    """Prompt chunks and verify passes of `decoder.model` against `decoder.cache`: `forward(batch)`
+    for chunks of any length >= 1 (each a sequence's next positions, as model_glm.forward takes
+    them), one chunk after another; no CUDA graphs (the shapes vary)."""
 
     DSA_ROWS = 2048  # queries per indexer launch: their fp32 pool scores take 256 MiB at 128K context
 
@@ -44,27 +54,56 @@ class FastPrefill:
             raise Unsupported(f"block size {bs}: the KDA prefill kernel needs a block size that is a multiple "
                               f"of {KDA_CHUNK} or one of 16 and 32")
 
-    def forward(self, batch: list[SeqChunk]) -> ForwardOutput:
-        self.model._check_batch(batch, self.cache)
-        rows = [self.chunk(c) for c in batch]
-        return ForwardOutput(torch.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows]))
+    def forward(self, batch: list[SeqChunk], *, logit_rows: list[int] | None = None, taps: tuple[int, ...] = (),
+                kda_input_rows: list[int] = ()) -> ForwardOutput:
+        """GLMModel.forward's contract (without all_logits): logits of each chunk's last row, or of
+        `logit_rows` of the flattened batch (`hidden` then holds every row); `taps` and the KDA
+        layers' inputs at `kda_input_rows` for speculative verification (dflash.py)."""
+        cfg = self.cfg
+        spans = self.model._check_batch(batch, self.cache)
+        bad = [L for L in taps if not 0 <= L < cfg.num_hidden_layers]
+        if bad:
+            raise ValueError(f"forward: taps {bad} are not trunk layers 0..{cfg.num_hidden_layers - 1}")
+        every_row = logit_rows is not None
+        runs = [self.chunk(c, every_row, taps, [r - a for r in kda_input_rows if a <= r < b])
+                for c, (a, b) in zip(batch, spans)]
+        h = torch.cat([r.h for r in runs])
+        logits = linear(h[list(logit_rows)] if every_row else h, self.decoder.head).float()
+        tapped = torch.cat([torch.cat([r.taps[L] for r in runs]) for L in taps], dim=-1) if taps else None
+        kda_inputs = {}
+        if len(kda_input_rows):  # each chunk kept its recorded rows in row order; put them in the asked order
+            kept = [r for a, b in spans for r in sorted(x for x in kda_input_rows if a <= x < b)]
+            order = torch.tensor([kept.index(r) for r in kda_input_rows], device=h.device)
+            kda_inputs = {L: torch.cat([r.kda_inputs[L] for r in runs])[order] for L in cfg.kda_layers}
+        return ForwardOutput(logits, h, tapped, kda_inputs)
 
     # -- §4.1 the trunk, one chunk ------------------------------------------------------------
 
-    def chunk(self, c: SeqChunk) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logits [1, vocab] fp32, final hidden [1, D]) of the chunk's last row."""
+    def chunk(self, c: SeqChunk, every_row: bool = False, taps: tuple[int, ...] = (),
+              record: list[int] = ()) -> "ChunkRun":
+        """One chunk through the trunk: the final-norm hidden of its last row (every row), the
+        taps of its rows and the KDA layers' inputs at the chunk rows `record` (in row order)."""
         d, cfg = self.decoder, self.cfg
         tokens = c.tokens.to(self.cache.device)
+        record_index = torch.tensor(sorted(record), dtype=torch.long, device=self.cache.device)
+        run = ChunkRun()
         X = d.embed[tokens][:, None, :].repeat(1, cfg.hc_mult, 1).contiguous()
         for L, layer in enumerate(d.layers):
             x, post, C = d._hc_pre(X, layer.attn_hc, layer.input_norm)
-            y = self.kda(layer, x, c) if layer.kind == "kda" else self.dsa(layer, x, c)
+            if layer.kind == "kda":
+                run.kda_inputs[L] = x[record_index]
+                y = self.kda(layer, x, c)
+            else:
+                y = self.dsa(layer, x, c)
             X = kernels.hc_post(X, y, post, C)
             h, post, C = d._hc_pre(X, layer.ffn_hc, layer.post_norm)
             y = self.moe(L, layer, h) if layer.experts is not None else d.mlp(layer, h)
             X = kernels.hc_post(X, y, post, C)
-        h = rms_norm(X[-1:].float().mean(1).to(X.dtype), d.norm, cfg.rms_norm_eps)
-        return linear(h, d.head).float(), h
+            if L in taps:  # DFlash2 §2.4: mean of the streams after the layer, fp32 in stream order
+                run.taps[L] = (X.float().sum(1) * (1 / cfg.hc_mult)).to(X.dtype)
+        last = X if every_row else X[-1:]
+        run.h = rms_norm(last.float().mean(1).to(X.dtype), d.norm, cfg.rms_norm_eps)
+        return run
 
     # -- §4.3 KDA ------------------------------------------------------------------------------
 

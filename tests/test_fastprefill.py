@@ -104,3 +104,46 @@ def test_unsupported_block_size_is_named():
     cache = CachePool(model.config, num_blocks=8, num_slots=2, block_size=48, dtype=model.dtype, device=DEVICE)
     with pytest.raises(fastdecode.Unsupported, match="block size 48"):
         fastprefill.FastPrefill(fastdecode.FastDecoder(model, cache, max_context=96))
+
+
+def test_verify_pass_matches_forward():
+    """A speculative verify's pass (dflash.target_forward): a prompt chunk beside a 4-row chunk,
+    logits at chosen rows, every row's hidden, the taps and the KDA inputs at the verify rows."""
+    model = _two_layers(torch.float32)
+    caches, fast = _both(model)
+    steps = _chunks(model, [[11], [17]])
+    _steps(model, caches, fast, steps)
+    batch = [SeqChunk(torch.tensor([3, 9, 27, 81]), 11, steps[0][0].block_table, 0),
+             SeqChunk(torch.tensor([5, 6, 7, 8, 9, 10]), 17, steps[0][1].block_table, 1)]
+    asked = dict(logit_rows=[0, 1, 2, 3, 9], taps=(0, 1), kda_input_rows=[2, 0, 1, 3])
+    ref = model.forward(batch, caches[0], **asked)
+    got = fast.forward(batch, **asked)
+    assert _kl(ref.logits, got.logits) < (1e-7 if EXACT else 1e-6)
+    for what in ("hidden", "taps"):
+        torch.testing.assert_close(getattr(got, what), getattr(ref, what), rtol=1e-4, atol=1e-4 if EXACT else 1e-2)
+    assert sorted(got.kda_inputs) == sorted(ref.kda_inputs) == list(model.config.kda_layers)
+    for L in ref.kda_inputs:
+        torch.testing.assert_close(got.kda_inputs[L], ref.kda_inputs[L], rtol=1e-4, atol=1e-4 if EXACT else 1e-2)
+    _same_caches(caches, tight=EXACT)
+
+
+def test_engine_verifies_speculative_drafts_on_the_fast_prefill():
+    """engine: with a speculator (MTP here) the verify passes go to FastPrefill (on a GPU the engine
+    builds it; here it is attached by hand), and greedy tokens stay the reference's."""
+    import engine as E
+    from test_engine import make_tokenizer
+
+    model = _two_layers(torch.float32)
+    tok = make_tokenizer(model.config.vocab_size)
+    params = E.SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    make = lambda: E.Engine(model, tok, eos_token_ids=[1], num_blocks=16, block_size=16, max_num_seqs=2,
+                            speculator="mtp", draft_tokens=3, snapshot_bytes=0)
+    prompts = [[5, 9, 13, 200, 7, 3, 77, 41, 19]]
+    reference = [r.token_ids for r in make().generate(prompts, params)]
+    eng = make()
+    eng.prefill = fastprefill.FastPrefill(fastdecode.FastDecoder(model, eng.cache, max_context=eng.max_model_len))
+    passes = []
+    forward = eng.prefill.forward
+    eng.prefill.forward = lambda batch, **kw: passes.append(len(kw.get("logit_rows") or ())) or forward(batch, **kw)
+    assert [r.token_ids for r in eng.generate(prompts, params)] == reference
+    assert passes and max(passes) > 1, passes  # verify passes with several logit rows ran here
