@@ -969,11 +969,15 @@ class Engine:
         try:
             ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
             bt = torch.tensor(table, device=self.device)
-            rows = [self.model.forward([SeqChunk(ids[s:s + chunk], s, bt, slot)], self.cache, all_logits=True).logits
-                    for s in range(0, T, chunk)]
+            rows = [self._all_logits(SeqChunk(ids[s:s + chunk], s, bt, slot)) for s in range(0, T, chunk)]
         finally:
             self.blocks.release(table)
         return torch.cat(rows).float()
+
+    def _all_logits(self, chunk: SeqChunk) -> torch.Tensor:
+        if self.prefill is None:
+            return self.model.forward([chunk], self.cache, all_logits=True).logits
+        return self.prefill.forward([chunk], logit_rows=list(range(chunk.tokens.shape[0]))).logits
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """fastprefill.FastPrefill against its twin, model_glm.GLMModel.forward, on the tiny real-layout model:
-the last-row logits of every chunk and every cache tensor afterwards (what decoding reads next).
+the last-row logits of every chunk and every cache tensor afterwards (what decoding reads next), a
+verify pass's rows, taps and KDA inputs, and the engine's use of it (speculative verify, score).
 
 On CPU the Triton kernels run under the interpreter (tests/conftest.py)."""
 import pytest
@@ -147,3 +148,19 @@ def test_engine_verifies_speculative_drafts_on_the_fast_prefill():
     eng.prefill.forward = lambda batch, **kw: passes.append(len(kw.get("logit_rows") or ())) or forward(batch, **kw)
     assert [r.token_ids for r in eng.generate(prompts, params)] == reference
     assert passes and max(passes) > 1, passes  # verify passes with several logit rows ran here
+
+
+def test_engine_scores_on_the_fast_prefill():
+    import engine as E
+    from test_engine import make_tokenizer
+
+    model = _two_layers(torch.float32)
+    make = lambda: E.Engine(model, make_tokenizer(model.config.vocab_size), eos_token_ids=[1], num_blocks=8,
+                            block_size=16, max_num_seqs=2)
+    ids = torch.randint(2, model.config.vocab_size, (23,), generator=torch.Generator().manual_seed(4)).tolist()
+    reference = make().score(ids, chunk_tokens=10)
+    eng = make()
+    eng.prefill = fastprefill.FastPrefill(fastdecode.FastDecoder(model, eng.cache, max_context=eng.max_model_len))
+    got = eng.score(ids, chunk_tokens=10)
+    assert got.shape == reference.shape == (23, model.config.vocab_size)
+    assert _kl(reference, got) < (1e-7 if EXACT else 1e-6)
