@@ -63,6 +63,12 @@ def dequantize_fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor,
                          dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """W = W_fp8 * scale_inv per block, computed in fp32 and rounded once to `dtype`."""
     out_f, in_f = weight.shape
+    if out_f % BLOCK == 0 and in_f % BLOCK == 0:
+        # the block grid as broadcast axes: no full-size copies of the scales (prefill dequantizes
+        # every core weight once per chunk; the lm_head's expanded scales alone would be 2.5 GB)
+        go, gi = out_f // BLOCK, in_f // BLOCK
+        w = weight.reshape(go, BLOCK, gi, BLOCK).float() * scale_inv.float()[:, None, :, None]
+        return w.to(dtype).reshape(out_f, in_f)
     return (weight.float() * _expand(scale_inv.float(), out_f, in_f)).to(dtype)
 
 

@@ -87,3 +87,13 @@ def test_bad_input_is_named():
         fp8.quantize_fp8_block(torch.ones(4, 4), "ue8m0")
     with pytest.raises(ValueError, match="inf or NaN"):
         fp8.quantize_fp8_block(torch.tensor([[float("nan"), 1.0]]))
+
+
+@pytest.mark.parametrize("shape", [(256, 384), (200, 300)], ids=["whole blocks", "ragged"])
+def test_dequantize_is_the_per_block_product(shape):
+    """Whole-block shapes broadcast the scale grid, ragged ones expand it: the same fp32 products."""
+    g = torch.Generator().manual_seed(2)
+    q, s = fp8.quantize_fp8_block(torch.randn(shape, generator=g))
+    expanded = s.repeat_interleave(fp8.BLOCK, 0)[:shape[0]].repeat_interleave(fp8.BLOCK, 1)[:, :shape[1]]
+    for dtype in (torch.float32, torch.bfloat16):
+        assert torch.equal(fp8.dequantize_fp8_block(q, s, dtype), (q.float() * expanded).to(dtype))
