@@ -19,7 +19,7 @@ twin (tests/test_fastdecode.py holds them together). Only the way of computing d
   attention gathers the selected latent rows itself (`kernels.dsa_sparse_attention`); cache rows
   are addressed through device index tensors;
 - the router (§4.5): GEMV, sigmoid, top-k and weights in `kernels.moe_route` (two launches).
-The multi-token paths (prefill, speculative verification, MTP) stay in model_glm.
+Chunks of several tokens (prefill, speculative verification) go to fastprefill.py; MTP stays in model_glm.
 """
 from __future__ import annotations
 
