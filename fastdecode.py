@@ -374,9 +374,7 @@ class FastDecoder:
     # -- §4.4 DSA ------------------------------------------------------------------------------
 
     def dsa(self, layer: Layer, x: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
-        cfg, cache, a = self.cfg, self.cache, layer.attn
-        kpool, row = cfg.index_kpool, layer.row
-        B, H, dn = x.shape[0], cfg.num_attention_heads, cfg.qk_nope_head_dim
+        cfg, cache, a, row = self.cfg, self.cache, layer.attn, layer.row
         q_a, kv_a, wk, gamma = layer.proj(x)
         # q_a_layernorm; this token's cache rows (kv_a_layernorm and k_norm applied there), and its
         # pool's pooled key once the pool is complete.
@@ -384,6 +382,18 @@ class FastDecoder:
                                         a["ape"], cache.latent[row], cache.index_k[row], cache.gate[row],
                                         cache.pooled[row], tables, positions, cfg.rms_norm_eps)
         q, q_idx = layer.proj2[0](q_r)
+        out = torch.empty(x.shape[0], cfg.num_attention_heads, cfg.v_head_dim, dtype=x.dtype, device=x.device)
+        self.sparse_attention(layer, x, q, q_idx, positions, tables, out)
+        return linear(out.flatten(1), layer.o_proj)
+
+    def sparse_attention(self, layer: Layer, x: torch.Tensor, q: torch.Tensor, q_idx: torch.Tensor,
+                         positions: torch.Tensor, tables: torch.Tensor, out: torch.Tensor) -> None:
+        """§4.4 after the cache rows are written, for B query rows (x their layer input, q and q_idx
+        their projections) at `positions` over `tables` [B, width]: the indexer's selection, then the
+        absorbed NoPE MLA over it into out [B, H, d_v] (fastprefill.py passes a chunk's rows)."""
+        cfg, cache, a = self.cfg, self.cache, layer.attn
+        kpool, row = cfg.index_kpool, layer.row
+        B, H, dn = x.shape[0], cfg.num_attention_heads, cfg.qk_nope_head_dim
         # The indexer scores every pool of the table and takes a fixed top-k (pools past the
         # candidates score -inf and are skipped); a table with no more pools than the top-k selects
         # them all, whatever their scores, so it needs no indexer.
@@ -391,16 +401,14 @@ class FastDecoder:
         n_top = cfg.index_topk // kpool
         if tables.shape[1] * (cache.block_size // kpool) > n_top:
             w_idx = F.linear(x.float(), a["w_idx"])
-            score = kernels.dsa_index_scores(q_idx.view(B, cfg.index_n_heads, cfg.index_head_dim), w_idx,
+            score = kernels.dsa_index_scores(q_idx.reshape(B, cfg.index_n_heads, cfg.index_head_dim), w_idx,
                                              cache.pooled[row], tables, positions, kpool)
             top = torch.topk(score, n_top, dim=1, sorted=False).indices
         # Absorbed NoPE MLA over the selected positions (model_glm.mla_attention), heads as the bmm batch.
-        q_hat = torch.bmm(q.view(B, H, dn).transpose(0, 1).float(), a["W_UK"]).transpose(0, 1)
+        q_hat = torch.bmm(q.reshape(B, H, dn).transpose(0, 1).float(), a["W_UK"]).transpose(0, 1)
         o = kernels.dsa_sparse_attention(q_hat, cache.latent[row], tables, positions, top, kpool,
                                          cfg.index_kpool_always_select_tail, math.sqrt(dn))
-        out = torch.empty(B, H, cfg.v_head_dim, dtype=x.dtype, device=x.device)
         out.transpose(0, 1).copy_(torch.bmm(o.transpose(0, 1), a["W_UV"].transpose(1, 2)))
-        return linear(out.flatten(1), layer.o_proj)
 
     # -- §4.5 feed-forward ------------------------------------------------------------------------
 

@@ -17,7 +17,6 @@ MTP drafting and the KDA rollback after a partial accept stay in model_glm.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
@@ -61,9 +60,7 @@ class FastPrefill:
         layers' inputs at `kda_input_rows` for speculative verification (dflash.py)."""
         cfg = self.cfg
         spans = self.model._check_batch(batch, self.cache)
-        bad = [L for L in taps if not 0 <= L < cfg.num_hidden_layers]
-        if bad:
-            raise ValueError(f"forward: taps {bad} are not trunk layers 0..{cfg.num_hidden_layers - 1}")
+        self.model._check_taps(taps)
         every_row = logit_rows is not None
         runs = [self.chunk(c, every_row, taps, [r - a for r in kda_input_rows if a <= r < b])
                 for c, (a, b) in zip(batch, spans)]
@@ -71,10 +68,11 @@ class FastPrefill:
         logits = linear(h[list(logit_rows)] if every_row else h, self.decoder.head).float()
         tapped = torch.cat([torch.cat([r.taps[L] for r in runs]) for L in taps], dim=-1) if taps else None
         kda_inputs = {}
-        if len(kda_input_rows):  # each chunk kept its recorded rows in row order; put them in the asked order
-            kept = [r for a, b in spans for r in sorted(x for x in kda_input_rows if a <= x < b)]
+        if len(kda_input_rows):  # the chunks kept their recorded rows in row order; put them in the asked order
+            kept = sorted(kda_input_rows)
             order = torch.tensor([kept.index(r) for r in kda_input_rows], device=h.device)
-            kda_inputs = {L: torch.cat([r.kda_inputs[L] for r in runs])[order] for L in cfg.kda_layers}
+            kda_inputs = {L: torch.cat([r.kda_inputs[L] for r in runs if L in r.kda_inputs])[order]
+                          for L in cfg.kda_layers}
         return ForwardOutput(logits, h, tapped, kda_inputs)
 
     # -- §4.1 the trunk, one chunk ------------------------------------------------------------
@@ -85,13 +83,14 @@ class FastPrefill:
         taps of its rows and the KDA layers' inputs at the chunk rows `record` (in row order)."""
         d, cfg = self.decoder, self.cfg
         tokens = c.tokens.to(self.cache.device)
-        record_index = torch.tensor(sorted(record), dtype=torch.long, device=self.cache.device)
+        record_index = torch.tensor(sorted(record), dtype=torch.long, device=self.cache.device) if record else None
         run = ChunkRun()
         X = d.embed[tokens][:, None, :].repeat(1, cfg.hc_mult, 1).contiguous()
         for L, layer in enumerate(d.layers):
             x, post, C = d._hc_pre(X, layer.attn_hc, layer.input_norm)
             if layer.kind == "kda":
-                run.kda_inputs[L] = x[record_index]
+                if record:
+                    run.kda_inputs[L] = x[record_index]
                 y = self.kda(layer, x, c)
             else:
                 y = self.dsa(layer, x, c)
@@ -144,34 +143,23 @@ class FastPrefill:
 
     def dsa(self, layer: Layer, x: torch.Tensor, c: SeqChunk) -> torch.Tensor:
         """The chunk's cache rows first (model_glm.write_dsa_rows), then every row as a query over its
-        own selection: the decode step's indexer and sparse attention kernels, the chunk's rows
-        standing in for the batch (one block table, their own positions), so the work grows with
-        the top-k (2051 positions at full size), not with the context."""
+        own selection: the decode step's `sparse_attention`, the chunk's rows standing in for the
+        batch (one block table, their own positions), so the work grows with the top-k (2051
+        positions at full size), not with the context."""
         cfg, cache, a = self.cfg, self.cache, layer.attn
-        eps, kpool, row = cfg.rms_norm_eps, cfg.index_kpool, layer.row
-        n, H, dn = x.shape[0], cfg.num_attention_heads, cfg.qk_nope_head_dim
+        eps, n = cfg.rms_norm_eps, x.shape[0]
         q_a, kv_a, wk, gamma = layer.proj(x)
         q, q_idx = layer.proj2[0](rms_norm(q_a, a["q_norm"], eps))
         k_idx = F.layer_norm(wk, (cfg.index_head_dim,), a["k_norm_w"], a["k_norm_b"], eps=1e-6)
-        write_dsa_rows(cache, row, c, rms_norm(kv_a, a["kv_norm"], eps), k_idx, gamma, a["ape"], kpool)
-        w_idx = F.linear(x.float(), a["w_idx"])
+        write_dsa_rows(cache, layer.row, c, rms_norm(kv_a, a["kv_norm"], eps), k_idx, gamma, a["ape"], cfg.index_kpool)
         width = -(-(c.start + n) // cache.block_size)
         table = c.block_table[:width].to(x.device)
-        n_top = cfg.index_topk // kpool
-        out = torch.empty(n, H, cfg.v_head_dim, dtype=x.dtype, device=x.device)
+        out = torch.empty(n, cfg.num_attention_heads, cfg.v_head_dim, dtype=x.dtype, device=x.device)
         for r0 in range(0, n, self.DSA_ROWS):
             r1 = min(r0 + self.DSA_ROWS, n)
             positions = torch.arange(c.start + r0, c.start + r1, device=x.device)
-            tables = table.expand(r1 - r0, width)
-            top = None  # as in the decode step: a table of at most top-k pools selects them all
-            if width * (cache.block_size // kpool) > n_top:
-                score = kernels.dsa_index_scores(q_idx[r0:r1].view(-1, cfg.index_n_heads, cfg.index_head_dim),
-                                                 w_idx[r0:r1], cache.pooled[row], tables, positions, kpool)
-                top = torch.topk(score, n_top, dim=1, sorted=False).indices
-            q_hat = torch.bmm(q[r0:r1].view(-1, H, dn).transpose(0, 1).float(), a["W_UK"]).transpose(0, 1)
-            o = kernels.dsa_sparse_attention(q_hat, cache.latent[row], tables, positions, top, kpool,
-                                             cfg.index_kpool_always_select_tail, math.sqrt(dn))
-            out[r0:r1].transpose(0, 1).copy_(torch.bmm(o.transpose(0, 1), a["W_UV"].transpose(1, 2)))
+            self.decoder.sparse_attention(layer, x[r0:r1], q[r0:r1], q_idx[r0:r1], positions,
+                                          table.expand(r1 - r0, width), out[r0:r1])
         return linear(out.flatten(1), layer.o_proj)
 
     # -- §4.5 routed experts ------------------------------------------------------------------------

@@ -746,6 +746,16 @@ def _prefill_products(words_ptr, xs_ptr, rows_ok, k, n, pid_n,
 
 
 @triton.jit
+def _prefill_tile(tiles_ptr, tile, rows, BM: tl.constexpr):
+    # A tile of the table (see _prefill_tiles): its expert, first sorted pair, the BM pair slots
+    # from there and which of them hold pairs.
+    e = tl.load(tiles_ptr + 3 * tile).to(tl.int64)
+    first = tl.load(tiles_ptr + 3 * tile + 1).to(tl.int64)
+    i = tl.arange(0, BM)
+    return e, first, first + i, i < rows
+
+
+@triton.jit
 def _prefill_gate_up_kernel(xs_gate_ptr, xs_up_ptr, inv_gate_ptr, inv_up_ptr, gate_words_ptr, up_words_ptr,
                             tiles_ptr, svh_gate_ptr, svh_up_ptr, suh_down_ptr, act_ptr, D, I, expert_words, limit,
                             K2: tl.constexpr, CB: tl.constexpr, RT: tl.constexpr, BM: tl.constexpr):
@@ -754,11 +764,7 @@ def _prefill_gate_up_kernel(xs_gate_ptr, xs_up_ptr, inv_gate_ptr, inv_up_ptr, ga
     tile = tl.program_id(1)
     rows = tl.load(tiles_ptr + 3 * tile + 2)
     if rows > 0:
-        e = tl.load(tiles_ptr + 3 * tile).to(tl.int64)
-        first = tl.load(tiles_ptr + 3 * tile + 1).to(tl.int64)
-        i = tl.arange(0, BM)
-        ok = i < rows
-        s = first + i
+        e, first, s, ok = _prefill_tile(tiles_ptr, tile, rows, BM)
         gate = _prefill_products(gate_words_ptr + e * expert_words, xs_gate_ptr + first * D, ok[None, :], D, I,
                                  pid_n, K2, CB, RT, BM)
         up = _prefill_products(up_words_ptr + e * expert_words, xs_up_ptr + first * D, ok[None, :], D, I, pid_n,
@@ -787,11 +793,7 @@ def _prefill_down_kernel(acts_ptr, inv_ptr, words_ptr, tiles_ptr, order_ptr, rou
     tile = tl.program_id(1)
     rows = tl.load(tiles_ptr + 3 * tile + 2)
     if rows > 0:
-        e = tl.load(tiles_ptr + 3 * tile).to(tl.int64)
-        first = tl.load(tiles_ptr + 3 * tile + 1).to(tl.int64)
-        i = tl.arange(0, BM)
-        ok = i < rows
-        s = first + i
+        e, first, s, ok = _prefill_tile(tiles_ptr, tile, rows, BM)
         z = _prefill_products(words_ptr + e * expert_words, acts_ptr + first * I, ok[None, :], I, D, pid_n,
                               K2, CB, RT, BM)
         pair = tl.load(order_ptr + s, mask=ok, other=0)
@@ -831,7 +833,7 @@ def exl3_moe_prefill(x: torch.Tensor, ids: torch.Tensor, route: torch.Tensor,
     x [m, D] fp16 / bf16; ids [m, top_k] integer expert ids, route [m, top_k] fp32; gate, up, down
     stacked as for exl3_moe_decode. Returns fp32 [m, D]. block_m (sorted pairs per GEMM tile, 16..128;
     None picks by the mean pairs per expert), row_tiles (16-row trellis tiles per loop step; None: 4 at
-    128-row tiles, else 2; H200, 8K rows: 20.5 vs 23.4 ms at K3) and num_warps (None: 8 from 64 rows on)
+    128-row tiles, else 2; H200, 8K rows: 20.7 vs 23.4 ms at K3) and num_warps (None: 8 from 64 rows on)
     are launch tuning.
     """
     k2 = _check_experts("gate", *gate, codebook, None)

@@ -561,9 +561,7 @@ class GLMModel:
         cfg = self.config
         spans = self._check_batch(batch, cache)
         tokens = torch.cat([c.tokens for c in batch]).to(self.w("embed_tokens.weight").device)
-        bad = [L for L in taps if not 0 <= L < cfg.num_hidden_layers]
-        if bad:
-            raise ValueError(f"forward: taps {bad} are not trunk layers 0..{cfg.num_hidden_layers - 1}")
+        self._check_taps(taps)
         record = _as_index(list(kda_input_rows), tokens.device) if len(kda_input_rows) else None
         tapped, kda_inputs = {}, {}
 
@@ -775,6 +773,12 @@ class GLMModel:
             return ForwardOutput(linear(h, self.w("lm_head.weight")).float(), h)
 
     # -- checks ------------------------------------------------------------------------------------
+
+    def _check_taps(self, taps: tuple[int, ...]) -> None:
+        n = self.config.num_hidden_layers
+        bad = [L for L in taps if not 0 <= L < n]
+        if bad:
+            raise ValueError(f"forward: taps {bad} are not trunk layers 0..{n - 1}")
 
     def _check_batch(self, batch: list[SeqChunk], cache: CachePool) -> list[tuple[int, int]]:
         """Validates the chunks; returns each chunk's row span in the flattened token axis."""
