@@ -7,9 +7,9 @@ stacked experts that `fastdecode.FastDecoder` prepared; model_glm.forward is thi
 - mHC (§4.2): `kernels.hc_pre` / `hc_post`, row-parallel, as in the decode step;
 - KDA (§4.3): the chunked WY form runs in `kernels.kda_chunk_prefill` (three launches for the whole
   chunk) instead of a Python loop of torch ops per 64 tokens;
-- DSA (§4.4): the decode step's indexer and sparse-attention kernels with the chunk's rows as the
-  batch, so each query reads its 2051 selected positions instead of a mask over the whole context
-  (H200, 4 full-size layers: 8K prompt as fast as model_glm's masked form under TF32, 32K 2.6x faster);
+- DSA (§4.4): the decode step's indexer kernel with the chunk's rows as the batch, then
+  `kernels.dsa_prefill_attention` (one program per query row and 32 heads), so each query reads
+  its 2051 selected positions instead of a mask over the whole context;
 - routed experts (§4.5): `kernels.exl3_moe_prefill` runs every selected expert of the layer in a few
   launches instead of a Python loop over up to 288 experts.
 Decode steps go to FastDecoder; speculative verify passes come here too (dflash.target_forward);
@@ -144,9 +144,9 @@ class FastPrefill:
 
     def dsa(self, layer: Layer, x: torch.Tensor, c: SeqChunk) -> torch.Tensor:
         """The chunk's cache rows first (model_glm.write_dsa_rows), then every row as a query over its
-        own selection: the decode step's indexer and sparse attention kernels, the chunk's rows
-        standing in for the batch (one block table, their own positions), so the work grows with
-        the top-k (2051 positions at full size), not with the context."""
+        own selection: the decode step's indexer kernel, the chunk's rows standing in for the batch
+        (one block table, their own positions), and the chunk's sparse attention, so the work grows
+        with the top-k (2051 positions at full size), not with the context."""
         cfg, cache, a = self.cfg, self.cache, layer.attn
         eps, kpool, row = cfg.rms_norm_eps, cfg.index_kpool, layer.row
         n, H, dn = x.shape[0], cfg.num_attention_heads, cfg.qk_nope_head_dim
@@ -161,16 +161,16 @@ class FastPrefill:
         out = torch.empty(n, H, cfg.v_head_dim, dtype=x.dtype, device=x.device)
         for r0 in range(0, n, self.DSA_ROWS):
             r1 = min(r0 + self.DSA_ROWS, n)
-            positions = torch.arange(c.start + r0, c.start + r1, device=x.device)
-            tables = table.expand(r1 - r0, width)
             top = None  # as in the decode step: a table of at most top-k pools selects them all
             if width * (cache.block_size // kpool) > n_top:
+                positions = torch.arange(c.start + r0, c.start + r1, device=x.device)
+                tables = table.expand(r1 - r0, width)
                 score = kernels.dsa_index_scores(q_idx[r0:r1].view(-1, cfg.index_n_heads, cfg.index_head_dim),
                                                  w_idx[r0:r1], cache.pooled[row], tables, positions, kpool)
                 top = torch.topk(score, n_top, dim=1, sorted=False).indices
             q_hat = torch.bmm(q[r0:r1].view(-1, H, dn).transpose(0, 1).float(), a["W_UK"]).transpose(0, 1)
-            o = kernels.dsa_sparse_attention(q_hat, cache.latent[row], tables, positions, top, kpool,
-                                             cfg.index_kpool_always_select_tail, math.sqrt(dn))
+            o = kernels.dsa_prefill_attention(q_hat, cache.latent[row], table, c.start + r0, top, kpool,
+                                              cfg.index_kpool_always_select_tail, math.sqrt(dn))
             out[r0:r1].transpose(0, 1).copy_(torch.bmm(o.transpose(0, 1), a["W_UV"].transpose(1, 2)))
         return linear(out.flatten(1), layer.o_proj)
 
