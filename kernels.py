@@ -2058,20 +2058,24 @@ def dsa_sparse_attention(q_hat: torch.Tensor, latent: torch.Tensor, tables: torc
 # costs per row H·U·kpool·R·8 flops and H·U·kpool·2R/M bytes of latent, against the same with U = NT
 # for one row x M heads: rows only help when there are fewer heads than M (and 8K-context rows each
 # pick 25% of the pools, random picks of 16 rows cover 99%).
-# Cost at full size (H = 64, R = 512, 2051 positions a row, M = 32): per row 2 programs x 65 tiles of
-# 32 positions; four bf16 MMAs per product pair (q̂ and p split in hi + lo) = 64·2051·512·2·4 = 0.54
+# Cost at full size (H = 64, R = 512, 2051 positions a row, M = 32): per row 2 programs x 129 steps of
+# 16 positions; four bf16 MMAs per product pair (q̂ and p split in hi + lo) = 64·2051·512·2·4 = 0.54
 # GFLOP, 8192 rows = 4.4 TFLOP (about 4.5 ms at the H200's dense bf16 peak); each row reads its 2 MB
 # of selected latent rows twice (34 GB at 8192 rows, from L2: an 8K-32K context's latent is 8-32 MB).
 # The decode kernel reads them four times, with M = 16 heads and 16 positions a step.
 
+# ptxas for sm_90 at full size (triton 3.9, bf16 latent, not run on a GPU): 32 heads x 16 positions,
+# 8 warps: 201 registers, no spill, 90 KB shared (q̂'s hi / lo parts stay in shared memory); 32
+# positions: 255 registers and a spill; 64 heads (wgmma): KBs of spill. Only the picks' loads are
+# issued a step ahead (the latent rows' loads are not pipelined by this Triton).
 DSA_PREFILL_HEADS = 32  # heads per program (M of the MMAs; see above why not more)
-DSA_PREFILL_BLOCK = 32  # selected positions per step
+DSA_PREFILL_BLOCK = 16  # selected positions per step
 DSA_PREFILL_WARPS = 8
 DSA_PREFILL_STAGES = 2
 
 
 @triton.jit
-def _dsa_prefill_kernel(q_ptr, q_sn, q_sh, lat_ptr, table_ptr, top_ptr, top_stride, m_ptr, l_ptr, o_ptr, o_sn,
+def _dsa_prefill_kernel(q_ptr, q_sn, q_sh, lat_ptr, table_ptr, picks_ptr, picks_stride, m_ptr, l_ptr, o_ptr, o_sn,
                         o_sh, start, H, NT, bs, scale, R: tl.constexpr, KPOOL: tl.constexpr, TAIL: tl.constexpr,
                         BH: tl.constexpr, BK: tl.constexpr, ONE: tl.constexpr, TC: tl.constexpr):
     row = tl.program_id(0)
@@ -2083,8 +2087,10 @@ def _dsa_prefill_kernel(q_ptr, q_sn, q_sh, lat_ptr, table_ptr, top_ptr, top_stri
     pos = start + row
     n_cand = (pos + 1) // KPOOL
     # The row's selection as slots k = 0..n_sel-1. A row with more complete pools than NT: member
-    # k % KPOOL of pool top[k // KPOOL] (picks not complete at pos are skipped), then the tail from
-    # slot NT·KPOOL on. Otherwise every complete pool, then the tail: positions 0.. in order.
+    # k % KPOOL of its pick k // KPOOL (picks[row] = the picked pools' cache rows, -1 for one not
+    # complete at pos: skipped), then the tail from slot NT·KPOOL on. Otherwise every complete pool,
+    # then the tail: positions 0.. in order. Each latent row's address takes one load (of picks or
+    # of the table), so that the loads of the next steps can be issued ahead (software pipelining).
     many = n_cand > NT
     n_sel = tl.where(many, NT, n_cand) * KPOOL
     if TAIL:
@@ -2098,11 +2104,12 @@ def _dsa_prefill_kernel(q_ptr, q_sn, q_sh, lat_ptr, table_ptr, top_ptr, top_stri
     for tile in range(split * per_split, tl.minimum((split + 1) * per_split, tiles)):
         k = tile * BK + k0
         picked = k < tl.where(many, NT * KPOOL, 0)
-        pool = tl.load(top_ptr + row * top_stride + k // KPOOL, mask=picked, other=0)
-        t = tl.where(picked, pool * KPOOL + k % KPOOL, tl.where(many, k + (n_cand - NT) * KPOOL, k))
-        valid = (k < n_sel) & ((pool < n_cand) | ~picked)
-        blk = tl.load(table_ptr + t // bs, mask=valid, other=0)
-        lat = tl.load(lat_ptr + (blk * bs + t % bs)[:, None] * R + r[None, :], mask=valid[:, None], other=0.0)
+        pick = tl.load(picks_ptr + row * picks_stride + k // KPOOL, mask=picked, other=-1)
+        t = tl.where(many, k + (n_cand - NT) * KPOOL, k)  # the position of a slot that is not a pick
+        blk = tl.load(table_ptr + t // bs, mask=~picked & (k < n_sel), other=0)
+        valid = (k < n_sel) & ((pick >= 0) | ~picked)
+        lat_row = tl.where(picked, pick * KPOOL + k % KPOOL, blk * bs + t % bs)
+        lat = tl.load(lat_ptr + lat_row[:, None] * R + r[None, :], mask=valid[:, None], other=0.0)
         s = tl.where(valid[None, :], _dot_pair(q_hi, q_lo, tl.trans(lat), TC) / scale, -float("inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
@@ -2143,18 +2150,22 @@ def dsa_prefill_attention(q_hat: torch.Tensor, latent: torch.Tensor, table: torc
     if bs % kpool or start < 0 or start + n > table.shape[0] * bs:
         raise ValueError(f"dsa_prefill_attention: positions {start}..{start + n - 1} do not fit a table of "
                          f"{table.shape[0]} blocks of {bs} (a multiple of kpool {kpool})")
+    ppb = bs // kpool
     if top is None:
-        NT, top = table.shape[0] * (bs // kpool), table  # every row has at most NT candidates: top is not read
-    elif top.dim() != 2 or top.shape[0] != n or top.stride(1) != 1:
-        raise ValueError(f"dsa_prefill_attention: top must be [{n}, NT] with unit column stride, got "
-                         f"{tuple(top.shape)} {top.stride()}")
+        NT, picks = table.shape[0] * ppb, table  # every row has at most NT candidates: picks is not read
+    elif top.dim() != 2 or top.shape[0] != n:
+        raise ValueError(f"dsa_prefill_attention: top must be [{n}, NT], got {tuple(top.shape)}")
     else:
         NT = top.shape[1]
+        # the picked pools' rows of the cache (blocks of ppb pools), -1 for a pool not complete at the row
+        n_cand = (torch.arange(start + 1, start + n + 1, device=top.device) // kpool)[:, None]
+        pool = torch.where(top < n_cand, top, 0)
+        picks = torch.where(top < n_cand, table[pool // ppb] * ppb + pool % ppb, -1).contiguous()
     BH = min(DSA_PREFILL_HEADS, max(16, triton.next_power_of_2(H)))  # tl.dot needs >= 16 rows
     head_blocks = triton.cdiv(H, BH)
     if splits is None:
         programs = torch.cuda.get_device_properties(q_hat.device).multi_processor_count if q_hat.is_cuda else 2
-        tiles = triton.cdiv((min(NT, table.shape[0] * (bs // kpool)) + select_tail) * kpool, DSA_PREFILL_BLOCK)
+        tiles = triton.cdiv((min(NT, table.shape[0] * ppb) + select_tail) * kpool, DSA_PREFILL_BLOCK)
         splits = max(1, min(tiles, programs // (n * head_blocks)))
     o = torch.empty_like(q_hat)
     one = splits == 1
@@ -2166,7 +2177,7 @@ def dsa_prefill_attention(q_hat: torch.Tensor, latent: torch.Tensor, table: torc
         acc = torch.empty(n, splits, H, R, dtype=torch.float32, device=q_hat.device)
     out = o if one else acc
     _dsa_prefill_kernel[(n, head_blocks, splits)](
-        q_hat, q_hat.stride(0), q_hat.stride(1), latent, table, top, top.stride(0), m, l, out, out.stride(0),
+        q_hat, q_hat.stride(0), q_hat.stride(1), latent, table, picks, picks.stride(0), m, l, out, out.stride(0),
         out.stride(1), start, H, NT, bs, scale, R=R, KPOOL=kpool, TAIL=bool(select_tail), BH=BH,
         BK=DSA_PREFILL_BLOCK, ONE=one, TC=q_hat.is_cuda, num_warps=DSA_PREFILL_WARPS,
         num_stages=DSA_PREFILL_STAGES)

@@ -231,7 +231,7 @@ def test_dsa_prefill_attention_matches_sparse_attention(dtype):
         # p · c_t: p in bf16 hi + lo parts against a bf16 latent, 16 significant bits
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 if dtype == torch.float32 else 1e-4)
 
-    start, n = 37, 14  # 9..12 complete pools of 14: 41..51 positions, 2 steps of 32
+    start, n = 37, 14  # 9..12 complete pools of 14: 41..51 positions, 3-4 steps of 16
     positions = torch.arange(start, start + n)
     score = torch.randn(n, width * bs // kpool, generator=g)
     score[torch.arange(score.shape[1])[None, :] >= ((positions + 1) // kpool)[:, None]] = -float("inf")
