@@ -33,7 +33,8 @@ the 24 mixing dot products, Sinkhorn, the collapse and the sub-layer's RMSNorm; 
 `dsa_decode_inputs` (q_a / kv_a layernorms, indexer k_norm, the token's cache rows and pooled key, §4.4:
 `rms_norm`, `pool_keys` and GLMModel.dsa's writes), `dsa_index_scores` (the indexer's pool scores:
 `select_tokens` before its top-k) and `dsa_sparse_attention` (absorbed MLA over the selected positions,
-gathered from the paged cache: `mla_attention` between W_UK and W_UV).
+gathered from the paged cache: `mla_attention` between W_UK and W_UV); the prefill's
+`dsa_prefill_attention` is the latter for the query rows of one sequence's chunk (fastprefill.py).
 
 This file imports neither exl3.py nor model_glm.py (they sit above it).
 """
@@ -2066,8 +2067,8 @@ def dsa_sparse_attention(q_hat: torch.Tensor, latent: torch.Tensor, tables: torc
 
 # ptxas for sm_90 at full size (triton 3.9, bf16 latent, not run on a GPU): 32 heads x 16 positions,
 # 8 warps: 201 registers, no spill, 90 KB shared (q̂'s hi / lo parts stay in shared memory); 32
-# positions: 255 registers and a spill; 64 heads (wgmma): KBs of spill. Only the picks' loads are
-# issued a step ahead (the latent rows' loads are not pipelined by this Triton).
+# positions: 255 registers and a spill; 64 heads (wgmma): KBs of spill. That compile issues only the
+# picks' loads a step ahead, not the latent rows' (nor, there, a minimal loop's dot operand loads).
 DSA_PREFILL_HEADS = 32  # heads per program (M of the MMAs; see above why not more)
 DSA_PREFILL_BLOCK = 16  # selected positions per step
 DSA_PREFILL_WARPS = 8
@@ -2089,8 +2090,8 @@ def _dsa_prefill_kernel(q_ptr, q_sn, q_sh, lat_ptr, table_ptr, picks_ptr, picks_
     # The row's selection as slots k = 0..n_sel-1. A row with more complete pools than NT: member
     # k % KPOOL of its pick k // KPOOL (picks[row] = the picked pools' cache rows, -1 for one not
     # complete at pos: skipped), then the tail from slot NT·KPOOL on. Otherwise every complete pool,
-    # then the tail: positions 0.. in order. Each latent row's address takes one load (of picks or
-    # of the table), so that the loads of the next steps can be issued ahead (software pipelining).
+    # then the tail: positions 0.. in order. Each latent row's address waits for one load (of picks
+    # or of the table), not two in a row.
     many = n_cand > NT
     n_sel = tl.where(many, NT, n_cand) * KPOOL
     if TAIL:
