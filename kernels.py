@@ -2065,14 +2065,15 @@ def dsa_sparse_attention(q_hat: torch.Tensor, latent: torch.Tensor, tables: torc
 # of selected latent rows twice (34 GB at 8192 rows, from L2: an 8K-32K context's latent is 8-32 MB).
 # The decode kernel reads them four times, with M = 16 heads and 16 positions a step.
 
-# ptxas for sm_90 at full size (triton 3.9, bf16 latent, not run on a GPU): 32 heads x 16 positions,
-# 8 warps: 201 registers, no spill, 90 KB shared (q̂'s hi / lo parts stay in shared memory); 32
-# positions: 255 registers and a spill; 64 heads (wgmma): KBs of spill. That compile issues only the
-# picks' loads a step ahead, not the latent rows' (nor, there, a minimal loop's dot operand loads).
+# ptxas for sm_90 at full size (triton 3.9 AOT with 16-byte aligned pointers as a launch specializes
+# them, bf16 latent, not run on a GPU): 32 heads x 16 positions, 8 warps, 3 stages: 203 registers, no
+# spill, 84 KB shared (q̂'s hi / lo parts stay in shared memory), the picks', table's and latent rows'
+# loads all issued ahead (cp.async); 2 stages: the table's not. 32 positions: 255 registers and a
+# spill; 64 heads (wgmma): 4 KB of spill.
 DSA_PREFILL_HEADS = 32  # heads per program (M of the MMAs; see above why not more)
 DSA_PREFILL_BLOCK = 16  # selected positions per step
 DSA_PREFILL_WARPS = 8
-DSA_PREFILL_STAGES = 2
+DSA_PREFILL_STAGES = 3
 
 
 @triton.jit
