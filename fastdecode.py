@@ -387,10 +387,13 @@ class FastDecoder:
         return linear(out.flatten(1), layer.o_proj)
 
     def sparse_attention(self, layer: Layer, x: torch.Tensor, q: torch.Tensor, q_idx: torch.Tensor,
-                         positions: torch.Tensor, tables: torch.Tensor, out: torch.Tensor) -> None:
+                         positions: torch.Tensor, tables: torch.Tensor, out: torch.Tensor,
+                         chunk_start: int | None = None) -> None:
         """§4.4 after the cache rows are written, for B query rows (x their layer input, q and q_idx
         their projections) at `positions` over `tables` [B, width]: the indexer's selection, then the
-        absorbed NoPE MLA over it into out [B, H, d_v] (fastprefill.py passes a chunk's rows)."""
+        absorbed NoPE MLA over it into out [B, H, d_v]. fastprefill.py passes a chunk's rows of one
+        sequence (positions chunk_start.., one table): they go to the chunk kernel, which gives
+        each row all its heads' work instead of splitting rows over head groups and position ranges."""
         cfg, cache, a = self.cfg, self.cache, layer.attn
         kpool, row = cfg.index_kpool, layer.row
         B, H, dn = x.shape[0], cfg.num_attention_heads, cfg.qk_nope_head_dim
@@ -406,8 +409,12 @@ class FastDecoder:
             top = torch.topk(score, n_top, dim=1, sorted=False).indices
         # Absorbed NoPE MLA over the selected positions (model_glm.mla_attention), heads as the bmm batch.
         q_hat = torch.bmm(q.reshape(B, H, dn).transpose(0, 1).float(), a["W_UK"]).transpose(0, 1)
-        o = kernels.dsa_sparse_attention(q_hat, cache.latent[row], tables, positions, top, kpool,
-                                         cfg.index_kpool_always_select_tail, math.sqrt(dn))
+        tail, scale = cfg.index_kpool_always_select_tail, math.sqrt(dn)
+        if chunk_start is None:
+            o = kernels.dsa_sparse_attention(q_hat, cache.latent[row], tables, positions, top, kpool, tail, scale)
+        else:
+            o = kernels.dsa_prefill_attention(q_hat, cache.latent[row], tables[0], chunk_start, top, kpool, tail,
+                                              scale)
         out.transpose(0, 1).copy_(torch.bmm(o.transpose(0, 1), a["W_UV"].transpose(1, 2)))
 
     # -- §4.5 feed-forward ------------------------------------------------------------------------

@@ -7,9 +7,9 @@ stacked experts that `fastdecode.FastDecoder` prepared; model_glm.forward is thi
 - mHC (§4.2): `kernels.hc_pre` / `hc_post`, row-parallel, as in the decode step;
 - KDA (§4.3): the chunked WY form runs in `kernels.kda_chunk_prefill` (three launches for the whole
   chunk) instead of a Python loop of torch ops per 64 tokens;
-- DSA (§4.4): the decode step's indexer and sparse-attention kernels with the chunk's rows as the
-  batch, so each query reads its 2051 selected positions instead of a mask over the whole context
-  (H200, 4 full-size layers: 8K prompt as fast as model_glm's masked form under TF32, 32K 2.6x faster);
+- DSA (§4.4): the decode step's indexer kernel with the chunk's rows as the batch, then
+  `kernels.dsa_prefill_attention` (one program per query row and 32 heads), so each query reads
+  its 2051 selected positions instead of a mask over the whole context;
 - routed experts (§4.5): `kernels.exl3_moe_prefill` runs every selected expert of the layer in a few
   launches instead of a Python loop over up to 288 experts.
 Decode steps go to FastDecoder; speculative verify passes come here too (dflash.target_forward);
@@ -144,8 +144,8 @@ class FastPrefill:
     def dsa(self, layer: Layer, x: torch.Tensor, c: SeqChunk) -> torch.Tensor:
         """The chunk's cache rows first (model_glm.write_dsa_rows), then every row as a query over its
         own selection: the decode step's `sparse_attention`, the chunk's rows standing in for the
-        batch (one block table, their own positions), so the work grows with the top-k (2051
-        positions at full size), not with the context."""
+        batch (one block table, their own positions; the chunk kernel), so the work grows with the
+        top-k (2051 positions at full size), not with the context."""
         cfg, cache, a = self.cfg, self.cache, layer.attn
         eps, n = cfg.rms_norm_eps, x.shape[0]
         q_a, kv_a, wk, gamma = layer.proj(x)
@@ -159,7 +159,7 @@ class FastPrefill:
             r1 = min(r0 + self.DSA_ROWS, n)
             positions = torch.arange(c.start + r0, c.start + r1, device=x.device)
             self.decoder.sparse_attention(layer, x[r0:r1], q[r0:r1], q_idx[r0:r1], positions,
-                                          table.expand(r1 - r0, width), out[r0:r1])
+                                          table.expand(r1 - r0, width), out[r0:r1], chunk_start=c.start + r0)
         return linear(out.flatten(1), layer.o_proj)
 
     # -- §4.5 routed experts ------------------------------------------------------------------------

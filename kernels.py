@@ -33,7 +33,8 @@ the 24 mixing dot products, Sinkhorn, the collapse and the sub-layer's RMSNorm; 
 `dsa_decode_inputs` (q_a / kv_a layernorms, indexer k_norm, the token's cache rows and pooled key, §4.4:
 `rms_norm`, `pool_keys` and GLMModel.dsa's writes), `dsa_index_scores` (the indexer's pool scores:
 `select_tokens` before its top-k) and `dsa_sparse_attention` (absorbed MLA over the selected positions,
-gathered from the paged cache: `mla_attention` between W_UK and W_UV).
+gathered from the paged cache: `mla_attention` between W_UK and W_UV); the prefill's
+`dsa_prefill_attention` is the latter for the query rows of one sequence's chunk (fastprefill.py).
 
 This file imports neither exl3.py nor model_glm.py (they sit above it).
 """
@@ -2046,4 +2047,145 @@ def dsa_sparse_attention(q_hat: torch.Tensor, latent: torch.Tensor, tables: torc
     o = torch.empty_like(q_hat)
     _dsa_combine_kernel[(B, H)](m, l, acc, o, o.stride(0), o.stride(1), H, splits, R=R,
                                 SP=triton.next_power_of_2(splits))
+    return o
+
+
+# ================================================================ prefill: DSA attention of a chunk (§4.4)
+# `dsa_prefill_attention`: dsa_sparse_attention's math for the n query rows of ONE sequence's chunk
+# (one block table, positions start..start+n-1). A program owns one query row and BH of its heads for
+# the whole selection (no splits once n fills the GPU): all heads of a row share the row's selected
+# positions, so the heads are the MMA's M rows and the selection stays exact.
+# Why not blocks of query rows over the union of their selections: registers bound M. q̂ (bf16 hi +
+# lo) and the fp32 output accumulator take M·R·8 bytes: M = 32 at R = 512 is half the 256 KB register
+# file, M = 64 all of it. At a fixed M, BQ rows x M/BQ heads over the union U of the rows' pools
+# costs per row H·U·kpool·R·8 flops and H·U·kpool·2R/M bytes of latent, against the same with U = NT
+# for one row x M heads: rows only help when there are fewer heads than M (and 8K-context rows each
+# pick 25% of the pools, random picks of 16 rows cover 99%).
+# Cost at full size (H = 64, R = 512, 2051 positions a row, M = 32): per row 2 programs x 129 steps of
+# 16 positions; four bf16 MMAs per product pair (q̂ and p split in hi + lo) = 64·2051·512·2·4 = 0.54
+# GFLOP, 8192 rows = 4.4 TFLOP (about 4.5 ms at the H200's dense bf16 peak); each row reads its 2 MB
+# of selected latent rows twice (34 GB at 8192 rows, from L2: an 8K-32K context's latent is 8-32 MB).
+# The decode kernel reads them four times, with M = 16 heads and 16 positions a step.
+
+# ptxas for sm_90 at full size (triton 3.9 AOT with 16-byte aligned pointers as a launch specializes
+# them, bf16 latent, not run on a GPU): 32 heads x 16 positions, 8 warps, 3 stages: 203 registers, no
+# spill, 84 KB shared (q̂'s hi / lo parts stay in shared memory), the picks', table's and latent rows'
+# loads all issued ahead (cp.async); 2 stages: the table's not. 32 positions: 255 registers and a
+# spill; 64 heads (wgmma): 4 KB of spill.
+DSA_PREFILL_HEADS = 32  # heads per program (M of the MMAs; see above why not more)
+DSA_PREFILL_BLOCK = 16  # selected positions per step
+DSA_PREFILL_WARPS = 8
+DSA_PREFILL_STAGES = 3
+
+
+@triton.jit
+def _dsa_prefill_kernel(q_ptr, q_sn, q_sh, lat_ptr, table_ptr, picks_ptr, picks_stride, m_ptr, l_ptr, o_ptr, o_sn,
+                        o_sh, start, H, NT, bs, scale, R: tl.constexpr, KPOOL: tl.constexpr, TAIL: tl.constexpr,
+                        BH: tl.constexpr, BK: tl.constexpr, ONE: tl.constexpr, TC: tl.constexpr):
+    row = tl.program_id(0)
+    h = tl.program_id(1) * BH + tl.arange(0, BH)
+    split = tl.program_id(2)
+    r = tl.arange(0, R)
+    q = tl.load(q_ptr + row * q_sn + h[:, None] * q_sh + r[None, :], mask=h[:, None] < H, other=0.0)
+    q_hi, q_lo = _split(q, lat_ptr.dtype.element_ty)
+    pos = start + row
+    n_cand = (pos + 1) // KPOOL
+    # The row's selection as slots k = 0..n_sel-1. A row with more complete pools than NT: member
+    # k % KPOOL of its pick k // KPOOL (picks[row] = the picked pools' cache rows, -1 for one not
+    # complete at pos: skipped), then the tail from slot NT·KPOOL on. Otherwise every complete pool,
+    # then the tail: positions 0.. in order. Each latent row's address waits for one load (of picks
+    # or of the table), not two in a row.
+    many = n_cand > NT
+    n_sel = tl.where(many, NT, n_cand) * KPOOL
+    if TAIL:
+        n_sel += pos + 1 - n_cand * KPOOL
+    tiles = tl.cdiv(n_sel, BK)
+    per_split = tl.cdiv(tiles, tl.num_programs(2))
+    m = tl.full([BH], -float("inf"), tl.float32)
+    l = tl.zeros([BH], dtype=tl.float32)
+    acc = tl.zeros([BH, R], dtype=tl.float32)
+    k0 = tl.arange(0, BK)
+    for tile in range(split * per_split, tl.minimum((split + 1) * per_split, tiles)):
+        k = tile * BK + k0
+        picked = k < tl.where(many, NT * KPOOL, 0)
+        pick = tl.load(picks_ptr + row * picks_stride + k // KPOOL, mask=picked, other=-1)
+        t = tl.where(many, k + (n_cand - NT) * KPOOL, k)  # the position of a slot that is not a pick
+        blk = tl.load(table_ptr + t // bs, mask=~picked & (k < n_sel), other=0)
+        valid = (k < n_sel) & ((pick >= 0) | ~picked)
+        lat_row = tl.where(picked, pick * KPOOL + k % KPOOL, blk * bs + t % bs)
+        lat = tl.load(lat_ptr + lat_row[:, None] * R + r[None, :], mask=valid[:, None], other=0.0)
+        s = tl.where(valid[None, :], _dot_pair(q_hi, q_lo, tl.trans(lat), TC) / scale, -float("inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m - m_safe)
+        l = l * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + _dot_f32(p, lat, TC)
+        m = m_new
+    if ONE:
+        tl.store(o_ptr + row * o_sn + h[:, None] * o_sh + r[None, :], acc / l[:, None], mask=h[:, None] < H)
+    else:  # partial sums for _dsa_combine_kernel
+        part = (row * tl.num_programs(2) + split) * H + h
+        tl.store(m_ptr + part, m, mask=h < H)
+        tl.store(l_ptr + part, l, mask=h < H)
+        tl.store(o_ptr + part[:, None] * R + r[None, :], acc, mask=h[:, None] < H)
+
+
+def dsa_prefill_attention(q_hat: torch.Tensor, latent: torch.Tensor, table: torch.Tensor, start: int,
+                          top: torch.Tensor | None, kpool: int, select_tail: bool, scale: float,
+                          splits: int | None = None) -> torch.Tensor:
+    """dsa_sparse_attention for the n query rows of one sequence's chunk at positions start..start+n-1
+    (the same block table `table` [width] for all): softmax_t(q̂ · c_t / scale) · c_t over each row's
+    selected positions t. q̂ [n, H, R] fp32 (unit last stride); latent the cache row; top [n, NT] the
+    rows' picked pools (dsa_index_scores' top-k: picks not complete at the row's position are skipped,
+    a row with no more complete pools than NT takes them all) or None for every complete pool; plus
+    the tail with select_tail. Returns o [n, H, R] fp32 in q̂'s memory layout. `splits`: programs
+    per (row, head block) (default: more than one only while the rows leave SMs idle)."""
+    if q_hat.dim() != 3 or q_hat.dtype != torch.float32 or q_hat.stride(2) != 1:
+        raise ValueError(f"dsa_prefill_attention: q_hat must be fp32 [n, H, R] with unit last stride, got "
+                         f"{q_hat.dtype} {tuple(q_hat.shape)} {q_hat.stride()}")
+    n, H, R = q_hat.shape
+    nb, bs = latent.shape[:2]
+    _check_cache_row("dsa_prefill_attention: latent", latent, nb, bs, R)
+    _check_pow2("dsa_prefill_attention: kv_lora_rank", R)
+    if table.dim() != 1 or table.stride(0) != 1:
+        raise ValueError(f"dsa_prefill_attention: table must be one sequence's [width] block ids with unit "
+                         f"stride, got {tuple(table.shape)} {table.stride()}")
+    if bs % kpool or start < 0 or start + n > table.shape[0] * bs:
+        raise ValueError(f"dsa_prefill_attention: positions {start}..{start + n - 1} do not fit a table of "
+                         f"{table.shape[0]} blocks of {bs} (a multiple of kpool {kpool})")
+    ppb = bs // kpool
+    if top is None:
+        NT, picks = table.shape[0] * ppb, table  # every row has at most NT candidates: picks is not read
+    elif top.dim() != 2 or top.shape[0] != n:
+        raise ValueError(f"dsa_prefill_attention: top must be [{n}, NT], got {tuple(top.shape)}")
+    else:
+        NT = top.shape[1]
+        # the picked pools' rows of the cache (blocks of ppb pools), -1 for a pool not complete at the row
+        n_cand = (torch.arange(start + 1, start + n + 1, device=top.device) // kpool)[:, None]
+        pool = torch.where(top < n_cand, top, 0)
+        picks = torch.where(top < n_cand, table[pool // ppb] * ppb + pool % ppb, -1).contiguous()
+    BH = min(DSA_PREFILL_HEADS, max(16, triton.next_power_of_2(H)))  # tl.dot needs >= 16 rows
+    head_blocks = triton.cdiv(H, BH)
+    if splits is None:
+        programs = torch.cuda.get_device_properties(q_hat.device).multi_processor_count if q_hat.is_cuda else 2
+        tiles = triton.cdiv((min(NT, table.shape[0] * ppb) + select_tail) * kpool, DSA_PREFILL_BLOCK)
+        splits = max(1, min(tiles, programs // (n * head_blocks)))
+    o = torch.empty_like(q_hat)
+    one = splits == 1
+    if one:
+        m = l = acc = o  # pointers the kernel does not use
+    else:
+        m = torch.empty(n, splits, H, dtype=torch.float32, device=q_hat.device)
+        l = torch.empty_like(m)
+        acc = torch.empty(n, splits, H, R, dtype=torch.float32, device=q_hat.device)
+    out = o if one else acc
+    _dsa_prefill_kernel[(n, head_blocks, splits)](
+        q_hat, q_hat.stride(0), q_hat.stride(1), latent, table, picks, picks.stride(0), m, l, out, out.stride(0),
+        out.stride(1), start, H, NT, bs, scale, R=R, KPOOL=kpool, TAIL=bool(select_tail), BH=BH,
+        BK=DSA_PREFILL_BLOCK, ONE=one, TC=q_hat.is_cuda, num_warps=DSA_PREFILL_WARPS,
+        num_stages=DSA_PREFILL_STAGES)
+    if not one:
+        _dsa_combine_kernel[(n, H)](m, l, acc, o, o.stride(0), o.stride(1), H, splits, R=R,
+                                    SP=triton.next_power_of_2(splits))
     return o

@@ -210,6 +210,53 @@ def test_dsa_kernels_match_select_tokens_and_mla_attention(dtype, width):
         torch.testing.assert_close(got[b:b + 1], want, **tol, msg=f"sequence {b}")
 
 
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dsa_prefill_attention_matches_sparse_attention(dtype):
+    """A chunk's rows (one table, their own positions) through dsa_prefill_attention and through the
+    decode kernel with the rows as its batch: top-k picks of 10 pools, rows with fewer complete pools
+    than that (-inf picks: they take every pool), a pick not complete at its row, the tail or not,
+    20 heads (two head blocks, padded), split and not; then every pool (top None)."""
+    g = torch.Generator().manual_seed(6)
+    nb, bs, width, R, kpool, NT = 12, 8, 7, 32, 4, 10
+    latent = torch.randn(nb, bs, R, generator=g).to(dtype).to(DEVICE)
+    table = torch.randperm(nb, generator=g)[:width].to(DEVICE)
+
+    def both(start, n, top, tail, splits=None, H=4):
+        q_hat = torch.randn(H, n, R, generator=g).to(DEVICE).transpose(0, 1)  # strided, as fastprefill's
+        positions = torch.arange(start, start + n, device=DEVICE)
+        got = kernels.dsa_prefill_attention(q_hat, latent, table, start, top, kpool, tail, 3.0, splits=splits)
+        want = kernels.dsa_sparse_attention(q_hat, latent, table.expand(n, width), positions, top, kpool, tail, 3.0)
+        assert got.stride() == q_hat.stride()
+        # p · c_t: p in bf16 hi + lo parts against a bf16 latent, 16 significant bits
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 if dtype == torch.float32 else 1e-4)
+
+    start, n = 37, 14  # 9..12 complete pools of 14: 41..51 positions, 3-4 steps of 16
+    positions = torch.arange(start, start + n)
+    score = torch.randn(n, width * bs // kpool, generator=g)
+    score[torch.arange(score.shape[1])[None, :] >= ((positions + 1) // kpool)[:, None]] = -float("inf")
+    top = torch.topk(score, NT, dim=1, sorted=False).indices
+    assert (top >= ((positions + 1) // kpool)[:, None]).any()  # -inf picks
+    top[-3, 1] = (start + n - 3 + 1) // kpool  # not complete at row -3 (a top-k of its row never does this)
+    top = top.to(DEVICE)
+    both(start, n, top, True, H=20)
+    both(start, n, top, False, splits=3)
+    both(27, 7, None, True, splits=2)
+    both(0, 3, None, True)  # the tail alone
+
+
+def test_dsa_prefill_attention_names_bad_operands():
+    latent = torch.zeros(4, 8, 32, device=DEVICE)
+    table = torch.arange(2, device=DEVICE)
+    q_hat = torch.zeros(3, 4, 32, device=DEVICE)
+    with pytest.raises(ValueError, match=r"q_hat must be fp32 \[n, H, R\]"):
+        kernels.dsa_prefill_attention(q_hat.bfloat16(), latent, table, 0, None, 4, True, 1.0)
+    with pytest.raises(ValueError, match=r"positions 14..16 do not fit a table of 2 blocks of 8"):
+        kernels.dsa_prefill_attention(q_hat, latent, table, 14, None, 4, True, 1.0)
+    with pytest.raises(ValueError, match=r"top must be \[3, NT\]"):
+        kernels.dsa_prefill_attention(q_hat, latent, table, 0, table[None], 4, True, 1.0)
+
+
 # ---------------------------------------------------------------------------------------------- the step
 
 def _model(dtype: torch.dtype, experts: str = "dense", **overrides) -> GLMModel:
