@@ -2061,21 +2061,20 @@ def dsa_sparse_attention(q_hat: torch.Tensor, latent: torch.Tensor, tables: torc
 # costs per row H·U·kpool·R·8 flops and H·U·kpool·2R/M bytes of latent, against the same with U = NT
 # for one row x M heads: rows only help when there are fewer heads than M (and 8K-context rows each
 # pick 25% of the pools, random picks of 16 rows cover 99%).
-# Cost at full size (H = 64, R = 512, 2051 positions a row, M = 32): per row 2 programs x 129 steps of
-# 16 positions; four bf16 MMAs per product pair (q̂ and p split in hi + lo) = 64·2051·512·2·4 = 0.54
+# Cost at full size (H = 64, R = 512, 2051 positions a row, M = 32): per row 2 programs x 65 steps of
+# 32 positions; four bf16 MMAs per product pair (q̂ and p split in hi + lo) = 64·2051·512·2·4 = 0.54
 # GFLOP, 8192 rows = 4.4 TFLOP (about 4.5 ms at the H200's dense bf16 peak); each row reads its 2 MB
 # of selected latent rows twice (34 GB at 8192 rows, from L2: an 8K-32K context's latent is 8-32 MB).
 # The decode kernel reads them four times, with M = 16 heads and 16 positions a step.
 
-# ptxas for sm_90 at full size (triton 3.9 AOT with 16-byte aligned pointers as a launch specializes
-# them, bf16 latent, not run on a GPU): 32 heads x 16 positions, 8 warps, 3 stages: 203 registers, no
-# spill, 84 KB shared (q̂'s hi / lo parts stay in shared memory), the picks', table's and latent rows'
-# loads all issued ahead (cp.async); 2 stages: the table's not. 32 positions: 255 registers and a
-# spill; 64 heads (wgmma): 4 KB of spill.
+# Launch settings from the H200 sweep (triton 3.6, `.whl/s3_dsa_prefill_time.py --sweep`, 8K-32K
+# contexts, 2048 and 8192 rows): 32 heads x 32 positions a step, 4 warps, 2 stages runs 85-91 TFLOP/s,
+# 5.0x the decode kernel on the same rows (21.1 vs 106.8 ms for 8192 rows at 8K); 8 warps 1.8-3.1x,
+# 16 heads at most 3.2x, 3 stages 10-25% slower than 2 at 4 warps.
 DSA_PREFILL_HEADS = 32  # heads per program (M of the MMAs; see above why not more)
-DSA_PREFILL_BLOCK = 16  # selected positions per step
-DSA_PREFILL_WARPS = 8
-DSA_PREFILL_STAGES = 3
+DSA_PREFILL_BLOCK = 32  # selected positions per step
+DSA_PREFILL_WARPS = 4
+DSA_PREFILL_STAGES = 2
 
 
 @triton.jit
