@@ -5,8 +5,9 @@ The trunk is model_glm's, in the same order (spec glm53.md §4.1), over the fuse
 stacked experts that `fastdecode.FastDecoder` prepared; model_glm.forward is this file's twin
 (tests/test_fastprefill.py holds them together). What differs:
 - mHC (§4.2): `kernels.hc_pre` / `hc_post`, row-parallel, as in the decode step;
-- KDA (§4.3): the chunked WY form runs in `kernels.kda_chunk_prefill` (three launches for the whole
-  chunk) instead of a Python loop of torch ops per 64 tokens;
+- KDA (§4.3): the short conv, norms, gate and β in one launch (`kernels.kda_chunk_inputs`), then the
+  chunked WY form in `kernels.kda_chunk_prefill` (three launches for the whole chunk) instead of a
+  Python loop of torch ops per 64 tokens;
 - DSA (§4.4): the decode step's indexer kernel with the chunk's rows as the batch, then
   `kernels.dsa_prefill_attention` (one program per query row and 32 heads), so each query reads
   its 2051 selected positions instead of a mask over the whole context;
@@ -24,8 +25,7 @@ import torch.nn.functional as F
 
 import kernels
 from fastdecode import FastDecoder, Layer, Unsupported
-from model_glm import (KDA_CHUNK, ForwardOutput, SeqChunk, kda_gate, l2_norm, linear, rms_norm, route,
-                       short_conv, write_dsa_rows)
+from model_glm import KDA_CHUNK, ForwardOutput, SeqChunk, linear, rms_norm, route, write_dsa_rows
 
 
 @dataclass
@@ -112,18 +112,18 @@ class FastPrefill:
         n, row, slot = x.shape[0], layer.row, c.slot
         q_pre, k_pre, v_pre, f_a, g_a, b = layer.proj(x)
         (f,), (o_g,) = layer.proj2[0](f_a), layer.proj2[1](g_a)
-        g = kda_gate(f, a["A_log"], a["dt_bias"], cfg.linear_lower_bound, H, d)
-        beta = torch.sigmoid(b.float())
         if c.start == 0:
             cache.conv_state[row, slot] = 0
             cache.kda_state[row, slot] = 0
         history = cache.conv_state[row, slot]  # [3, K-1, H*d]
-        windows = [torch.cat([history[j], t.to(history.dtype)]) for j, t in enumerate((q_pre, k_pre, v_pre))]
-        q, k, v = (short_conv(windows[j], a["conv"][j]).float().view(n, H, d) for j in range(3))
-        q, k = l2_norm(q) * d ** -0.5, l2_norm(k)
+        q, k, v, g, beta = kernels.kda_chunk_inputs((q_pre, k_pre, v_pre), history, a["conv"], f, a["A_log"],
+                                                    a["dt_bias"], b, cfg.linear_lower_bound, H, d)
+        # the conv window's last K-1 rows: the chunk's own, or the history's tail then the chunk
+        keep = min(n, K - 1)
+        cache.conv_state[row, slot] = torch.stack([torch.cat([history[j, keep:], t[n - keep:].to(history.dtype)])
+                                                   for j, t in enumerate((q_pre, k_pre, v_pre))])
         o, S = self.recurrence(q, k, v, g, beta, cache.kda_state[row, slot], c.start)
         cache.kda_state[row, slot] = S
-        cache.conv_state[row, slot] = torch.stack([w[-(K - 1):] for w in windows])
         return linear(kernels.kda_output_gate(o, o_g, a["o_norm"], cfg.rms_norm_eps, x.dtype), layer.o_proj)
 
     def recurrence(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,

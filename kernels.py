@@ -27,8 +27,8 @@ dequantizing in registers.
 
 The decode step's glue (fastdecode.py), twins in model_glm.py: `hc_pre` / `hc_post` (mHC, §4.2:
 the 24 mixing dot products, Sinkhorn, the collapse and the sub-layer's RMSNorm; the stream update),
-`kda_decode_inputs` (short conv, SiLU, L2 norms, gate, β for one token, §4.3.2-5) and
-`kda_output_gate` (§4.3.8's norm and gate);
+`kda_decode_inputs` (short conv, SiLU, L2 norms, gate, β for one token, §4.3.2-5; the prefill's
+`kda_chunk_inputs` for the rows of one sequence's chunk) and `kda_output_gate` (§4.3.8's norm and gate);
 `moe_route` (the router GEMV, sigmoid, top-k and weights, §4.5: `route`);
 `dsa_decode_inputs` (q_a / kv_a layernorms, indexer k_norm, the token's cache rows and pooled key, §4.4:
 `rms_norm`, `pool_keys` and GLMModel.dsa's writes), `dsa_index_scores` (the indexer's pool scores:
@@ -1636,6 +1636,78 @@ def kda_decode_inputs(pre_conv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
         A_log.float().contiguous(), dt_bias.float().contiguous(), b, b.stride(0), q, k, v, g, beta,
         lower_bound, d ** -0.5, conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
         H=H, DH=d, KW=K, KP=triton.next_power_of_2(K))
+    return q, k, v, g, beta
+
+
+KDA_INPUT_ROWS = 16  # chunk rows per program of the prefill inputs kernel
+
+
+@triton.jit
+def _kda_chunk_inputs_kernel(q_ptr, k_ptr, v_ptr, x_stride, hist_ptr, hist_j, hist_row, w_ptr, f_ptr, f_stride,
+                             alog_ptr, dtb_ptr, b_ptr, b_stride, qo_ptr, ko_ptr, vo_ptr, go_ptr, beta_ptr,
+                             n, lower, scale, H: tl.constexpr, DH: tl.constexpr, KW: tl.constexpr,
+                             BR: tl.constexpr):
+    # Rows r of one sequence's chunk: window row r + t (tap t) is history row r + t for r + t < K-1,
+    # else chunk row r + t - (K-1); taps added in short_conv's order, 0 first.
+    r = tl.program_id(0) * BR + tl.arange(0, BR)
+    h = tl.program_id(1)
+    c = h * DH + tl.arange(0, DH)
+    inside = (r < n)[:, None]
+    out = (r[:, None] * H + h) * DH + tl.arange(0, DH)[None, :]
+    for j in tl.static_range(3):
+        if j == 0:
+            src = q_ptr
+        elif j == 1:
+            src = k_ptr
+        else:
+            src = v_ptr
+        acc = tl.zeros([BR, DH], dtype=tl.float32)
+        for t in tl.static_range(KW):
+            at = r + t - (KW - 1)  # the chunk row of the tap; negative: history row KW-1 + at
+            old = inside & (at < 0)[:, None]
+            hist = tl.load(hist_ptr + j * hist_j + (KW - 1 + at)[:, None] * hist_row + c[None, :], mask=old, other=0.0)
+            new = tl.load(src + at[:, None] * x_stride + c[None, :], mask=inside & (at >= 0)[:, None], other=0.0)
+            window = tl.where(old, hist.to(tl.float32), _cast(new.to(tl.float32), hist.dtype).to(tl.float32))
+            acc += window * tl.load(w_ptr + (j * H * DH + c) * KW + t).to(tl.float32)[None, :]
+        act = _cast(acc * tl.sigmoid(acc), hist.dtype).to(tl.float32)  # SiLU, rounded as short_conv rounds
+        if j == 0:
+            tl.store(qo_ptr + out, act / tl.sqrt(tl.sum(act * act, axis=1) + 1e-6)[:, None] * scale, mask=inside)
+        elif j == 1:
+            tl.store(ko_ptr + out, act / tl.sqrt(tl.sum(act * act, axis=1) + 1e-6)[:, None], mask=inside)
+        else:
+            tl.store(vo_ptr + out, act, mask=inside)
+    a = tl.exp(tl.load(alog_ptr + h))
+    f = tl.load(f_ptr + r[:, None] * f_stride + c[None, :], mask=inside, other=0.0).to(tl.float32)
+    tl.store(go_ptr + out, lower * tl.sigmoid(a * (f + tl.load(dtb_ptr + c)[None, :])), mask=inside)
+    beta = tl.sigmoid(tl.load(b_ptr + r * b_stride + h, mask=r < n, other=0.0).to(tl.float32))
+    tl.store(beta_ptr + r * H + h, beta, mask=r < n)
+
+
+def kda_chunk_inputs(pre_conv: tuple[torch.Tensor, torch.Tensor, torch.Tensor], history: torch.Tensor,
+                     conv_w: torch.Tensor, f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+                     b: torch.Tensor, lower_bound: float, H: int, d: int) -> tuple[torch.Tensor, ...]:
+    """kda_decode_inputs for the n rows of one sequence's chunk: §4.3.2-4.3.5 with the short conv's
+    window running over history [3, K-1, H·d] (the slot's conv state before the chunk, read only)
+    and then the chunk's own rows. pre_conv q̃, k̃, ṽ [n, H·d]; f [n, H·d]; b [n, H]. Returns q, k, v,
+    g [n, H, d] and β [n, H], fp32. Twin: model_glm's short_conv, l2_norm and kda_gate."""
+    n, HD = pre_conv[0].shape[0], H * d
+    for name, t in zip("qkv", pre_conv):
+        _rows(t, f"kda_chunk_inputs: {name}", n, HD)
+    if pre_conv[0].stride(0) != pre_conv[1].stride(0) or pre_conv[0].stride(0) != pre_conv[2].stride(0):
+        raise ValueError("kda_chunk_inputs: q, k, v must share a row stride")
+    _rows(f, "kda_chunk_inputs: f", n, HD)
+    _rows(b, "kda_chunk_inputs: b", n, H)
+    K = conv_w.shape[-1]
+    if tuple(history.shape) != (3, K - 1, HD) or history.stride(-1) != 1:
+        raise ValueError(f"kda_chunk_inputs: history must be (3, {K - 1}, {HD}), got {tuple(history.shape)}")
+    if tuple(conv_w.shape) != (3, HD, K) or not conv_w.is_contiguous():
+        raise ValueError(f"kda_chunk_inputs: conv_w must be contiguous (3, {HD}, {K}), got {tuple(conv_w.shape)}")
+    q, k, v, g = (torch.empty(n, H, d, dtype=torch.float32, device=f.device) for _ in range(4))
+    beta = torch.empty(n, H, dtype=torch.float32, device=f.device)
+    _kda_chunk_inputs_kernel[(triton.cdiv(n, KDA_INPUT_ROWS), H)](
+        *pre_conv, pre_conv[0].stride(0), history, history.stride(0), history.stride(1), conv_w, f, f.stride(0),
+        A_log.float().contiguous(), dt_bias.float().contiguous(), b, b.stride(0), q, k, v, g, beta, n,
+        lower_bound, d ** -0.5, H=H, DH=d, KW=K, BR=KDA_INPUT_ROWS)
     return q, k, v, g, beta
 
 

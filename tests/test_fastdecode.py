@@ -100,6 +100,33 @@ def test_kda_inputs_and_output_match_model_glm(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [1, 2, 21])  # fewer chunk rows than the history, and more than a program's 16
+def test_kda_chunk_inputs_match_model_glm(dtype, n):
+    g = torch.Generator().manual_seed(2)
+    H, d, K = 4, 32, 4
+    HD = H * d
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-3)
+    fused = torch.randn(n, 3 * HD + 7, generator=g).to(dtype).to(DEVICE)
+    pre = [fused[:, j * HD:(j + 1) * HD] for j in range(3)]
+    history = torch.randn(3, K - 1, HD, generator=g).to(dtype).to(DEVICE)
+    conv_w = torch.randn(3, HD, K, generator=g).to(dtype).to(DEVICE)
+    f = torch.randn(n, HD, generator=g).to(dtype).to(DEVICE)
+    A_log, dt_bias = torch.randn(H, generator=g).to(DEVICE), torch.randn(HD, generator=g).to(DEVICE)
+    b = torch.randn(n, H + 3, generator=g).to(dtype).to(DEVICE)[:, :H]
+    before = history.clone()
+    q, k, v, gate, beta = kernels.kda_chunk_inputs(pre, history, conv_w, f, A_log, dt_bias, b, -5.0, H, d)
+    assert torch.equal(history, before)  # read only: the caller keeps the window's tail
+    outs = [short_conv(torch.cat([history[j], pre[j]]), conv_w[j][:, None, :]).float().view(n, H, d) for j in range(3)]
+    torch.testing.assert_close(q, l2_norm(outs[0]) * d ** -0.5, **tol)
+    torch.testing.assert_close(k, l2_norm(outs[1]), **tol)
+    torch.testing.assert_close(v, outs[2], **tol)
+    torch.testing.assert_close(gate, kda_gate(f, A_log, dt_bias, -5.0, H, d), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(beta, torch.sigmoid(b.float()), rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match="history must be"):
+        kernels.kda_chunk_inputs(pre, history[:, 1:], conv_w, f, A_log, dt_bias, b, -5.0, H, d)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("E,D,k,norm", [(8, 256, 2, True), (40, 1100, 6, False)], ids=["tiny", "ragged"])
 def test_moe_route_matches_model_glm(dtype, E, D, k, norm):
     cfg = GLMConfig.from_dict(tiny.tiny_config_dict(n_routed_experts=E, num_experts_per_tok=k, norm_topk_prob=norm))
