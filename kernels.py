@@ -1421,14 +1421,14 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, out
 # ================================================================ decode-step kernels: mHC (§4.2)
 # hc_pre for B rows of streams X [B, hc, D]: m = (X_flat · fnᵀ) · r with r = rsqrt(mean(X_flat²) + eps),
 # then pre / post / the Sinkhorn matrix C from m, u = Σ_i pre_i X_i rounded to X's dtype, and the
-# sub-layer's RMSNorm of u. Three launches. The mix splits the 16384-long dot products (and Σ x²) over
-# S programs along n_in, one partial sum per row and split: `_hc_mix_kernel` (BR rows per program,
-# fp32 FMA) for the decode step's few rows and fp32 X, `_hc_mix_dot_kernel` (tiles of BM rows on the
-# tensor cores) from HC_DOT_MIN_ROWS 16-bit rows on (prefill chunks). In `_hc_pre_kernel`, parallel over
-# blocks of D, every program adds those partial sums and computes pre itself (cheaper than another
-# launch; the first program of a row also computes post and C), then its block of u and the block's
-# Σ u²; `_hc_norm_kernel` adds the Σ u² partial sums and applies the RMSNorm to its block. Partial
-# sums are added in a fixed order: deterministic.
+# sub-layer's RMSNorm of u. Three launches. The mix splits the 16384-long dot products (and Σ x²)
+# over S programs along n_in, one partial sum per row and split: `_hc_mix_kernel` (BR rows per
+# program, fp32 FMA) for the decode step's few rows and for fp32 X; `_hc_mix_dot_kernel` (tiles of
+# BM rows on the tensor cores, fp32-level) from HC_DOT_MIN_ROWS 16-bit rows on (prefill chunks).
+# In `_hc_pre_kernel`, parallel over blocks of D, every program adds those partial sums and computes
+# pre itself (cheaper than another launch; the first program of a row also computes post and C),
+# then its block of u and the block's Σ u²; `_hc_norm_kernel` adds the Σ u² partial sums and applies
+# the RMSNorm to its block. Partial sums are added in a fixed order: deterministic.
 # `_hc_post_kernel`: X'_j = post_j y + Σ_i C[i, j] X_i.
 
 HC_MIX_BLOCK = 256
@@ -1564,7 +1564,7 @@ def _hc_post_kernel(x_ptr, y_ptr, post_ptr, c_ptr, out_ptr, D, HC: tl.constexpr,
 
 def _hc_mix(x: torch.Tensor, fn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Partial sums of x [B, n_in] · fnᵀ and of x² over S splits of n_in: part [B, S, NP] (NP >= n_out,
-    the padding unset) and sq [B, S], fp32. The tensor-core kernel needs x exact in TF32 (16-bit)."""
+    the padding zero) and sq [B, S], fp32. The tensor-core kernel needs x exact in TF32 (16-bit)."""
     B, n_in = x.shape
     n_out = fn.shape[0]
     NP = max(16, triton.next_power_of_2(n_out))  # tl.dot's minimum tile
