@@ -1421,16 +1421,22 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, out
 # ================================================================ decode-step kernels: mHC (§4.2)
 # hc_pre for B rows of streams X [B, hc, D]: m = (X_flat · fnᵀ) · r with r = rsqrt(mean(X_flat²) + eps),
 # then pre / post / the Sinkhorn matrix C from m, u = Σ_i pre_i X_i rounded to X's dtype, and the
-# sub-layer's RMSNorm of u. Three launches, each parallel over blocks of D: `_hc_mix_kernel` splits
-# the 16384-long dot products over programs; in `_hc_pre_kernel` every program adds those partial
-# sums and computes pre itself (cheaper than another launch; the first program of a row also
-# computes post and C), then its block of u and the block's Σ u²; `_hc_norm_kernel` adds the Σ u²
-# partial sums and applies the RMSNorm to its block. Partial sums are added in a fixed order:
-# deterministic.
+# sub-layer's RMSNorm of u. Three launches. The mix splits the 16384-long dot products (and Σ x²)
+# over S programs along n_in, one partial sum per row and split: `_hc_mix_kernel` (BR rows per
+# program, fp32 FMA) for the decode step's few rows and for fp32 X; `_hc_mix_dot_kernel` (tiles of
+# BM rows on the tensor cores, fp32-level) from HC_DOT_MIN_ROWS 16-bit rows on (prefill chunks).
+# In `_hc_pre_kernel`, parallel over blocks of D, every program adds those partial sums and computes
+# pre itself (cheaper than another launch; the first program of a row also computes post and C),
+# then its block of u and the block's Σ u²; `_hc_norm_kernel` adds the Σ u² partial sums and applies
+# the RMSNorm to its block. Partial sums are added in a fixed order: deterministic.
 # `_hc_post_kernel`: X'_j = post_j y + Σ_i C[i, j] X_i.
 
 HC_MIX_BLOCK = 256
 HC_MIX_ROWS = 16
+HC_DOT_MIN_ROWS = 64
+HC_DOT_ROWS = 64
+HC_DOT_BLOCK = 64
+HC_DOT_SPLIT = 1024
 HC_BLOCK = 512
 
 
@@ -1450,6 +1456,43 @@ def _hc_mix_kernel(x_ptr, fn_ptr, part_ptr, sq_ptr, B, n_in, n_out, S, NP: tl.co
             x = tl.load(x_ptr + b * n_in + k, mask=inside, other=0.0).to(tl.float32)
             tl.store(part_ptr + (b * S + s) * NP + o, tl.sum(fn * x[None, :], axis=1))
             tl.store(sq_ptr + b * S + s, tl.sum(x * x, axis=0))
+
+
+@triton.jit
+def _tf32(v):
+    # v rounded to the nearest TF32 value (10 mantissa bits, ties away from zero), as fp32 bits.
+    return ((v.to(tl.int32, bitcast=True) + 0x1000) & -0x2000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _hc_mix_dot_kernel(x_ptr, fn_ptr, part_ptr, sq_ptr, B, n_in, n_out, S, steps,
+                       NP: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+    # fp32-level sums on TF32 tensor cores. x (bf16 or fp16) is a TF32 value. fn = fn_hi + fn_lo + e
+    # with both parts TF32 values, so every product x·fn_hi, x·fn_lo is exact (whether the MMA rounds
+    # or truncates its fp32 inputs to TF32, and under the interpreter, which multiplies in fp32).
+    # fn_hi is fn rounded to 11 significant bits; the rest, at most 2^-11 |fn|, has 12 significant
+    # bits, and fn_lo rounds it to 11: |e| <= 2^-23 |fn|, one fp32 ulp. So the sums differ from Σ x·fn
+    # by the fp32 accumulation's rounding plus at most 2^-23 Σ |x·fn|. A plain tl.dot (fn in TF32,
+    # i.e. fn_hi alone) is off by up to 2^-11 |fn| per term (2^-10 where the MMA truncates).
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    s = tl.program_id(1)
+    row_ok = rows < B
+    o = tl.arange(0, NP)
+    acc = tl.zeros((BM, NP), dtype=tl.float32)
+    sq = tl.zeros((BM,), dtype=tl.float32)
+    for step in range(steps):
+        k = (s * steps + step) * BK + tl.arange(0, BK)
+        inside = k < n_in
+        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * n_in + k[None, :], mask=row_ok[:, None] & inside[None, :],
+                    other=0.0).to(tl.float32)
+        fn = tl.load(fn_ptr + o[None, :] * n_in + k[:, None], mask=(o[None, :] < n_out) & inside[:, None], other=0.0)
+        fn_hi = _tf32(fn)
+        fn_lo = _tf32(fn - fn_hi)
+        acc = tl.dot(x, fn_hi, acc, input_precision="tf32")
+        acc = tl.dot(x, fn_lo, acc, input_precision="tf32")
+        sq += tl.sum(x * x, axis=1)
+    tl.store(part_ptr + (rows[:, None] * S + s) * NP + o[None, :], acc, mask=row_ok[:, None])
+    tl.store(sq_ptr + rows * S + s, sq, mask=row_ok)
 
 
 @triton.jit
@@ -1519,6 +1562,28 @@ def _hc_post_kernel(x_ptr, y_ptr, post_ptr, c_ptr, out_ptr, D, HC: tl.constexpr,
     tl.store(out_ptr + b * HC * D + i[:, None] * D + d[None, :], _cast(out, out_ptr.dtype.element_ty), mask=inside[None, :])
 
 
+def _hc_mix(x: torch.Tensor, fn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Partial sums of x [B, n_in] · fnᵀ and of x² over S splits of n_in: part [B, S, NP] (NP >= n_out,
+    the padding zero) and sq [B, S], fp32. The tensor-core kernel needs x exact in TF32 (16-bit)."""
+    B, n_in = x.shape
+    n_out = fn.shape[0]
+    NP = max(16, triton.next_power_of_2(n_out))  # tl.dot's minimum tile
+    if B >= HC_DOT_MIN_ROWS and x.dtype in (torch.bfloat16, torch.float16):
+        steps = triton.cdiv(min(HC_DOT_SPLIT, n_in), HC_DOT_BLOCK)
+        S = triton.cdiv(n_in, steps * HC_DOT_BLOCK)
+        part = torch.empty(B, S, NP, dtype=torch.float32, device=x.device)
+        sq = torch.empty(B, S, dtype=torch.float32, device=x.device)
+        _hc_mix_dot_kernel[(triton.cdiv(B, HC_DOT_ROWS), S)](x, fn, part, sq, B, n_in, n_out, S, steps, NP=NP,
+                                                             BM=HC_DOT_ROWS, BK=HC_DOT_BLOCK)
+    else:
+        S = triton.cdiv(n_in, HC_MIX_BLOCK)
+        part = torch.empty(B, S, NP, dtype=torch.float32, device=x.device)
+        sq = torch.empty(B, S, dtype=torch.float32, device=x.device)
+        _hc_mix_kernel[(triton.cdiv(B, HC_MIX_ROWS), S)](x, fn, part, sq, B, n_in, n_out, S, NP=NP, BK=HC_MIX_BLOCK,
+                                                         BR=HC_MIX_ROWS)
+    return part, sq
+
+
 def hc_pre(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm: torch.Tensor,
            rms_eps: float, hc_eps: float, iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """model_glm.hc_pre followed by rms_norm(u, norm): X [B, hc, D] -> (x [B, D], post [B, hc] fp32,
@@ -1530,12 +1595,8 @@ def hc_pre(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.T
     if hc & (hc - 1):
         raise ValueError(f"hc_pre: hc_mult {hc} must be a power of two")
     X = X.contiguous()
-    S = triton.cdiv(n_in, HC_MIX_BLOCK)
-    NP = triton.next_power_of_2(n_out)
-    part = torch.empty(B, S, NP, dtype=torch.float32, device=X.device)
-    sq = torch.empty(B, S, dtype=torch.float32, device=X.device)
-    _hc_mix_kernel[(triton.cdiv(B, HC_MIX_ROWS), S)](X, fn, part, sq, B, n_in, n_out, S, NP=NP, BK=HC_MIX_BLOCK,
-                                                     BR=HC_MIX_ROWS)
+    part, sq = _hc_mix(X.view(B, n_in), fn)
+    S, NP = part.shape[1:]
     BD = min(HC_BLOCK, triton.next_power_of_2(D))
     NB = triton.cdiv(D, BD)
     u = torch.empty(B, D, dtype=X.dtype, device=X.device)

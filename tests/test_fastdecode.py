@@ -33,8 +33,15 @@ def _kl(ref: torch.Tensor, got: torch.Tensor) -> float:
 
 # ---------------------------------------------------------------------------------------------- kernels
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("B,D", [(3, None), (2, 4096)], ids=["tiny", "D4096"])  # one block of D; 8 blocks
+# B, D: "tiny" one block of D, "D4096" 8 blocks; "dot" takes the tensor-core mix (16-bit X, B past
+# HC_DOT_MIN_ROWS): a ragged row tile, two splits of n_in, the second ending inside a k block.
+HC_DOT_N_IN = kernels.HC_DOT_SPLIT + kernels.HC_DOT_BLOCK // 2
+
+
+@pytest.mark.parametrize("dtype,B,D", [
+    (torch.float32, 3, None), (torch.bfloat16, 3, None), (torch.float32, 2, 4096), (torch.bfloat16, 2, 4096),
+    (torch.bfloat16, kernels.HC_DOT_MIN_ROWS + 5, HC_DOT_N_IN // 4)],
+    ids=["tiny-fp32", "tiny-bf16", "D4096-fp32", "D4096-bf16", "dot-bf16"])
 def test_hc_kernels_match_model_glm(dtype, B, D):
     cfg = GLMConfig.from_dict(tiny.tiny_config_dict())
     g = torch.Generator().manual_seed(0)
@@ -52,6 +59,23 @@ def test_hc_kernels_match_model_glm(dtype, B, D):
     torch.testing.assert_close(got_x, x, **tol)
     y = torch.randn(B, D, generator=g).to(dtype).to(DEVICE)
     torch.testing.assert_close(kernels.hc_post(X, y, post, C), hc_post(X, y, post, C), **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_hc_mix_tensor_core_sums_are_fp32_exact(dtype):
+    # The sums against fp64, scaled by Σ |x·fn| (fp32 summation's error bound is n·2^-24 times it):
+    # exact TF32 products leave only fp32 rounding; fn in TF32 alone (fn_lo dropped) is up to 2^-11 off per term.
+    g = torch.Generator().manual_seed(1)
+    B, n_in = kernels.HC_DOT_MIN_ROWS + 5, HC_DOT_N_IN
+    x = torch.randn(B, n_in, generator=g).to(dtype).to(DEVICE)
+    fn = (0.02 * torch.randn(24, n_in, generator=g)).to(DEVICE)
+    part, sq = kernels._hc_mix(x, fn)
+    x64, fn64 = x.double(), fn.double()
+    m64 = x64 @ fn64.T
+    bound = 1e-6 * (x64.abs() @ fn64.abs().T)
+    err = (part[:, :, :24].double().sum(1) - m64).abs()
+    assert (err <= bound).all(), f"max error / Σ|x·fn| = {float((err / bound).max()) * 1e-6:.2e}"
+    torch.testing.assert_close(sq.double().sum(1), x64.pow(2).sum(1), rtol=1e-6, atol=0)
 
 
 def test_hc_pre_rejects_a_wrong_fn():
