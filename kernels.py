@@ -23,7 +23,8 @@ KDA recurrence (spec glm53.md §4.3.6-7). Twins in model_glm.py: `kda_recurrent_
 `kda_chunk_prefill` compute what `model_glm.kda_recurrent` computes token by token.
 
 FP8 block-128 linears (fp8.py holds the format and the twin): `fp8_gemv` for 1..16 rows,
-dequantizing in registers.
+dequantizing in registers; `fp8_dequantize` (twin `fp8.dequantize_fp8_block`) for more rows, whose
+product then runs in cuBLAS.
 
 The decode step's glue (fastdecode.py), twins in model_glm.py: `hc_pre` / `hc_post` (mHC, §4.2:
 the 24 mixing dot products, Sinkhorn, the collapse and the sub-layer's RMSNorm; the stream update),
@@ -1306,7 +1307,7 @@ def _cast(x, DT: tl.constexpr):
         return x.to(DT)
 
 
-# ================================================================ FP8 block-128 GEMV
+# ================================================================ FP8 block-128: GEMV, dequantization
 # W [n, k] float8_e4m3fn, scale_inv [ceil(n/128), ceil(k/128)] fp32, W_real = W * scale_inv[i//128,
 # j//128]. y = x · W_real^T. Every e4m3 value and every bf16 / fp16 activation is exact in tf32, so
 # the tf32 tensor-core product is exact and sums in fp32: the only rounding beyond the twin's is the
@@ -1415,6 +1416,46 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, out
         _fp8_gemv_kernel[(n_tiles, split)](
             x[row:row + rows], weight, scale_inv, target, part, arrivals, rows, n, k, k_blocks,
             per_split, split, BN=block_n, MP=FP8_GEMV_ROWS, STAGES=num_stages, num_warps=num_warps)
+    return out
+
+
+@triton.jit
+def _fp8_dequantize_kernel(w_ptr, s_ptr, out_ptr, n, k, k_blocks, BN: tl.constexpr):
+    # One program: BN rows x 128 columns inside one scale block, so one scale. The fp32 product is
+    # the twin's, rounded once to the output dtype: bit-identical, one read of W and one write.
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = pid_n * BN + tl.arange(0, BN)
+    cols = pid_k * 128 + tl.arange(0, 128)
+    inside = (rows[:, None] < n) & (cols[None, :] < k)
+    offsets = rows[:, None].to(tl.int64) * k + cols[None, :]
+    w = tl.load(w_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
+    s = tl.load(s_ptr + ((pid_n * BN) // 128) * k_blocks + pid_k)
+    tl.store(out_ptr + offsets, _cast(w * s, out_ptr.dtype.element_ty), mask=inside)
+
+
+def fp8_dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.bfloat16,
+                   *, block_n: int = 64, num_warps: int = 4) -> torch.Tensor:
+    """W = weight ⊙ scale_inv per 128 x 128 block, [n, k] in dtype (bf16 or fp16), in one pass.
+
+    weight [n, k] float8_e4m3fn, scale_inv [ceil(n/128), ceil(k/128)] fp32. Twin (bit for bit):
+    `fp8.dequantize_fp8_block`, which goes through a full fp32 copy. block_n (rows per program,
+    divides 128) and num_warps are launch tuning.
+    """
+    if weight.dim() != 2 or weight.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"weight must be float8_e4m3fn [n, k], got {weight.dtype} {tuple(weight.shape)}")
+    n, k = weight.shape
+    grid_shape = (triton.cdiv(n, FP8_BLOCK), triton.cdiv(k, FP8_BLOCK))
+    if tuple(scale_inv.shape) != grid_shape or scale_inv.dtype != torch.float32:
+        raise ValueError(f"scale_inv must be fp32 {grid_shape} for weight {tuple(weight.shape)}, "
+                         f"got {scale_inv.dtype} {tuple(scale_inv.shape)}")
+    if dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"dtype must be torch.bfloat16 or torch.float16, got {dtype}")
+    _check_block_n(block_n)
+    weight, scale_inv = weight.contiguous(), scale_inv.contiguous()
+    out = torch.empty((n, k), dtype=dtype, device=weight.device)
+    _fp8_dequantize_kernel[(triton.cdiv(n, block_n), grid_shape[1])](
+        weight, scale_inv, out, n, k, grid_shape[1], BN=block_n, num_warps=num_warps)
     return out
 
 
