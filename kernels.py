@@ -24,7 +24,8 @@ KDA recurrence (spec glm53.md §4.3.6-7). Twins in model_glm.py: `kda_recurrent_
 
 FP8 block-128 linears (fp8.py holds the format and the twin): `fp8_gemv` for 1..16 rows,
 dequantizing in registers; `fp8_dequantize` (twin `fp8.dequantize_fp8_block`) for more rows, whose
-product then runs in cuBLAS.
+product then runs in cuBLAS. `bf16_fp32_linear`: x · wᵀ of bf16 rows and an fp32 weight, to fp32
+accuracy on bf16 tensor cores (the prefill's router and indexer head weights; twin x.float() @ w.T).
 
 The decode step's glue (fastdecode.py), twins in model_glm.py: `hc_pre` / `hc_post` (mHC, §4.2:
 the 24 mixing dot products, Sinkhorn, the collapse and the sub-layer's RMSNorm; the stream update),
@@ -1457,6 +1458,69 @@ def fp8_dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.d
     _fp8_dequantize_kernel[(triton.cdiv(n, block_n), grid_shape[1])](
         weight, scale_inv, out, n, k, grid_shape[1], BN=block_n, num_warps=num_warps)
     return out
+
+
+# ================================================================ fp32-accurate x · wᵀ for bf16 rows
+# y = x · wᵀ in fp32 for bf16 x [m, k] and fp32 w [n, k] (at prefill's thousands of rows: the router's
+# logits, §4.5, and the DSA indexer's head weights, §4.4), on bf16 tensor cores instead of fp32 FMA.
+# w splits exactly into three bf16 parts, w = w1 + w2 + w3: w1 is w's top 8 significant bits (the
+# fp32 bits & 0xFFFF0000), w2 the top 8 of the exact remainder w - w1, w3 = w - w1 - w2 the last 8
+# at most, so bf16 holds each. A bf16 x bf16 product is exact in fp32 (8 + 8 significant bits) and
+# the products are summed in fp32, so y is x.float() @ w.T up to the order (and, on tensor cores,
+# the rounding mode) of fp32 sums. Two TF32 parts (11 + 11 bits) cannot hold fp32's 24; bf16 tensor
+# cores run at twice the TF32 rate, so the three products cost one and a half TF32 ones. For weights
+# stored as bf16 (the checkpoint's router and indexer) w2 = w3 = 0.
+
+
+@triton.jit
+def _bf16_fp32_linear_kernel(x_ptr, w_ptr, y_ptr, m, n, k, BM: tl.constexpr, BN: tl.constexpr,
+                             BK: tl.constexpr, STAGES: tl.constexpr, TC: tl.constexpr):
+    pid_n = tl.program_id(0)  # fastest: the programs sharing a block of x rows run together
+    pid_m = tl.program_id(1)
+    rows = pid_m * BM + tl.arange(0, BM)
+    cols = pid_n * BN + tl.arange(0, BN)
+    kk = tl.arange(0, BK)
+    acc = tl.zeros([BM, BN], tl.float32)
+    for k0 in tl.range(0, k, BK, num_stages=STAGES):
+        ks = k0 + kk
+        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * k + ks[None, :],
+                    mask=(rows[:, None] < m) & (ks[None, :] < k), other=0.0)
+        w = tl.load(w_ptr + cols[:, None] * k + ks[None, :], mask=(cols[:, None] < n) & (ks[None, :] < k),
+                    other=0.0)
+        w1 = (w.to(tl.uint32, bitcast=True) & 0xFFFF0000).to(tl.float32, bitcast=True)
+        rest = w - w1
+        w2 = (rest.to(tl.uint32, bitcast=True) & 0xFFFF0000).to(tl.float32, bitcast=True)
+        w3 = rest - w2
+        acc += _dot_bf16(x, tl.trans(w3.to(tl.bfloat16)), TC)
+        acc += _dot_bf16(x, tl.trans(w2.to(tl.bfloat16)), TC)
+        acc += _dot_bf16(x, tl.trans(w1.to(tl.bfloat16)), TC)
+    tl.store(y_ptr + rows[:, None].to(tl.int64) * n + cols[None, :], acc,
+             mask=(rows[:, None] < m) & (cols[None, :] < n))
+
+
+def bf16_fp32_linear(x: torch.Tensor, w: torch.Tensor, *, block_m: int = 64, block_n: int = 32,
+                     block_k: int = 64, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+    """y = x.float() @ w.T, fp32 [m, n], for x bf16 [m, k] and w fp32 [n, k], on bf16 tensor cores.
+
+    Twin: that torch expression (fp32 FMA); the two differ only in how the fp32 sums are ordered and
+    rounded (see the section comment).
+    block_m / block_n / block_k (powers of two >= 16), num_warps and num_stages are launch tuning.
+    """
+    if x.dim() != 2 or x.dtype != torch.bfloat16:
+        raise ValueError(f"x must be bf16 [m, k], got {x.dtype} {tuple(x.shape)}")
+    if w.dim() != 2 or w.dtype != torch.float32 or w.shape[1] != x.shape[1]:
+        raise ValueError(f"w must be fp32 [n, {x.shape[1]}] for x {tuple(x.shape)}, got {w.dtype} {tuple(w.shape)}")
+    for name, size in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
+        _check_pow2(name, size)
+    (m, k), n = x.shape, w.shape[0]
+    y = torch.empty((m, n), dtype=torch.float32, device=x.device)
+    if m == 0:
+        return y
+    x, w = x.contiguous(), w.contiguous()
+    _bf16_fp32_linear_kernel[(triton.cdiv(n, block_n), triton.cdiv(m, block_m))](
+        x, w, y, m, n, k, BM=block_m, BN=block_n, BK=block_k, STAGES=num_stages, TC=x.is_cuda,
+        num_warps=num_warps)
+    return y
 
 
 # ================================================================ decode-step kernels: mHC (§4.2)
