@@ -8,7 +8,8 @@ block, [ceil(out/128), ceil(in/128)], which multiplies:
 `FP8Linear` keeps it that way in memory (1 byte per weight instead of 2) and is called like a
 function, y = lin(x). On CPU it dequantizes and multiplies (the slow twin); on CUDA, up to 16 rows
 go through `kernels.fp8_gemv` (dequantizing in registers: torch's scaled matmul is slower than a
-bf16 GEMV at batch 1, performance.md §11.1), more rows dequantize the weight and use cuBLAS.
+bf16 GEMV at batch 1, performance.md §11.1), more rows dequantize the weight in one pass
+(`kernels.fp8_dequantize`, this file's `dequantize_fp8_block` without the fp32 copy) and use cuBLAS.
 """
 from __future__ import annotations
 
@@ -124,4 +125,4 @@ class FP8Linear:
         dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
         if x.shape[0] <= kernels.FP8_GEMV_ROWS:
             return kernels.fp8_gemv(x.to(dtype), self.weight, self.scale_inv)
-        return F.linear(x.to(dtype), self.dequantize(dtype))
+        return F.linear(x.to(dtype), kernels.fp8_dequantize(self.weight, self.scale_inv, dtype))

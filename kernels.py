@@ -23,7 +23,9 @@ KDA recurrence (spec glm53.md §4.3.6-7). Twins in model_glm.py: `kda_recurrent_
 `kda_chunk_prefill` compute what `model_glm.kda_recurrent` computes token by token.
 
 FP8 block-128 linears (fp8.py holds the format and the twin): `fp8_gemv` for 1..16 rows,
-dequantizing in registers.
+dequantizing in registers; `fp8_dequantize` (twin `fp8.dequantize_fp8_block`) for more rows, whose
+product then runs in cuBLAS. `bf16_fp32_linear`: x · wᵀ of bf16 rows and an fp32 weight, to fp32
+accuracy on bf16 tensor cores (the prefill's router and indexer head weights; twin x.float() @ w.T).
 
 The decode step's glue (fastdecode.py), twins in model_glm.py: `hc_pre` / `hc_post` (mHC, §4.2:
 the 24 mixing dot products, Sinkhorn, the collapse and the sub-layer's RMSNorm; the stream update),
@@ -1306,7 +1308,7 @@ def _cast(x, DT: tl.constexpr):
         return x.to(DT)
 
 
-# ================================================================ FP8 block-128 GEMV
+# ================================================================ FP8 block-128: GEMV, dequantization
 # W [n, k] float8_e4m3fn, scale_inv [ceil(n/128), ceil(k/128)] fp32, W_real = W * scale_inv[i//128,
 # j//128]. y = x · W_real^T. Every e4m3 value and every bf16 / fp16 activation is exact in tf32, so
 # the tf32 tensor-core product is exact and sums in fp32: the only rounding beyond the twin's is the
@@ -1416,6 +1418,109 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, out
             x[row:row + rows], weight, scale_inv, target, part, arrivals, rows, n, k, k_blocks,
             per_split, split, BN=block_n, MP=FP8_GEMV_ROWS, STAGES=num_stages, num_warps=num_warps)
     return out
+
+
+@triton.jit
+def _fp8_dequantize_kernel(w_ptr, s_ptr, out_ptr, n, k, k_blocks, BN: tl.constexpr):
+    # One program: BN rows x 128 columns inside one scale block, so one scale. The fp32 product is
+    # the twin's, rounded once to the output dtype: bit-identical, one read of W and one write.
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rows = pid_n * BN + tl.arange(0, BN)
+    cols = pid_k * 128 + tl.arange(0, 128)
+    inside = (rows[:, None] < n) & (cols[None, :] < k)
+    offsets = rows[:, None].to(tl.int64) * k + cols[None, :]
+    w = tl.load(w_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
+    s = tl.load(s_ptr + ((pid_n * BN) // 128) * k_blocks + pid_k)
+    tl.store(out_ptr + offsets, _cast(w * s, out_ptr.dtype.element_ty), mask=inside)
+
+
+def fp8_dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.bfloat16,
+                   *, block_n: int = 64, num_warps: int = 4) -> torch.Tensor:
+    """W = weight ⊙ scale_inv per 128 x 128 block, [n, k] in dtype (bf16 or fp16), in one pass.
+
+    weight [n, k] float8_e4m3fn, scale_inv [ceil(n/128), ceil(k/128)] fp32. Twin (bit for bit):
+    `fp8.dequantize_fp8_block`, which goes through a full fp32 copy. block_n (rows per program,
+    divides 128) and num_warps are launch tuning.
+    """
+    if weight.dim() != 2 or weight.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"weight must be float8_e4m3fn [n, k], got {weight.dtype} {tuple(weight.shape)}")
+    n, k = weight.shape
+    grid_shape = (triton.cdiv(n, FP8_BLOCK), triton.cdiv(k, FP8_BLOCK))
+    if tuple(scale_inv.shape) != grid_shape or scale_inv.dtype != torch.float32:
+        raise ValueError(f"scale_inv must be fp32 {grid_shape} for weight {tuple(weight.shape)}, "
+                         f"got {scale_inv.dtype} {tuple(scale_inv.shape)}")
+    if dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"dtype must be torch.bfloat16 or torch.float16, got {dtype}")
+    _check_block_n(block_n)
+    weight, scale_inv = weight.contiguous(), scale_inv.contiguous()
+    out = torch.empty((n, k), dtype=dtype, device=weight.device)
+    _fp8_dequantize_kernel[(triton.cdiv(n, block_n), grid_shape[1])](
+        weight, scale_inv, out, n, k, grid_shape[1], BN=block_n, num_warps=num_warps)
+    return out
+
+
+# ================================================================ fp32-accurate x · wᵀ for bf16 rows
+# y = x · wᵀ in fp32 for bf16 x [m, k] and fp32 w [n, k] (at prefill's thousands of rows: the router's
+# logits, §4.5, and the DSA indexer's head weights, §4.4), on bf16 tensor cores instead of fp32 FMA.
+# w splits exactly into three bf16 parts, w = w1 + w2 + w3: w1 is w's top 8 significant bits (the
+# fp32 bits & 0xFFFF0000), w2 the top 8 of the exact remainder w - w1, w3 = w - w1 - w2 the last 8
+# at most, so bf16 holds each. A bf16 x bf16 product is exact in fp32 (8 + 8 significant bits) and
+# the products are summed in fp32, so y is x.float() @ w.T up to the order (and, on tensor cores,
+# the rounding mode) of fp32 sums. Two TF32 parts (11 + 11 bits) cannot hold fp32's 24; bf16 tensor
+# cores run at twice the TF32 rate, so the three products cost one and a half TF32 ones. For weights
+# stored as bf16 (the checkpoint's router and indexer) w2 = w3 = 0.
+
+
+@triton.jit
+def _bf16_fp32_linear_kernel(x_ptr, w_ptr, y_ptr, m, n, k, BM: tl.constexpr, BN: tl.constexpr,
+                             BK: tl.constexpr, STAGES: tl.constexpr, TC: tl.constexpr):
+    pid_n = tl.program_id(0)  # fastest: the programs sharing a block of x rows run together
+    pid_m = tl.program_id(1)
+    rows = pid_m * BM + tl.arange(0, BM)
+    cols = pid_n * BN + tl.arange(0, BN)
+    kk = tl.arange(0, BK)
+    acc = tl.zeros([BM, BN], tl.float32)
+    for k0 in tl.range(0, k, BK, num_stages=STAGES):
+        ks = k0 + kk
+        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * k + ks[None, :],
+                    mask=(rows[:, None] < m) & (ks[None, :] < k), other=0.0)
+        w = tl.load(w_ptr + cols[:, None] * k + ks[None, :], mask=(cols[:, None] < n) & (ks[None, :] < k),
+                    other=0.0)
+        w1 = (w.to(tl.uint32, bitcast=True) & 0xFFFF0000).to(tl.float32, bitcast=True)
+        rest = w - w1
+        w2 = (rest.to(tl.uint32, bitcast=True) & 0xFFFF0000).to(tl.float32, bitcast=True)
+        w3 = rest - w2
+        acc += _dot_bf16(x, tl.trans(w3.to(tl.bfloat16)), TC)
+        acc += _dot_bf16(x, tl.trans(w2.to(tl.bfloat16)), TC)
+        acc += _dot_bf16(x, tl.trans(w1.to(tl.bfloat16)), TC)
+    tl.store(y_ptr + rows[:, None].to(tl.int64) * n + cols[None, :], acc,
+             mask=(rows[:, None] < m) & (cols[None, :] < n))
+
+
+def bf16_fp32_linear(x: torch.Tensor, w: torch.Tensor, *, block_m: int = 64, block_n: int = 32,
+                     block_k: int = 64, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+    """y = x.float() @ w.T, fp32 [m, n], for x bf16 [m, k] and w fp32 [n, k], on bf16 tensor cores.
+
+    Twin: that torch expression (fp32 FMA); the two differ only in how the fp32 sums are ordered and
+    rounded (see the section comment).
+    block_m / block_n / block_k (powers of two >= 16), num_warps and num_stages are launch tuning.
+    """
+    if x.dim() != 2 or x.dtype != torch.bfloat16:
+        raise ValueError(f"x must be bf16 [m, k], got {x.dtype} {tuple(x.shape)}")
+    if w.dim() != 2 or w.dtype != torch.float32 or w.shape[1] != x.shape[1]:
+        raise ValueError(f"w must be fp32 [n, {x.shape[1]}] for x {tuple(x.shape)}, got {w.dtype} {tuple(w.shape)}")
+    for name, size in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
+        _check_pow2(name, size)
+    (m, k), n = x.shape, w.shape[0]
+    y = torch.empty((m, n), dtype=torch.float32, device=x.device)
+    if m == 0:
+        return y
+    x, w = x.contiguous(), w.contiguous()
+    _bf16_fp32_linear_kernel[(triton.cdiv(n, block_n), triton.cdiv(m, block_m))](
+        x, w, y, m, n, k, BM=block_m, BN=block_n, BK=block_k, STAGES=num_stages, TC=x.is_cuda,
+        num_warps=num_warps)
+    return y
 
 
 # ================================================================ decode-step kernels: mHC (§4.2)

@@ -1,8 +1,13 @@
-"""fp8.py: block-128 FP8 quantization (both scale rules), dequantization and FP8Linear on CPU."""
+"""fp8.py: block-128 FP8 quantization (both scale rules), dequantization and FP8Linear on CPU;
+kernels.fp8_dequantize against its twin (interpreted on CPU)."""
 import pytest
 import torch
+import torch.nn.functional as F
 
 import fp8
+import kernels
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _weight(out_f: int, in_f: int, seed: int) -> torch.Tensor:
@@ -97,3 +102,47 @@ def test_dequantize_is_the_per_block_product(shape):
     expanded = s.repeat_interleave(fp8.BLOCK, 0)[:shape[0]].repeat_interleave(fp8.BLOCK, 1)[:, :shape[1]]
     for dtype in (torch.float32, torch.bfloat16):
         assert torch.equal(fp8.dequantize_fp8_block(q, s, dtype), (q.float() * expanded).to(dtype))
+
+
+def _codes_and_scales(shape: tuple[int, int], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every finite e4m3 code (subnormals, both zeros) and per-block scales from 2^-20 to 2^8 with
+    random mantissas: products that round, and in fp16 also underflow to subnormals or overflow."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 256, shape, generator=g, dtype=torch.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0x7E  # the two NaN codes
+    grid = fp8.scale_grid(*shape)
+    scales = (1 + torch.rand(grid, generator=g)) * torch.exp2(torch.randint(-20, 9, grid, generator=g).float())
+    return codes.view(torch.float8_e4m3fn), scales
+
+
+@pytest.mark.parametrize("shape,block_n", [((256, 384), 64), ((200, 300), 32), ((130, 1000), 128), ((64, 100), 16)],
+                         ids=["whole blocks", "ragged", "ragged k, 8 blocks", "below one block"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast")  # fp16's inf is part of the test
+def test_dequantize_kernel_is_the_twin_bit_for_bit(shape, block_n, dtype):
+    q, s = _codes_and_scales(shape, seed=shape[0] + block_n)
+    got = kernels.fp8_dequantize(q.to(DEVICE), s.to(DEVICE), dtype, block_n=block_n)
+    assert got.shape == shape and got.dtype == dtype
+    assert torch.equal(got.cpu(), fp8.dequantize_fp8_block(q, s, dtype))
+
+
+def test_many_rows_use_the_dequantize_kernel():
+    """FP8Linear's CUDA path beyond kernels.FP8_GEMV_ROWS rows: the kernel's W, then F.linear (run
+    on CPU here, where __call__ would take the twin)."""
+    lin = fp8.FP8Linear(*_codes_and_scales((200, 300), seed=7))
+    x = torch.randn(kernels.FP8_GEMV_ROWS + 1, 300, generator=torch.Generator().manual_seed(8)).bfloat16()
+    assert torch.equal(lin._forward_cuda(x), F.linear(x, lin.dequantize(torch.bfloat16)))
+
+
+def test_dequantize_kernel_bad_input_is_named():
+    q, s = _codes_and_scales((128, 256), seed=9)
+    with pytest.raises(ValueError, match=r"float8_e4m3fn \[n, k\], got torch.float32 \(128, 256\)"):
+        kernels.fp8_dequantize(q.float(), s)
+    with pytest.raises(ValueError, match=r"scale_inv must be fp32 \(1, 2\) for weight \(128, 256\), got torch.float32 \(1, 1\)"):
+        kernels.fp8_dequantize(q, s[:, :1])
+    with pytest.raises(ValueError, match=r"scale_inv must be fp32 \(1, 2\).*got torch.float64"):
+        kernels.fp8_dequantize(q, s.double())
+    with pytest.raises(ValueError, match="dtype must be torch.bfloat16 or torch.float16, got torch.float32"):
+        kernels.fp8_dequantize(q, s, torch.float32)
+    with pytest.raises(ValueError, match="block_n"):
+        kernels.fp8_dequantize(q, s, block_n=48)

@@ -447,3 +447,43 @@ def test_moe_prefill_bad_input_is_named():
         kernels.exl3_moe_prefill(x, ids, torch.ones(3, 2, device=DEVICE), *projections, "mcg", 1.0, block_m=48)
     with pytest.raises(ValueError, match=r"x must be fp16 or bf16 \[m, 128\]"):
         kernels.exl3_moe_prefill(x.float(), ids, torch.ones(3, 2, device=DEVICE), *projections, "mcg", 1.0)
+
+
+# ---------------------------------------------------------------- bf16 rows x fp32 weight, fp32-accurate
+
+@pytest.mark.parametrize("signs", ["mixed", "positive"])
+def test_bf16_fp32_linear_has_fp32_accuracy(signs):
+    """Against the fp64 product, relative to Σ|x||w| per output: the fp32 twin's error level (<= 4e-7
+    here). The weights use all 24 significand bits; dropping the split's last bf16 part (w3) costs
+    >= 2e-6, which the tolerance catches (checked below on the same data)."""
+    g = torch.Generator().manual_seed(11)
+    m, n, k = 70, 40, 200  # ragged against every block size
+    x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g) * torch.exp2(torch.randn(n, 1, generator=g))
+    if signs == "positive":  # dropped bits then add up instead of cancelling
+        x, w = x.abs(), w.abs()
+    x = x.bfloat16()
+    y = kernels.bf16_fp32_linear(x.to(DEVICE), w.to(DEVICE), block_m=32, block_n=32, block_k=64)
+    assert y.shape == (m, n) and y.dtype == torch.float32
+    exact = x.double() @ w.double().T
+    scale = x.double().abs() @ w.double().abs().T
+    rel = lambda approx: ((approx.double().cpu() - exact).abs() / scale).max().item()
+    assert rel(y) <= 1e-6, f"relative error {rel(y):.3g}"
+    assert rel(x.float() @ w.T) <= 1e-6, "the fp32 twin itself should meet the tolerance"
+    w1 = (w.view(torch.int32) & -65536).view(torch.float32)
+    w2 = ((w - w1).view(torch.int32) & -65536).view(torch.float32)
+    assert torch.equal(w1 + w2 + (w - w1 - w2), w)
+    assert rel(x.double() @ (w1 + w2).double().T) > 1e-6, "the test could not see a dropped w3"
+
+
+def test_bf16_fp32_linear_bad_input_is_named():
+    x = torch.zeros(3, 64, dtype=torch.bfloat16, device=DEVICE)
+    w = torch.zeros(32, 64, device=DEVICE)
+    with pytest.raises(ValueError, match=r"x must be bf16 \[m, k\], got torch.float32 \(3, 64\)"):
+        kernels.bf16_fp32_linear(x.float(), w)
+    with pytest.raises(ValueError, match=r"w must be fp32 \[n, 64\] for x \(3, 64\), got torch.float32 \(32, 65\)"):
+        kernels.bf16_fp32_linear(x, torch.zeros(32, 65, device=DEVICE))
+    with pytest.raises(ValueError, match=r"w must be fp32 .*got torch.bfloat16 \(32, 64\)"):
+        kernels.bf16_fp32_linear(x, w.bfloat16())
+    with pytest.raises(ValueError, match="block_k = 48"):
+        kernels.bf16_fp32_linear(x, w, block_k=48)
+    assert kernels.bf16_fp32_linear(x[:0], w).shape == (0, 32)
