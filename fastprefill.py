@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 
 import kernels
-from fastdecode import FastDecoder, Layer, Unsupported
-from model_glm import KDA_CHUNK, ForwardOutput, SeqChunk, linear, rms_norm, route, write_dsa_rows
+from fastdecode import FastDecoder, Layer, Unsupported, fp32_linear
+from model_glm import KDA_CHUNK, ForwardOutput, SeqChunk, linear, rms_norm, route_logits, write_dsa_rows
 
 
 @dataclass
@@ -167,7 +167,7 @@ class FastPrefill:
     def moe(self, L: int, layer: Layer, h: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
         gate_w, bias = layer.router
-        ids, w = route(h, gate_w, bias, cfg)
+        ids, w = route_logits(fp32_linear(h, gate_w), bias, cfg)
         ex = layer.experts
         if ex.exl3 is not None:
             gate, up, down, codebook = ex.exl3

@@ -508,7 +508,12 @@ def write_dsa_rows(cache: CachePool, row: int, chunk: SeqChunk, c: torch.Tensor,
 def route(h: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor,
           cfg: GLMConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 sigmoid router; the correction bias only chooses. Returns (expert ids, weights) [N, k]."""
-    s = torch.sigmoid(F.linear(h.float(), gate_w.float()))
+    return route_logits(F.linear(h.float(), gate_w.float()), bias, cfg)
+
+
+def route_logits(logits: torch.Tensor, bias: torch.Tensor, cfg: GLMConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """`route` from the fp32 router logits h · gate_wᵀ [N, E]."""
+    s = torch.sigmoid(logits)
     experts = torch.topk(s + bias.float(), cfg.num_experts_per_tok, dim=-1).indices
     w = s.gather(1, experts)
     if cfg.norm_topk_prob:
