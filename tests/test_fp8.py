@@ -127,10 +127,10 @@ def test_dequantize_kernel_is_the_twin_bit_for_bit(shape, block_n, dtype):
 
 
 def test_many_rows_use_the_dequantize_kernel():
-    """FP8Linear's CUDA path beyond kernels.FP8_GEMV_ROWS rows: the kernel's W, then F.linear (run
-    on CPU here, where __call__ would take the twin)."""
-    lin = fp8.FP8Linear(*_codes_and_scales((200, 300), seed=7))
-    x = torch.randn(kernels.FP8_GEMV_ROWS + 1, 300, generator=torch.Generator().manual_seed(8)).bfloat16()
+    """FP8Linear's CUDA path beyond kernels.FP8_GEMV_ROWS rows: the kernel's W, then F.linear (called
+    directly: on CPU __call__ would take the twin)."""
+    lin = fp8.FP8Linear(*(t.to(DEVICE) for t in _codes_and_scales((200, 300), seed=7)))
+    x = torch.randn(kernels.FP8_GEMV_ROWS + 1, 300, generator=torch.Generator().manual_seed(8)).bfloat16().to(DEVICE)
     assert torch.equal(lin._forward_cuda(x), F.linear(x, lin.dequantize(torch.bfloat16)))
 
 
