@@ -517,10 +517,21 @@ def run_model(args) -> list[Row]:
                    f"({budget.decode_bytes(1, long_ctx) / 1e9:.2f} GB/step)")
 
     def prefill_agreement(T: int) -> None:
+        """KL(reference || fast prefill) on the prompt's last row, beside the reference's own move when
+        the prompt's embedding rows move by one bf16 ulp (random signs; decode's `fast_vs_reference`
+        moves one token's): a prefill differs at every position, so its baseline is a prefill's."""
         ref, _ = prefill_logits(T, fast_path=False)
         got, _ = prefill_logits(T, fast_path=True)
-        say(f"KL(reference || fast prefill), last row of a {T}-token prompt: {float(kl_nats(ref, got)):.2e} nats, "
-            f"top-1 {'agrees' if int(ref.argmax()) == int(got.argmax()) else 'differs'}")
+        embed = model.w("embed_tokens.weight")
+        ids = prompt(T).unique().to(embed.device)
+        rows = embed[ids].clone()
+        sign = torch.randint(0, 2, rows.shape, device=rows.device, generator=gen) * 2 - 1
+        embed[ids] = rows * (1 + sign * 2.0 ** -8)
+        moved, _ = prefill_logits(T, fast_path=False)
+        embed[ids] = rows
+        for what, logits in (("fast prefill", got), ("reference prefill, input moved 1 ulp", moved)):
+            say(f"KL(reference || {what}), last row of a {T}-token prompt: {float(kl_nats(ref, logits)):.2e} nats, "
+                f"top-1 {'agrees' if int(ref.argmax()) == int(logits.argmax()) else 'differs'}")
 
     def verify_cost() -> None:
         """What a speculative verify pass costs: 8 rows of one sequence vs 1, reference path (dflash2.md §6.3)."""
@@ -543,9 +554,12 @@ def run_model(args) -> list[Row]:
             say(f"KL(reference || {what}), B=1 ctx {ctx0}, {args.kl_steps} steps: mean {mean:.2e} nats "
                 f"(max {worst:.2e}), top-1 agreement {agree}/{args.kl_steps}")
 
+    def prompt(T: int) -> torch.Tensor:
+        return torch.randint(0, cfg.vocab_size, (T,), generator=torch.Generator().manual_seed(T))
+
     def prefill_logits(T: int, fast_path: bool) -> tuple[torch.Tensor, float]:
         """One prompt of T tokens in chunks of --prefill-chunk, as the engine runs it: last logits, seconds."""
-        tokens = torch.randint(0, cfg.vocab_size, (T,), generator=torch.Generator().manual_seed(T))
+        tokens = prompt(T)
         table = torch.arange(long_blocks)
         sync(device)
         start = time.perf_counter()
