@@ -1472,7 +1472,10 @@ def fp8_dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.d
 # the products are summed in fp32, so y is x.float() @ w.T up to the order (and, on tensor cores,
 # the rounding mode) of fp32 sums. Two TF32 parts (11 + 11 bits) cannot hold fp32's 24; bf16 tensor
 # cores run at twice the TF32 rate, so the three products cost one and a half TF32 ones. For weights
-# stored as bf16 (the checkpoint's router and indexer) w2 = w3 = 0.
+# stored as bf16 (the checkpoint's router and indexer) w2 = w3 = 0. Measured on the H200 (triton 3.6,
+# 8192 x 4096 bf16 rows, `.whl/s4_micro.py`): 222 µs against torch's fp32 GEMM's 565 µs for the
+# router's 288 outputs, 55 vs 184 µs for the indexer's 32; error 2.0e-6 of Σ|x||w| (torch 1.4e-7):
+# the tensor cores add in fp32 but truncate the aligned addends, so w3 mostly vanishes there.
 
 
 @triton.jit
