@@ -421,7 +421,7 @@ class FastDecoder:
 
     def mlp(self, layer: Layer, h: torch.Tensor) -> torch.Tensor:
         gate, up = layer.mlp(h)
-        return linear(swiglu(gate, up, self.cfg.swiglu_limit), layer.down)
+        return linear(kernels.swiglu(gate, up, self.cfg.swiglu_limit), layer.down)
 
     def moe(self, layer: Layer, h: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
@@ -433,7 +433,7 @@ class FastDecoder:
             routed = kernels.exl3_moe_decode(h, ids, w, gate, up, down, codebook, cfg.swiglu_limit)
         else:
             routed = _dense_experts(h, ids, w, ex.dense, cfg.swiglu_limit)
-        return (routed + self.mlp(layer, h).float()).to(h.dtype)
+        return routed.add_(self.mlp(layer, h)).to(h.dtype)  # the fp32 sum model_glm forms
 
 
 def fp32_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

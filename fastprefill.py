@@ -175,4 +175,4 @@ class FastPrefill:
             routed = kernels.exl3_moe_prefill(x, ids, w, gate, up, down, codebook, cfg.swiglu_limit)
         else:
             routed = self.model.routed_experts(f"layers.{L}.mlp.", h, ids, w)
-        return (routed + self.decoder.mlp(layer, h).float()).to(h.dtype)
+        return routed.add_(self.decoder.mlp(layer, h)).to(h.dtype)  # the fp32 sum model_glm forms

@@ -24,13 +24,14 @@ KDA recurrence (spec glm53.md §4.3.6-7). Twins in model_glm.py: `kda_recurrent_
 
 FP8 block-128 linears (fp8.py holds the format and the twin): `fp8_gemv` for 1..16 rows,
 dequantizing in registers; `fp8_dequantize` (twin `fp8.dequantize_fp8_block`) for more rows, whose
-product then runs in cuBLAS. `bf16_fp32_linear`: x · wᵀ of bf16 rows and an fp32 weight, to fp32
+product then runs in cuBLAS. `bf16_fp32_linear`: x · wᵀ of bf16 rows and an fp32 weight, near fp32
 accuracy on bf16 tensor cores (the prefill's router and indexer head weights; twin x.float() @ w.T).
 
 The decode step's glue (fastdecode.py), twins in model_glm.py: `hc_pre` / `hc_post` (mHC, §4.2:
 the 24 mixing dot products, Sinkhorn, the collapse and the sub-layer's RMSNorm; the stream update),
 `kda_decode_inputs` (short conv, SiLU, L2 norms, gate, β for one token, §4.3.2-5; the prefill's
 `kda_chunk_inputs` for the rows of one sequence's chunk) and `kda_output_gate` (§4.3.8's norm and gate);
+`swiglu` (§4.5's clamped SwiGLU: `swiglu`);
 `moe_route` (the router GEMV, sigmoid, top-k and weights, §4.5: `route`);
 `dsa_decode_inputs` (q_a / kv_a layernorms, indexer k_norm, the token's cache rows and pooled key, §4.4:
 `rms_norm`, `pool_keys` and GLMModel.dsa's writes), `dsa_index_scores` (the indexer's pool scores:
@@ -1730,6 +1731,41 @@ def hc_post(X: torch.Tensor, y: torch.Tensor, post: torch.Tensor, C: torch.Tenso
     out = torch.empty_like(X)
     BD = min(512, triton.next_power_of_2(D))
     _hc_post_kernel[(B, triton.cdiv(D, BD))](X, y, post.contiguous(), C.contiguous(), out, D, HC=hc, BD=BD)
+    return out
+
+
+# ================================================================ the clamped SwiGLU (§4.5)
+
+SWIGLU_BLOCK = 1024
+
+
+@triton.jit
+def _swiglu_kernel(g_ptr, g_stride, u_ptr, u_stride, out_ptr, I, limit, BI: tl.constexpr):
+    # model_glm.swiglu with its roundings: SiLU's output in the activations' dtype, then the product.
+    b = tl.program_id(0)
+    c = tl.program_id(1) * BI + tl.arange(0, BI)
+    inside = c < I
+    g = tl.minimum(tl.load(g_ptr + b * g_stride + c, mask=inside, other=0.0).to(tl.float32), limit)
+    u = tl.load(u_ptr + b * u_stride + c, mask=inside, other=0.0).to(tl.float32)
+    u = tl.minimum(tl.maximum(u, -limit), limit)
+    DT = out_ptr.dtype.element_ty
+    s = _cast(g * tl.sigmoid(g), DT).to(tl.float32)
+    tl.store(out_ptr + b * I + c, _cast(s * u, DT), mask=inside)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """model_glm.swiglu in one launch (its twin: four torch ops): SiLU(min(gate, limit)) ·
+    clamp(up, ±limit) for gate, up [B, I] (rows may be strided: the halves of a fused projection),
+    [B, I] contiguous in gate's dtype."""
+    B, I = gate.shape
+    _rows(gate, "swiglu: gate", B, I)
+    _rows(up, "swiglu: up", B, I)
+    if up.dtype != gate.dtype:
+        raise ValueError(f"swiglu: gate and up must share a dtype, got {gate.dtype} and {up.dtype}")
+    out = torch.empty(B, I, dtype=gate.dtype, device=gate.device)
+    if B:
+        _swiglu_kernel[(B, triton.cdiv(I, SWIGLU_BLOCK))](gate, gate.stride(0), up, up.stride(0), out, I, limit,
+                                                          BI=SWIGLU_BLOCK)
     return out
 
 

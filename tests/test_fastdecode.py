@@ -18,7 +18,7 @@ import fp8
 import tiny
 from cache import CachePool
 from model_glm import (GLMConfig, GLMModel, SeqChunk, hc_post, hc_pre, kda_gate, l2_norm, mla_attention, pool_keys,
-                       rms_norm, route, select_tokens, short_conv)
+                       rms_norm, route, select_tokens, short_conv, swiglu)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CACHE_TENSORS = ("latent", "index_k", "gate", "pooled", "kda_state", "conv_state")
@@ -122,6 +122,25 @@ def test_kda_inputs_and_output_match_model_glm(dtype):
     want = (rms_norm(o, w, 1e-5) * torch.sigmoid(o_g.float().view(B, H, d))).to(dtype).flatten(1)
     torch.testing.assert_close(kernels.kda_output_gate(o, o_g, w, 1e-5, dtype), want, **tol)
 
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_swiglu_matches_model_glm(dtype):
+    g = torch.Generator().manual_seed(3)
+    B, I, limit = 3, 1100, 4.0  # I past one program's block; values on both sides of ±limit
+    fused = (6 * torch.randn(B, 2 * I + 5, generator=g)).to(dtype).to(DEVICE)  # strided halves of a fused GEMV
+    gate, up = fused[:, :I], fused[:, I:2 * I]
+    got = kernels.swiglu(gate, up, limit)
+    want = swiglu(gate, up, limit)
+    assert got.dtype == dtype and got.is_contiguous()
+    # the same roundings (SiLU's output, then the product): 16-bit results agree bit for bit but where
+    # the fp32 sigmoid forms' last-ulp difference crosses a rounding boundary (none on CPU here)
+    tol = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=8e-3, atol=1e-3)
+    torch.testing.assert_close(got, want, **tol)
+    if dtype != torch.float32:
+        assert float((got != want).float().mean()) <= 0.01
+    with pytest.raises(ValueError, match="gate and up must share a dtype"):
+        kernels.swiglu(gate, up.double(), limit)
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n", [1, 2, 21])  # fewer chunk rows than the history, and more than a program's 16
