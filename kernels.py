@@ -567,6 +567,27 @@ def _check_experts(name: str, trellis: torch.Tensor, suh: torch.Tensor, svh: tor
     return k2
 
 
+def _check_moe(x: torch.Tensor, ids: torch.Tensor, route: torch.Tensor, gate: tuple, up: tuple, down: tuple,
+               codebook: str, x_form: str) -> tuple[int, int, int, int]:
+    # The MoE kernels' shared contract (x_form names what x must be, with {D}): returns (k2, E, D, I).
+    k2 = _check_experts("gate", *gate, codebook, None)
+    E = gate[0].shape[0]
+    if _check_experts("up", *up, codebook, E) != k2 or _check_experts("down", *down, codebook, E) != k2:
+        raise ValueError("gate, up and down must share one K (trellis last dim)")
+    D, I = gate[0].shape[1] * 16, gate[0].shape[2] * 16
+    if up[0].shape != gate[0].shape or tuple(down[0].shape[1:3]) != (I // 16, D // 16):
+        raise ValueError(f"expert shapes disagree: gate {tuple(gate[0].shape)}, up {tuple(up[0].shape)}, "
+                         f"down {tuple(down[0].shape)}")
+    if D % 128 or I % 128:
+        raise ValueError(f"expert dims must be multiples of 128, got {D} x {I}")
+    if x.dim() != 2 or x.shape[1] != D:
+        raise ValueError(f"x must be {x_form.format(D=D)}, got {x.dtype} {tuple(x.shape)}")
+    m = x.shape[0]
+    if ids.dim() != 2 or ids.shape[0] != m or tuple(route.shape) != tuple(ids.shape):
+        raise ValueError(f"ids and route must both be [{m}, top_k], got {tuple(ids.shape)} and {tuple(route.shape)}")
+    return k2, E, D, I
+
+
 def exl3_moe_decode(x: torch.Tensor, ids: torch.Tensor, route: torch.Tensor,
                     gate: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
                     up: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
@@ -580,21 +601,8 @@ def exl3_moe_decode(x: torch.Tensor, ids: torch.Tensor, route: torch.Tensor,
     suh [E, D], svh [E, I]) and down = (trellis [E, I/16, D/16, 16K], suh [E, I], svh [E, D]), each
     stacked over the layer's experts (one K per layer). Returns fp32 [m, D].
     """
-    k2 = _check_experts("gate", *gate, codebook, None)
-    E = gate[0].shape[0]
-    if _check_experts("up", *up, codebook, E) != k2 or _check_experts("down", *down, codebook, E) != k2:
-        raise ValueError("gate, up and down must share one K (trellis last dim)")
-    D, I = gate[0].shape[1] * 16, gate[0].shape[2] * 16
-    if up[0].shape != gate[0].shape or tuple(down[0].shape[1:3]) != (I // 16, D // 16):
-        raise ValueError(f"expert shapes disagree: gate {tuple(gate[0].shape)}, up {tuple(up[0].shape)}, "
-                         f"down {tuple(down[0].shape)}")
-    if D % 128 or I % 128:
-        raise ValueError(f"expert dims must be multiples of 128, got {D} x {I}")
-    if x.dim() != 2 or x.shape[1] != D:
-        raise ValueError(f"x must be [m, {D}], got {tuple(x.shape)}")
+    k2, E, D, I = _check_moe(x, ids, route, gate, up, down, codebook, "[m, {D}]")
     m = x.shape[0]
-    if ids.dim() != 2 or ids.shape[0] != m or tuple(route.shape) != tuple(ids.shape):
-        raise ValueError(f"ids and route must both be [{m}, top_k], got {tuple(ids.shape)} and {tuple(route.shape)}")
     _check_block_n(block_n)
     top_k = ids.shape[1]
     P = m * top_k
@@ -840,21 +848,10 @@ def exl3_moe_prefill(x: torch.Tensor, ids: torch.Tensor, route: torch.Tensor,
     128-row tiles, else 2; H200, 8K rows: 20.7 vs 23.4 ms at K3) and num_warps (None: 8 from 64 rows on)
     are launch tuning.
     """
-    k2 = _check_experts("gate", *gate, codebook, None)
-    E = gate[0].shape[0]
-    if _check_experts("up", *up, codebook, E) != k2 or _check_experts("down", *down, codebook, E) != k2:
-        raise ValueError("gate, up and down must share one K (trellis last dim)")
-    D, I = gate[0].shape[1] * 16, gate[0].shape[2] * 16
-    if up[0].shape != gate[0].shape or tuple(down[0].shape[1:3]) != (I // 16, D // 16):
-        raise ValueError(f"expert shapes disagree: gate {tuple(gate[0].shape)}, up {tuple(up[0].shape)}, "
-                         f"down {tuple(down[0].shape)}")
-    if D % 128 or I % 128:
-        raise ValueError(f"expert dims must be multiples of 128, got {D} x {I}")
-    if x.dim() != 2 or x.shape[1] != D or x.dtype not in (torch.float16, torch.bfloat16):
+    k2, E, D, I = _check_moe(x, ids, route, gate, up, down, codebook, "fp16 or bf16 [m, {D}]")
+    if x.dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"x must be fp16 or bf16 [m, {D}], got {x.dtype} {tuple(x.shape)}")
     m = x.shape[0]
-    if ids.dim() != 2 or ids.shape[0] != m or tuple(route.shape) != tuple(ids.shape):
-        raise ValueError(f"ids and route must both be [{m}, top_k], got {tuple(ids.shape)} and {tuple(route.shape)}")
     if row_tiles is not None and row_tiles not in (1, 2, 4, 8):
         raise ValueError(f"row_tiles must be 1, 2, 4 or 8, got {row_tiles}")
     top_k = ids.shape[1]
@@ -1817,6 +1814,22 @@ def _rows(t: torch.Tensor, name: str, B: int, width: int) -> torch.Tensor:
     return t
 
 
+def _check_kda_inputs(name: str, pre_conv: tuple[torch.Tensor, torch.Tensor, torch.Tensor], conv_w: torch.Tensor,
+                      f: torch.Tensor, b: torch.Tensor, H: int, d: int) -> tuple[int, int, int]:
+    # kda_decode_inputs' and kda_chunk_inputs' shared operands: returns (rows, H·d, conv width K).
+    n, HD = pre_conv[0].shape[0], H * d
+    for qkv, t in zip("qkv", pre_conv):
+        _rows(t, f"{name}: {qkv}", n, HD)
+    if pre_conv[0].stride(0) != pre_conv[1].stride(0) or pre_conv[0].stride(0) != pre_conv[2].stride(0):
+        raise ValueError(f"{name}: q, k, v must share a row stride")
+    _rows(f, f"{name}: f", n, HD)
+    _rows(b, f"{name}: b", n, H)
+    K = conv_w.shape[-1]
+    if tuple(conv_w.shape) != (3, HD, K) or not conv_w.is_contiguous():
+        raise ValueError(f"{name}: conv_w must be contiguous (3, {HD}, {K}), got {tuple(conv_w.shape)}")
+    return n, HD, K
+
+
 def kda_decode_inputs(pre_conv: tuple[torch.Tensor, torch.Tensor, torch.Tensor], conv_state: torch.Tensor,
                       slots: torch.Tensor, conv_w: torch.Tensor, f: torch.Tensor, A_log: torch.Tensor,
                       dt_bias: torch.Tensor, b: torch.Tensor, lower_bound: float, H: int, d: int
@@ -1825,18 +1838,9 @@ def kda_decode_inputs(pre_conv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     conv_state [slots, 3, K-1, H·d] in place), q and k L2-normalized (q also · d^-1/2), the gate g
     and β. pre_conv: q̃, k̃, ṽ [B, H·d]; conv_w [3, H·d, K]; f [B, H·d] (f_b's output); A_log [H] and
     dt_bias [H·d] fp32; b [B, H] (b_proj's output). Returns q, k, v, g [B, H, d] and β [B, H], fp32."""
-    B, HD = pre_conv[0].shape[0], H * d
-    for name, t in zip("qkv", pre_conv):
-        _rows(t, f"kda_decode_inputs: {name}", B, HD)
-    if pre_conv[0].stride(0) != pre_conv[1].stride(0) or pre_conv[0].stride(0) != pre_conv[2].stride(0):
-        raise ValueError("kda_decode_inputs: q, k, v must share a row stride")
-    _rows(f, "kda_decode_inputs: f", B, HD)
-    _rows(b, "kda_decode_inputs: b", B, H)
-    K = conv_w.shape[-1]
+    B, HD, K = _check_kda_inputs("kda_decode_inputs", pre_conv, conv_w, f, b, H, d)
     if tuple(conv_state.shape[1:]) != (3, K - 1, HD) or conv_state.stride(-1) != 1:
         raise ValueError(f"kda_decode_inputs: conv_state must be (slots, 3, {K - 1}, {HD}), got {tuple(conv_state.shape)}")
-    if tuple(conv_w.shape) != (3, HD, K) or not conv_w.is_contiguous():
-        raise ValueError(f"kda_decode_inputs: conv_w must be contiguous (3, {HD}, {K}), got {tuple(conv_w.shape)}")
     q, k, v, g = (torch.empty(B, H, d, dtype=torch.float32, device=f.device) for _ in range(4))
     beta = torch.empty(B, H, dtype=torch.float32, device=f.device)
     _kda_inputs_kernel[(B, H)](
@@ -1898,18 +1902,9 @@ def kda_chunk_inputs(pre_conv: tuple[torch.Tensor, torch.Tensor, torch.Tensor], 
     window running over history [3, K-1, H·d] (the slot's conv state before the chunk, read only)
     and then the chunk's own rows. pre_conv q̃, k̃, ṽ [n, H·d]; f [n, H·d]; b [n, H]. Returns q, k, v,
     g [n, H, d] and β [n, H], fp32. Twin: model_glm's short_conv, l2_norm and kda_gate."""
-    n, HD = pre_conv[0].shape[0], H * d
-    for name, t in zip("qkv", pre_conv):
-        _rows(t, f"kda_chunk_inputs: {name}", n, HD)
-    if pre_conv[0].stride(0) != pre_conv[1].stride(0) or pre_conv[0].stride(0) != pre_conv[2].stride(0):
-        raise ValueError("kda_chunk_inputs: q, k, v must share a row stride")
-    _rows(f, "kda_chunk_inputs: f", n, HD)
-    _rows(b, "kda_chunk_inputs: b", n, H)
-    K = conv_w.shape[-1]
+    n, HD, K = _check_kda_inputs("kda_chunk_inputs", pre_conv, conv_w, f, b, H, d)
     if tuple(history.shape) != (3, K - 1, HD) or history.stride(-1) != 1:
         raise ValueError(f"kda_chunk_inputs: history must be (3, {K - 1}, {HD}), got {tuple(history.shape)}")
-    if tuple(conv_w.shape) != (3, HD, K) or not conv_w.is_contiguous():
-        raise ValueError(f"kda_chunk_inputs: conv_w must be contiguous (3, {HD}, {K}), got {tuple(conv_w.shape)}")
     q, k, v, g = (torch.empty(n, H, d, dtype=torch.float32, device=f.device) for _ in range(4))
     beta = torch.empty(n, H, dtype=torch.float32, device=f.device)
     _kda_chunk_inputs_kernel[(triton.cdiv(n, KDA_INPUT_ROWS), H)](
@@ -2350,7 +2345,7 @@ def dsa_sparse_attention(q_hat: torch.Tensor, latent: torch.Tensor, tables: torc
 # Launch settings from the H200 sweep (triton 3.6, `.whl/s3_dsa_prefill_time.py --sweep`, 8K-32K
 # contexts, 2048 and 8192 rows): 32 heads x 32 positions a step, 4 warps, 2 stages runs 85-91 TFLOP/s,
 # 5.0x the decode kernel on the same rows (21.1 vs 106.8 ms for 8192 rows at 8K); 8 warps 1.8-3.1x,
-# 16 heads at most 3.2x, 3 stages 10-25% slower than 2 at 4 warps.
+# 16 heads at most 3.2x, 3 stages 7-25% slower than 2 at 4 warps.
 DSA_PREFILL_HEADS = 32  # heads per program (M of the MMAs; see above why not more)
 DSA_PREFILL_BLOCK = 32  # selected positions per step
 DSA_PREFILL_WARPS = 4
