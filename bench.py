@@ -526,7 +526,7 @@ def run_model(args) -> list[Row]:
         ids = prompt(T).unique().to(embed.device)
         rows = embed[ids].clone()
         sign = torch.randint(0, 2, rows.shape, device=rows.device, generator=gen) * 2 - 1
-        embed[ids] = rows * (1 + sign * 2.0 ** -8)
+        embed[ids] = (rows * (1 + sign * 2.0 ** -8)).to(rows.dtype)  # index_put wants one dtype
         moved, _ = prefill_logits(T, fast_path=False)
         embed[ids] = rows
         for what, logits in (("fast prefill", got), ("reference prefill, input moved 1 ulp", moved)):
