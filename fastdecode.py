@@ -407,15 +407,15 @@ class FastDecoder:
             score = kernels.dsa_index_scores(q_idx.reshape(B, cfg.index_n_heads, cfg.index_head_dim), w_idx,
                                              cache.pooled[row], tables, positions, kpool)
             top = torch.topk(score, n_top, dim=1, sorted=False).indices
-        # Absorbed NoPE MLA over the selected positions (model_glm.mla_attention), heads as the bmm batch.
-        q_hat = torch.bmm(q.reshape(B, H, dn).transpose(0, 1).float(), a["W_UK"]).transpose(0, 1)
+        # Absorbed NoPE MLA over the selected positions (model_glm.mla_attention).
+        q_hat = kernels.head_matmul(q.reshape(B, H, dn), a["W_UK"])
         tail, scale = cfg.index_kpool_always_select_tail, math.sqrt(dn)
         if chunk_start is None:
             o = kernels.dsa_sparse_attention(q_hat, cache.latent[row], tables, positions, top, kpool, tail, scale)
         else:
             o = kernels.dsa_prefill_attention(q_hat, cache.latent[row], tables[0], chunk_start, top, kpool, tail,
                                               scale)
-        out.transpose(0, 1).copy_(torch.bmm(o.transpose(0, 1), a["W_UV"].transpose(1, 2)))
+        kernels.head_matmul(o, a["W_UV"].transpose(1, 2), out=out)
 
     # -- §4.5 feed-forward ------------------------------------------------------------------------
 

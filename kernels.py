@@ -2329,6 +2329,56 @@ def dsa_sparse_attention(q_hat: torch.Tensor, latent: torch.Tensor, tables: torc
     return o
 
 
+# ---------------------------------------------------------------- the absorbed MLA's per-head products
+# q̂ = q · W_UK and o · W_UVᵀ (model_glm.mla_attention's first and last einsum), per head h:
+# out[b, h] = a[b, h] · w[h] with fp32 weights. torch runs them as fp32 bmm's on the CUDA cores (a
+# decode row: two cuBLAS GEMVs of 11-14 us on the H200, reading 16.8 MB each; a prefill chunk: SIMT
+# SGEMMs of ~3 ms at 8192 rows). Here on tensor cores with tf32x3 operands (each fp32 operand as a
+# TF32 value plus a TF32 remainder: ~2^-21 relative per product; a 16-bit operand is exact), fp32
+# sums. One program: BM rows x BN columns of one head.
+HEAD_MM_BLOCK_K = 32
+
+
+@triton.jit
+def _head_matmul_kernel(a_ptr, a_sb, a_sh, a_sk, w_ptr, w_sh, w_sk, w_sn, o_ptr, o_sb, o_sh, o_sn, B, K, N,
+                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    h = tl.program_id(0)
+    rows = tl.program_id(1) * BM + tl.arange(0, BM)
+    cols = tl.program_id(2) * BN + tl.arange(0, BN)
+    acc = tl.zeros([BM, BN], tl.float32)
+    for k0 in range(0, K, BK):
+        ks = k0 + tl.arange(0, BK)
+        a = tl.load(a_ptr + rows[:, None].to(tl.int64) * a_sb + h * a_sh + ks[None, :] * a_sk,
+                    mask=(rows[:, None] < B) & (ks[None, :] < K), other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + h * w_sh + ks[:, None] * w_sk + cols[None, :] * w_sn,
+                    mask=(ks[:, None] < K) & (cols[None, :] < N), other=0.0)
+        acc = tl.dot(a, w, acc, input_precision="tf32x3")
+    tl.store(o_ptr + rows[:, None].to(tl.int64) * o_sb + h * o_sh + cols[None, :] * o_sn,
+             _cast(acc, o_ptr.dtype.element_ty), mask=(rows[:, None] < B) & (cols[None, :] < N))
+
+
+def head_matmul(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
+                out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """out[b, h] = a[b, h] · w[h] for a [B, H, K] (any float dtype, any strides), w [H, K, N] fp32 (any
+    strides, e.g. W_UV.transpose(1, 2)); out [B, H, N] (any strides, given or new in out_dtype).
+    Twin: torch.einsum("bhk,hkn->bhn", a.float(), w) (see the section comment for the precision)."""
+    if a.dim() != 3 or w.dim() != 3 or a.shape[1] != w.shape[0] or a.shape[2] != w.shape[1]:
+        raise ValueError(f"head_matmul: a must be [B, H, K] and w [H, K, N], got {tuple(a.shape)} and {tuple(w.shape)}")
+    if w.dtype != torch.float32:
+        raise ValueError(f"head_matmul: w must be fp32, got {w.dtype}")
+    B, H, K = a.shape
+    N = w.shape[2]
+    if out is None:
+        out = torch.empty(B, H, N, dtype=out_dtype, device=a.device)
+    elif tuple(out.shape) != (B, H, N):
+        raise ValueError(f"head_matmul: out must be [{B}, {H}, {N}], got {tuple(out.shape)}")
+    BM = 16 if B <= 16 else 64
+    BN = 64 if B <= 16 else 128
+    _head_matmul_kernel[(H, triton.cdiv(B, BM), triton.cdiv(N, BN))](
+        a, *a.stride(), w, *w.stride(), out, *out.stride(), B, K, N, BM=BM, BN=BN, BK=HEAD_MM_BLOCK_K)
+    return out
+
+
 # ================================================================ prefill: DSA attention of a chunk (§4.4)
 # `dsa_prefill_attention`: dsa_sparse_attention's math for the n query rows of ONE sequence's chunk
 # (one block table, positions start..start+n-1). A program owns one query row and BH of its heads for

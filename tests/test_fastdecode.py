@@ -281,6 +281,31 @@ def test_dsa_kernels_match_select_tokens_and_mla_attention(dtype, width):
 
 
 
+@pytest.mark.parametrize("B", [3, 21])
+def test_head_matmul_matches_einsum(B):
+    """The absorbed MLA's per-head products, as the fast path calls them: q̂ = q · W_UK from a bf16
+    column slice, and o · W_UVᵀ through a transposed view into a strided bf16 output. 21 rows take
+    the prefill tiles (a ragged row tile); K 40 ends inside a k block, N 72 inside a column block."""
+    g = torch.Generator().manual_seed(3)
+    H, K, N = 3, 40, 72
+    q = torch.randn(B, H * K + 5, generator=g).to(torch.bfloat16).to(DEVICE)[:, :H * K].reshape(B, H, K)
+    w = torch.randn(H, K, N, generator=g).to(DEVICE)
+    got = kernels.head_matmul(q, w)
+    assert got.dtype == torch.float32
+    # tf32x3 on a GPU is ~2^-21 relative per product; the interpreter's dot is fp32
+    tol = dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, torch.einsum("bhk,hkn->bhn", q.float(), w), **tol)
+    o = torch.randn(B, H, N, generator=g).to(DEVICE)
+    w_uv = torch.randn(H, K, N, generator=g).to(DEVICE)
+    out = torch.empty(H, B, K, dtype=torch.bfloat16, device=DEVICE).transpose(0, 1)
+    kernels.head_matmul(o, w_uv.transpose(1, 2), out=out)
+    torch.testing.assert_close(out, torch.einsum("bhn,hkn->bhk", o, w_uv).to(torch.bfloat16), rtol=1e-2, atol=1e-2)
+    with pytest.raises(ValueError, match=r"w must be fp32"):
+        kernels.head_matmul(q, w.half())
+    with pytest.raises(ValueError, match=r"a must be \[B, H, K\] and w \[H, K, N\], got \(%d, 3, 40\) and \(3, 41, 72\)" % B):
+        kernels.head_matmul(q, torch.zeros(H, K + 1, N, device=DEVICE))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_dsa_prefill_attention_matches_sparse_attention(dtype):
     """A chunk's rows (one table, their own positions) through dsa_prefill_attention and through the
