@@ -1400,9 +1400,12 @@ def _fp8_row_dots(wa, wb, x_ptr, k0, k, G: tl.constexpr, K_TAIL: tl.constexpr):
 
 @triton.jit
 def _fp8_gemv_fma_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, arrivals_ptr, m, n, k, k_blocks, chunks_per_split,
-                         split, BN: tl.constexpr, KB: tl.constexpr, ROWS: tl.constexpr, K_TAIL: tl.constexpr):
+                         split, BN: tl.constexpr, KB: tl.constexpr, ROWS: tl.constexpr, K_TAIL: tl.constexpr,
+                         STAGES: tl.constexpr):
     # ROWS (1..4) activation rows, one accumulator each; K_TAIL: k is not a whole number of chunks,
-    # so the loads are masked (the model's shapes are not).
+    # so the loads are masked (the model's shapes are not). STAGES > 1 prefetches chunks through
+    # shared memory (cp.async: ~10% more instructions, more bytes in flight per warp); 1 keeps them
+    # in registers.
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     G: tl.constexpr = KB * 8
@@ -1417,7 +1420,7 @@ def _fp8_gemv_fma_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, arrivals_ptr, m
     acc3 = tl.zeros([BN, G], tl.float32)
     first = pid_k * chunks_per_split
     last = tl.minimum(first + chunks_per_split, tl.cdiv(k_blocks, KB))
-    for c in range(first, last):
+    for c in tl.range(first, last, num_stages=STAGES):
         k0 = c * (KB * 128)
         w_ptrs = w_ptr + feats[:, None].to(tl.int64) * k + (k0 + kc)[None, :]
         if K_TAIL:
@@ -1464,14 +1467,15 @@ def _fp8_default_split(device: torch.device, programs: int, parts: int, target: 
 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, out: torch.Tensor | None = None,
              *, block_n: int | None = None, split_k: int | None = None, num_warps: int | None = None,
-             num_stages: int = 4) -> torch.Tensor:
+             num_stages: int | None = None) -> torch.Tensor:
     """y = x · (weight ⊙ scale_inv)^T for x [m, k] bf16 / fp16 (any m).
 
     weight [n, k] float8_e4m3fn, scale_inv [ceil(n/128), ceil(k/128)] fp32; y [m, n] in x's dtype.
     Twin: `fp8.FP8Linear` on CPU (dequantize, then matmul). m <= FP8_FMA_ROWS runs the FMA kernel
     (block_n: output features per program, 8 or 16, default 8; num_warps 1, 2 or 4, default 1, each
-    program covering 4 * num_warps k blocks per loop step), more rows the tensor-core kernel, 16 rows
-    per launch (block_n divides 128, default 128; num_warps default 4; num_stages). split_k: programs
+    program covering 4 * num_warps k blocks per loop step; num_stages default 1), more rows the
+    tensor-core kernel, 16 rows per launch (block_n divides 128, default 128; num_warps default 4;
+    num_stages default 4). split_k: programs
     along k (k blocks for the tensor-core kernel, chunks of 4 * num_warps blocks for the FMA one);
     None picks by SM count. The tensor-core defaults come from an H200 sweep at the full model's 11
     shapes, batch 1 (`.whl/s4_fp8_sweep.py`, CUDA graphs): 128 features and 4 stages took 0.85-0.95x
@@ -1491,14 +1495,14 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, out
     out = _out_buffer(out, (m, n), x.dtype, x.device)
     x, weight, scale_inv = x.contiguous(), weight.contiguous(), scale_inv.contiguous()
     if m <= FP8_FMA_ROWS:
-        _fp8_gemv_fma(x, weight, scale_inv, out, block_n or 8, split_k, num_warps or 1)
+        _fp8_gemv_fma(x, weight, scale_inv, out, block_n or 8, split_k, num_warps or 1, num_stages or 1)
     else:
-        _fp8_gemv_mma(x, weight, scale_inv, out, block_n or 128, split_k, num_warps or 4, num_stages)
+        _fp8_gemv_mma(x, weight, scale_inv, out, block_n or 128, split_k, num_warps or 4, num_stages or 4)
     return out
 
 
 def _fp8_gemv_fma(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, out: torch.Tensor,
-                  block_n: int, split_k: int | None, num_warps: int) -> None:
+                  block_n: int, split_k: int | None, num_warps: int, num_stages: int) -> None:
     if block_n not in (8, 16):
         raise ValueError(f"block_n must be 8 or 16 for {x.shape[0]} rows (the FMA kernel), got {block_n}")
     if num_warps not in (1, 2, 4):
@@ -1514,7 +1518,7 @@ def _fp8_gemv_fma(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor
     part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
     _fp8_gemv_fma_kernel[(n_tiles, split)](
         x, weight, scale_inv, out, part, _fp8_arrivals(x.device, n_tiles), m, n, k, k_blocks, per_split, split,
-        BN=block_n, KB=kb, ROWS=m, K_TAIL=k % (kb * FP8_BLOCK) != 0, num_warps=num_warps)
+        BN=block_n, KB=kb, ROWS=m, K_TAIL=k % (kb * FP8_BLOCK) != 0, STAGES=num_stages, num_warps=num_warps)
 
 
 def _fp8_gemv_mma(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, out: torch.Tensor,
