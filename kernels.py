@@ -1320,10 +1320,11 @@ def _cast(x, DT: tl.constexpr):
 #   in that thread. KB = 4 * num_warps makes the activations' load layout the weights' one (32 lanes x
 #   num_warps warps along k), so no layout conversion through shared memory. Issue budget: 4.8 TB/s
 #   over 132 SMs at 1.98 GHz is 18.4 weight bytes per clock per SM, at 4 warp instructions per clock
-#   7.0 warp instructions per 32 bytes. The loop takes 3.1 at 1 row, 4.5 at 2, 5.8 at 3, 7.2 at 4
-#   (block_n 8; triton 3.6 SASS for sm_90: per weight an e4m3x2 -> f16x2 conversion per pair, an
-#   f16 -> fp32 one and one FMA per row), against 4.0 for the tensor-core kernel at any row count:
-#   at 3 and 4 rows the choice is close (the H200 sweep `.whl_fp8_sweep.py` decides FP8_FMA_ROWS);
+#   7.0 warp instructions per 32 bytes. The loop takes 3.05 at 1 row, 4.3 at 2, 5.6 at 3, 6.9 at 4
+#   with block_n 8 (2.9, 4.1, 5.3, 6.4 with 16; triton 3.6 SASS for sm_90: per weight half an
+#   e4m3x2 -> f16x2 conversion, an f16 -> fp32 one and one FMA per row), against 4.0 for the
+#   tensor-core kernel at any row count: at 3 and 4 rows the choice is close (to be settled on the
+#   H200: FP8_FMA_ROWS);
 #   more rows: `_fp8_gemv_mma_kernel`, 16 activation rows (padded) per launch, the smallest tl.dot,
 #   tf32 (the weight tile goes to the tensor cores as fp32 through shared memory).
 # Both split k over programs: each stores its fp32 partial sums in its own slab; the last program of a
@@ -1385,8 +1386,9 @@ def _fp8_gemv_mma_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, arrivals_ptr, m
 @triton.jit
 def _fp8_row_dots(wa, wb, x_ptr, k0, k, G: tl.constexpr, K_TAIL: tl.constexpr):
     # [BN, G]: per row of W and group of 16 k, the sum of the 16 exact products with one activation
-    # row, one thread's FMA chain. wa / wb hold the group's first / last 8 weights: loaded that way, 8
-    # activations (16 bytes) per thread, the activations land in the weights' layout.
+    # row, one thread's chain of FMAs. The activations are loaded as the group's first and last 8 (16
+    # bytes per thread, as wa / wb hold the weights), which lands them in the weights' layout; joined
+    # back, the 16 products reduce in one chain (1 multiply, 15 FMAs).
     ka = k0 + tl.arange(0, G)[:, None] * 16 + tl.arange(0, 8)[None, :]
     if K_TAIL:
         xa = tl.load(x_ptr + ka, mask=ka < k, other=0.0)
@@ -1394,8 +1396,8 @@ def _fp8_row_dots(wa, wb, x_ptr, k0, k, G: tl.constexpr, K_TAIL: tl.constexpr):
     else:
         xa = tl.load(x_ptr + ka)
         xb = tl.load(x_ptr + ka + 8)
-    return (tl.sum(wa * xa.to(tl.float32)[None, :, :], axis=2)
-            + tl.sum(wb * xb.to(tl.float32)[None, :, :], axis=2))
+    products = tl.join(wa, wb) * tl.join(xa, xb).to(tl.float32)[None, :, :, :]
+    return tl.sum(tl.reshape(products, [products.shape[0], G, 16]), axis=2)
 
 
 @triton.jit
