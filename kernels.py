@@ -23,8 +23,8 @@ KDA recurrence (spec glm53.md §4.3.6-7). Twins in model_glm.py: `kda_recurrent_
 `kda_chunk_prefill` compute what `model_glm.kda_recurrent` computes token by token.
 
 FP8 block-128 linears (fp8.py holds the format and the twin): `fp8_gemv` for 1..16 rows,
-dequantizing in registers; `fp8_dequantize` (twin `fp8.dequantize_fp8_block`) for more rows, whose
-product then runs in cuBLAS. `bf16_fp32_linear`: x · wᵀ of bf16 rows and an fp32 weight, near fp32
+dequantizing in registers (fp32 FMAs up to 4 rows, tensor cores above); `fp8_dequantize` (twin
+`fp8.dequantize_fp8_block`) for more rows, whose product then runs in cuBLAS. `bf16_fp32_linear`: x · wᵀ of bf16 rows and an fp32 weight, near fp32
 accuracy on bf16 tensor cores (the prefill's router and indexer head weights; twin x.float() @ w.T).
 
 The decode step's glue (fastdecode.py), twins in model_glm.py: `hc_pre` / `hc_post` (mHC, §4.2:
@@ -1308,22 +1308,61 @@ def _cast(x, DT: tl.constexpr):
 
 # ================================================================ FP8 block-128: GEMV, dequantization
 # W [n, k] float8_e4m3fn, scale_inv [ceil(n/128), ceil(k/128)] fp32, W_real = W * scale_inv[i//128,
-# j//128]. y = x · W_real^T. Every e4m3 value and every bf16 / fp16 activation is exact in tf32, so
-# the tf32 tensor-core product is exact and sums in fp32: the only rounding beyond the twin's is the
-# order of the fp32 sums. One program: BN output features of one 128-row scale block, a range of
-# 128-wide k blocks; 16 activation rows (padded) per launch, the smallest tl.dot. With k split over
-# programs, each stores its fp32 partial sums in its own slab; the last program of a column block to
-# arrive adds the slabs in split order (deterministic), rounds once to the output dtype and resets
-# the block's arrival counter (one launch, no host sync).
+# j//128]. y = x · W_real^T. Every e4m3 value and every bf16 / fp16 activation is exact in fp32 (and
+# in tf32), so each product w * x is exact and the sums are fp32: the only rounding beyond the twin's
+# is the order of the fp32 sums. Each 128-wide k block's dot product is summed first, then multiplied
+# by its scale. Two kernels, picked by the number of rows m:
+#   m <= FP8_FMA_ROWS (decode at batch 1..4): `_fp8_gemv_fma_kernel`, no tensor cores. A program owns
+#   BN output features (one thread holds all BN of them) and loops over chunks of KB = 4 * num_warps
+#   k blocks; each thread loads 16 consecutive weight bytes of each of its BN rows (128-bit loads),
+#   converts them (e4m3x2 -> f16x2 -> fp32) and multiplies them with the 16 activations of the same
+#   k positions (fp32, in registers, loaded once per chunk for all BN rows) in a chain of fp32 FMAs
+#   in that thread. KB = 4 * num_warps makes the activations' load layout the weights' one (32 lanes x
+#   num_warps warps along k), so no layout conversion through shared memory. Issue budget: 4.8 TB/s
+#   over 132 SMs at 1.98 GHz is 18.4 weight bytes per clock per SM, at 4 warp instructions per clock
+#   7.0 warp instructions per 32 bytes. The loop takes 3.05 at 1 row, 4.3 at 2, 5.6 at 3, 6.9 at 4
+#   with block_n 8 (2.9, 4.1, 5.3, 6.4 with 16; triton 3.6 SASS for sm_90: per weight half an
+#   e4m3x2 -> f16x2 conversion, an f16 -> fp32 one and one FMA per row), against 4.0 for the
+#   tensor-core kernel at any row count: at 3 and 4 rows the choice is close (to be settled on the
+#   H200: FP8_FMA_ROWS);
+#   more rows: `_fp8_gemv_mma_kernel`, 16 activation rows (padded) per launch, the smallest tl.dot,
+#   tf32 (the weight tile goes to the tensor cores as fp32 through shared memory).
+# Both split k over programs: each stores its fp32 partial sums in its own slab; the last program of a
+# column block to arrive adds the slabs in split order (deterministic), rounds once to the output dtype
+# and resets the block's arrival counter (one launch, no host sync).
 
 FP8_BLOCK = 128
 FP8_GEMV_ROWS = 16
+FP8_FMA_ROWS = 4
 _FP8_ARRIVALS: dict[tuple[torch.device, int], torch.Tensor] = {}
 
 
 @triton.jit
-def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, arrivals_ptr, m, n, k, k_blocks, blocks_per_split,
-                     split, BN: tl.constexpr, MP: tl.constexpr, STAGES: tl.constexpr):
+def _fp8_finish(y, out_ptr, part_ptr, arrivals_ptr, pid_n, pid_k, m, n, split, MP: tl.constexpr, BN: tl.constexpr):
+    # y [MP, BN] fp32: this program's sums for rows 0..m-1, columns pid_n * BN + 0..BN-1.
+    rows = tl.arange(0, MP)
+    cols = pid_n * BN + tl.arange(0, BN)
+    inside = (rows[:, None] < m) & (cols[None, :] < n)
+    out = out_ptr + rows[:, None] * n + cols[None, :]
+    if split == 1:
+        tl.store(out, _cast(y, out_ptr.dtype.element_ty), mask=inside)
+    else:
+        slab = part_ptr + rows[:, None] * n + cols[None, :]
+        tl.store(slab + pid_k * m * n, y, mask=inside)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(arrivals_ptr + pid_n, 1, sem="acq_rel")
+        if arrived == split - 1:
+            total = tl.zeros([MP, BN], tl.float32)
+            for p in range(0, split):
+                # .cg: read at L2, where the other programs' stores are, never a stale L1 line.
+                total += tl.load(slab + p * m * n, mask=inside, other=0.0, cache_modifier=".cg")
+            tl.store(out, _cast(total, out_ptr.dtype.element_ty), mask=inside)
+            tl.store(arrivals_ptr + pid_n, 0)
+
+
+@triton.jit
+def _fp8_gemv_mma_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, arrivals_ptr, m, n, k, k_blocks, blocks_per_split,
+                         split, BN: tl.constexpr, MP: tl.constexpr, STAGES: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = tl.arange(0, MP)
@@ -1341,22 +1380,71 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, arrivals_ptr, m, n,
                     mask=(cols[:, None] < n) & (ks[None, :] < k), other=0.0).to(tl.float32)
         s = tl.load(s_ptr + scale_row * k_blocks + b)
         acc += tl.dot(x, tl.trans(w), input_precision="tf32") * s
-    inside = (rows[:, None] < m) & (cols[None, :] < n)
-    out = out_ptr + rows[:, None] * n + cols[None, :]
-    if split == 1:
-        tl.store(out, _cast(acc, out_ptr.dtype.element_ty), mask=inside)
+    _fp8_finish(acc, out_ptr, part_ptr, arrivals_ptr, pid_n, pid_k, m, n, split, MP, BN)
+
+
+@triton.jit
+def _fp8_row_dots(wa, wb, x_ptr, k0, k, G: tl.constexpr, K_TAIL: tl.constexpr):
+    # [BN, G]: per row of W and group of 16 k, the sum of the 16 exact products with one activation
+    # row, one thread's chain of FMAs. The activations are loaded as the group's first and last 8 (16
+    # bytes per thread, as wa / wb hold the weights), which lands them in the weights' layout; joined
+    # back, the 16 products reduce in one chain (1 multiply, 15 FMAs).
+    ka = k0 + tl.arange(0, G)[:, None] * 16 + tl.arange(0, 8)[None, :]
+    if K_TAIL:
+        xa = tl.load(x_ptr + ka, mask=ka < k, other=0.0)
+        xb = tl.load(x_ptr + ka + 8, mask=ka + 8 < k, other=0.0)
     else:
-        slab = part_ptr + rows[:, None] * n + cols[None, :]
-        tl.store(slab + pid_k * m * n, acc, mask=inside)
-        tl.debug_barrier()
-        arrived = tl.atomic_add(arrivals_ptr + pid_n, 1, sem="acq_rel")
-        if arrived == split - 1:
-            total = tl.zeros([MP, BN], tl.float32)
-            for p in range(0, split):
-                # .cg: read at L2, where the other programs' stores are, never a stale L1 line.
-                total += tl.load(slab + p * m * n, mask=inside, other=0.0, cache_modifier=".cg")
-            tl.store(out, _cast(total, out_ptr.dtype.element_ty), mask=inside)
-            tl.store(arrivals_ptr + pid_n, 0)
+        xa = tl.load(x_ptr + ka)
+        xb = tl.load(x_ptr + ka + 8)
+    products = tl.join(wa, wb) * tl.join(xa, xb).to(tl.float32)[None, :, :, :]
+    return tl.sum(tl.reshape(products, [products.shape[0], G, 16]), axis=2)
+
+
+@triton.jit
+def _fp8_gemv_fma_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, arrivals_ptr, m, n, k, k_blocks, chunks_per_split,
+                         split, BN: tl.constexpr, KB: tl.constexpr, ROWS: tl.constexpr, K_TAIL: tl.constexpr,
+                         STAGES: tl.constexpr):
+    # ROWS (1..4) activation rows, one accumulator each; K_TAIL: k is not a whole number of chunks,
+    # so the loads are masked (the model's shapes are not). STAGES > 1 prefetches chunks through
+    # shared memory (cp.async: ~10% more instructions, more bytes in flight per warp); 1 keeps them
+    # in registers.
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    G: tl.constexpr = KB * 8
+    # Features past n read the last row again (valid memory) and are dropped at the store: no mask.
+    feats = tl.minimum(pid_n * BN + tl.arange(0, BN), n - 1)
+    kc = tl.arange(0, KB * 128)
+    groups = tl.arange(0, G)
+    scale_row = (pid_n * BN) // 128
+    acc0 = tl.zeros([BN, G], tl.float32)
+    acc1 = tl.zeros([BN, G], tl.float32)
+    acc2 = tl.zeros([BN, G], tl.float32)
+    acc3 = tl.zeros([BN, G], tl.float32)
+    first = pid_k * chunks_per_split
+    last = tl.minimum(first + chunks_per_split, tl.cdiv(k_blocks, KB))
+    for c in tl.range(first, last, num_stages=STAGES):
+        k0 = c * (KB * 128)
+        w_ptrs = w_ptr + feats[:, None].to(tl.int64) * k + (k0 + kc)[None, :]
+        if K_TAIL:
+            w = tl.load(w_ptrs, mask=(k0 + kc)[None, :] < k, other=0.0)
+        else:
+            w = tl.load(w_ptrs)
+        wa, wb = tl.split(tl.permute(tl.reshape(w, [BN, G, 2, 8]), [0, 1, 3, 2]))
+        wa = wa.to(tl.float32)
+        wb = wb.to(tl.float32)
+        blk = c * KB + groups // 8
+        s = tl.load(s_ptr + scale_row * k_blocks + blk, mask=blk < k_blocks, other=0.0)[None, :]
+        acc0 += _fp8_row_dots(wa, wb, x_ptr, k0, k, G, K_TAIL) * s
+        if ROWS > 1:
+            acc1 += _fp8_row_dots(wa, wb, x_ptr + k, k0, k, G, K_TAIL) * s
+        if ROWS > 2:
+            acc2 += _fp8_row_dots(wa, wb, x_ptr + 2 * k, k0, k, G, K_TAIL) * s
+        if ROWS > 3:
+            acc3 += _fp8_row_dots(wa, wb, x_ptr + 3 * k, k0, k, G, K_TAIL) * s
+    # [4, BN], row r = acc_r summed over its groups (tl.join stacks along a new last axis).
+    y = tl.join(tl.join(tl.sum(acc0, axis=1), tl.sum(acc2, axis=1)), tl.join(tl.sum(acc1, axis=1), tl.sum(acc3, axis=1)))
+    y = tl.trans(tl.reshape(y, [BN, 4]))
+    _fp8_finish(y, out_ptr, part_ptr, arrivals_ptr, pid_n, pid_k, m, n, split, 4, BN)
 
 
 def _fp8_arrivals(device: torch.device, n_tiles: int) -> torch.Tensor:
@@ -1369,24 +1457,29 @@ def _fp8_arrivals(device: torch.device, n_tiles: int) -> torch.Tensor:
     return _FP8_ARRIVALS[key]
 
 
-def _fp8_default_split(device: torch.device, n_tiles: int, k_blocks: int) -> int:
-    # Enough programs to cover every SM twice; more splits only add partial sums to reduce.
+def _fp8_default_split(device: torch.device, programs: int, parts: int, target: int) -> int:
+    # Double the split of `parts` (k blocks or chunks) while that keeps at most `target` programs
+    # (warps, for the FMA kernel) per SM; more splits only add partial sums to reduce.
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
     split = 1
-    while 2 * split <= k_blocks and n_tiles * split * 2 <= 2 * sms:
+    while 2 * split <= parts and programs * 2 * split <= target * sms:
         split *= 2
     return split
 
 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, out: torch.Tensor | None = None,
-             *, block_n: int = 128, split_k: int | None = None, num_warps: int = 4,
-             num_stages: int = 4) -> torch.Tensor:
-    """y = x · (weight ⊙ scale_inv)^T for x [m, k] bf16 / fp16 (any m; 16 rows per launch).
+             *, block_n: int | None = None, split_k: int | None = None, num_warps: int | None = None,
+             num_stages: int | None = None) -> torch.Tensor:
+    """y = x · (weight ⊙ scale_inv)^T for x [m, k] bf16 / fp16 (any m).
 
     weight [n, k] float8_e4m3fn, scale_inv [ceil(n/128), ceil(k/128)] fp32; y [m, n] in x's dtype.
-    Twin: `fp8.FP8Linear` on CPU (dequantize, then matmul). block_n (output features per
-    program, divides 128), split_k (k blocks split over programs; None picks by SM count),
-    num_warps and num_stages are launch tuning. Defaults from an H200 sweep at the full model's 11
+    Twin: `fp8.FP8Linear` on CPU (dequantize, then matmul). m <= FP8_FMA_ROWS runs the FMA kernel
+    (block_n: output features per program, 8 or 16, default 8; num_warps 1, 2 or 4, default 1, each
+    program covering 4 * num_warps k blocks per loop step; num_stages default 1), more rows the
+    tensor-core kernel, 16 rows per launch (block_n divides 128, default 128; num_warps default 4;
+    num_stages default 4). split_k: programs
+    along k (k blocks for the tensor-core kernel, chunks of 4 * num_warps blocks for the FMA one);
+    None picks by SM count. The tensor-core defaults come from an H200 sweep at the full model's 11
     shapes, batch 1 (`.whl/s4_fp8_sweep.py`, CUDA graphs): 128 features and 4 stages took 0.85-0.95x
     the time of 64 and 3 on the k-long shapes (o_proj 4096x16384: 22.0 vs 26.0 µs), ~0.93x on the
     24576-row ones, the same on the rest.
@@ -1400,12 +1493,43 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, out
                          f"got {scale_inv.dtype} {tuple(scale_inv.shape)}")
     if x.dim() != 2 or x.shape[1] != k or x.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"x must be bf16 or fp16 [m, {k}], got {x.dtype} {tuple(x.shape)}")
-    _check_block_n(block_n)
     m = x.shape[0]
     out = _out_buffer(out, (m, n), x.dtype, x.device)
     x, weight, scale_inv = x.contiguous(), weight.contiguous(), scale_inv.contiguous()
-    n_tiles, k_blocks = triton.cdiv(n, block_n), grid_shape[1]
-    split = split_k or _fp8_default_split(x.device, n_tiles, k_blocks)
+    if m <= FP8_FMA_ROWS:
+        _fp8_gemv_fma(x, weight, scale_inv, out, block_n or 8, split_k, num_warps or 1, num_stages or 1)
+    else:
+        _fp8_gemv_mma(x, weight, scale_inv, out, block_n or 128, split_k, num_warps or 4, num_stages or 4)
+    return out
+
+
+def _fp8_gemv_fma(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, out: torch.Tensor,
+                  block_n: int, split_k: int | None, num_warps: int, num_stages: int) -> None:
+    if block_n not in (8, 16):
+        raise ValueError(f"block_n must be 8 or 16 for {x.shape[0]} rows (the FMA kernel), got {block_n}")
+    if num_warps not in (1, 2, 4):
+        raise ValueError(f"num_warps must be 1, 2 or 4 for {x.shape[0]} rows (the FMA kernel), got {num_warps}")
+    m, k = x.shape
+    n = weight.shape[0]
+    kb, k_blocks = 4 * num_warps, triton.cdiv(k, FP8_BLOCK)
+    n_tiles, chunks = triton.cdiv(n, block_n), triton.cdiv(k_blocks, kb)
+    split = split_k or _fp8_default_split(x.device, n_tiles * num_warps, chunks, 16)
+    if not 1 <= split <= chunks:
+        raise ValueError(f"split_k {split} must lie in 1..{chunks} (the chunks of {kb} k blocks)")
+    per_split = triton.cdiv(chunks, split)
+    part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
+    _fp8_gemv_fma_kernel[(n_tiles, split)](
+        x, weight, scale_inv, out, part, _fp8_arrivals(x.device, n_tiles), m, n, k, k_blocks, per_split, split,
+        BN=block_n, KB=kb, ROWS=m, K_TAIL=k % (kb * FP8_BLOCK) != 0, STAGES=num_stages, num_warps=num_warps)
+
+
+def _fp8_gemv_mma(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, out: torch.Tensor,
+                  block_n: int, split_k: int | None, num_warps: int, num_stages: int) -> None:
+    _check_block_n(block_n)
+    m, k = x.shape
+    n = weight.shape[0]
+    n_tiles, k_blocks = triton.cdiv(n, block_n), triton.cdiv(k, FP8_BLOCK)
+    split = split_k or _fp8_default_split(x.device, n_tiles, k_blocks, 2)
     if not 1 <= split <= k_blocks:
         raise ValueError(f"split_k {split} must lie in 1..{k_blocks} (the k blocks of 128)")
     per_split = triton.cdiv(k_blocks, split)
@@ -1415,10 +1539,9 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, out
         target = out[row:row + rows]
         # One fp32 slab of partial sums per split; a single split writes the output directly.
         part = torch.empty((split, rows, n), dtype=torch.float32, device=x.device) if split > 1 else target
-        _fp8_gemv_kernel[(n_tiles, split)](
+        _fp8_gemv_mma_kernel[(n_tiles, split)](
             x[row:row + rows], weight, scale_inv, target, part, arrivals, rows, n, k, k_blocks,
             per_split, split, BN=block_n, MP=FP8_GEMV_ROWS, STAGES=num_stages, num_warps=num_warps)
-    return out
 
 
 @triton.jit

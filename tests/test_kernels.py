@@ -277,34 +277,43 @@ def _fp8_linear(n: int, k: int, seed: int) -> fp8.FP8Linear:
     return fp8.FP8Linear.from_weight(w).to(DEVICE)
 
 
-@pytest.mark.parametrize("m,n,k,dtype,block_n,split_k", [
-    (1, 200, 384, torch.bfloat16, 64, None),   # n not a multiple of 128 (partial scale block)
-    (5, 256, 300, torch.float16, 32, 2),       # k not a multiple of 128, partial sums over splits
-    (16, 128, 640, torch.bfloat16, 128, 3),    # uneven split of 5 k blocks, a full 16-row launch
-    (17, 64, 256, torch.float16, 16, 1),       # two launches of rows, n below one block
-    (18, 200, 512, torch.bfloat16, 64, 4),     # two launches of rows, each adding 4 splits' slabs
+@pytest.mark.parametrize("m,n,k,dtype,block_n,split_k,warps,stages", [
+    # m <= FP8_FMA_ROWS: the FMA kernel (chunks of 4 * warps k blocks)
+    (1, 203, 384, torch.bfloat16, 8, None, 1, 1),   # n not a multiple of 8 or 128, k short of one chunk
+    (2, 256, 1024, torch.float16, 16, 2, 1, 1),     # whole chunks (no masks), partial sums over 2 splits
+    (3, 136, 300, torch.bfloat16, 8, 1, 1, 1),      # k not a multiple of 128, three accumulators
+    (4, 128, 1280, torch.bfloat16, 8, 2, 2, 1),     # 2 warps: chunks of 8 blocks, the second partial
+    (4, 64, 2048, torch.float16, 16, 1, 4, 1),      # 4 warps: one chunk of 16 blocks, 4 rows
+    (1, 128, 2048, torch.bfloat16, 8, 1, 1, 3),     # 4 chunks prefetched through 3 stages
+    # more rows: the tensor-core kernel
+    (5, 256, 300, torch.float16, 32, 2, 4, 4),      # k not a multiple of 128, partial sums over splits
+    (16, 128, 640, torch.bfloat16, 128, 3, 4, 4),   # uneven split of 5 k blocks, a full 16-row launch
+    (17, 64, 256, torch.float16, 16, 1, 4, 4),      # two launches of rows, n below one block
+    (18, 200, 512, torch.bfloat16, 64, 4, 4, 4),    # two launches of rows, each adding 4 splits' slabs
 ])
-def test_fp8_gemv_matches_twin(m, n, k, dtype, block_n, split_k):
+def test_fp8_gemv_matches_twin(m, n, k, dtype, block_n, split_k, warps, stages):
     lin = _fp8_linear(n, k, seed=m + n)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype).to(DEVICE)
     out = torch.full((m, n), float("nan"), dtype=dtype, device=DEVICE)
-    kernels.fp8_gemv(x, lin.weight, lin.scale_inv, out=out, block_n=block_n, split_k=split_k)
+    kernels.fp8_gemv(x, lin.weight, lin.scale_inv, out=out, block_n=block_n, split_k=split_k, num_warps=warps,
+                     num_stages=stages)
     ref = x.float() @ lin.dequantize().T  # the twin before its final rounding
-    # tf32 products of e4m3 and bf16/fp16 values are exact; what is left is the output rounding
-    # (2^-8 relative for bf16) and the order of fp32 sums.
+    # Products of e4m3 and bf16/fp16 values are exact in fp32 (and tf32); what is left is the output
+    # rounding (2^-8 relative for bf16) and the order of fp32 sums.
     tol = (2 ** -8 if dtype == torch.bfloat16 else 2 ** -11) * ref.abs() + 1e-5 * ref.abs().max()
     assert torch.isfinite(out).all(), "some outputs were not written"
     assert ((out.float() - ref).abs() <= tol).all(), f"max error {(out.float() - ref).abs().max():.3g}"
 
 
-def test_fp8_gemv_splits_are_deterministic_and_leave_counters_clean():
-    lin = _fp8_linear(128, 768, seed=3)
-    x = torch.randn(3, 768, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16).to(DEVICE)
-    first = kernels.fp8_gemv(x, lin.weight, lin.scale_inv, block_n=32, split_k=6)
-    assert not kernels._fp8_arrivals(x.device, 128 // 32).any(), "arrival counters left non-zero"
+@pytest.mark.parametrize("m,n,k,block_n,split_k", [(3, 64, 1536, 8, 3), (5, 128, 768, 32, 6)])  # FMA, tensor cores
+def test_fp8_gemv_splits_are_deterministic_and_leave_counters_clean(m, n, k, block_n, split_k):
+    lin = _fp8_linear(n, k, seed=3)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16).to(DEVICE)
+    first = kernels.fp8_gemv(x, lin.weight, lin.scale_inv, block_n=block_n, split_k=split_k)
+    assert not kernels._fp8_arrivals(x.device, n // block_n).any(), "arrival counters left non-zero"
     # The slabs are added in split order whichever program arrives last (on a GPU that order varies).
     for _ in range(2):
-        assert torch.equal(kernels.fp8_gemv(x, lin.weight, lin.scale_inv, block_n=32, split_k=6), first)
+        assert torch.equal(kernels.fp8_gemv(x, lin.weight, lin.scale_inv, block_n=block_n, split_k=split_k), first)
 
 
 def test_fp8_gemv_bad_input_is_named():
@@ -316,6 +325,11 @@ def test_fp8_gemv_bad_input_is_named():
         kernels.fp8_gemv(x, lin.weight, lin.scale_inv[:, :1])
     with pytest.raises(ValueError, match="float8_e4m3fn"):
         kernels.fp8_gemv(x, lin.dequantize(), lin.scale_inv)
+    x = torch.zeros(1, 256, dtype=torch.bfloat16, device=DEVICE)
+    with pytest.raises(ValueError, match="block_n must be 8 or 16 for 1 rows"):
+        kernels.fp8_gemv(x, lin.weight, lin.scale_inv, block_n=32)
+    with pytest.raises(ValueError, match=r"split_k 2 must lie in 1\.\.1 \(the chunks of 4 k blocks\)"):
+        kernels.fp8_gemv(x, lin.weight, lin.scale_inv, split_k=2)
 
 
 # ---------------------------------------------------------------- EXL3 MoE decode
