@@ -178,19 +178,22 @@ def _bits16(r0, r1, r2, r3, p: tl.constexpr):
 
 
 @triton.jit
-def _load_step(words_ptr, off0, off1, off2, off3, xh_ptr, x_off, x_ok, NL: tl.constexpr):
-    # One step's NL ring words of every lane of RT x CT tiles, and its activations [RT * 16, 16].
-    w0 = tl.load(words_ptr + off0).to(tl.uint32, bitcast=True)
+def _load_step(p0, p1, p2, p3, delta, x_ptrs, x_delta, x_ok, NL: tl.constexpr):
+    # One step's NL ring words of every lane of RT x CT tiles (word pointers p0..p3 plus delta), and
+    # its activations (x_ptrs plus x_delta). The callers form the pointers once, outside their loop,
+    # and pass the step as a scalar delta: each load's address is then one IMAD.WIDE on sm_90 (a
+    # per-step base plus a per-lane offset took a 64-bit add, two instructions, per load).
+    w0 = tl.load(p0 + delta).to(tl.uint32, bitcast=True)
     w1 = w0
     w2 = w0
     w3 = w0
     if NL > 1:
-        w1 = tl.load(words_ptr + off1).to(tl.uint32, bitcast=True)
+        w1 = tl.load(p1 + delta).to(tl.uint32, bitcast=True)
     if NL > 2:
-        w2 = tl.load(words_ptr + off2).to(tl.uint32, bitcast=True)
+        w2 = tl.load(p2 + delta).to(tl.uint32, bitcast=True)
     if NL > 3:
-        w3 = tl.load(words_ptr + off3).to(tl.uint32, bitcast=True)
-    x = tl.load(xh_ptr + x_off, mask=x_ok, other=0.0)
+        w3 = tl.load(p3 + delta).to(tl.uint32, bitcast=True)
+    x = tl.load(x_ptrs + x_delta, mask=x_ok, other=0.0)
     return w0, w1, w2, w3, x
 
 
@@ -301,15 +304,14 @@ def _gemv_products(xh_ptr, words_ptr, m, k, n, steps, pid_n, pid_k,
     # Each step prefetches the next step's words and activations (the loop is otherwise
     # latency-bound); the last step re-reads its own instead of reading past the split. Two steps
     # per iteration, so that the prefetched registers need no copying.
-    w0, w1, w2, w3, x = _load_step(words_ptr, off0, off1, off2, off3, xh_ptr, x_off, x_ok, NL)
+    p0, p1, p2, p3, xp = words_ptr + off0, words_ptr + off1, words_ptr + off2, words_ptr + off3, xh_ptr + x_off
+    w0, w1, w2, w3, x = _load_step(p0, p1, p2, p3, 0, xp, 0, x_ok, NL)
     for step_index in range(0, steps, 2):
         ahead = tl.minimum(step_index + 1, steps - 1)
-        n0, n1, n2, n3, nx = _load_step(words_ptr + ahead * step_words, off0, off1, off2, off3,
-                                        xh_ptr + ahead * (RT * 16), x_off, x_ok, NL)
+        n0, n1, n2, n3, nx = _load_step(p0, p1, p2, p3, ahead * step_words, xp, ahead * (RT * 16), x_ok, NL)
         acc = _step_dot(w0, w1, w2, w3, x, o, zero, acc, K2, CB, MP, RT, CT, STATIC, BASE, NR)
         ahead = tl.minimum(step_index + 2, steps - 1)
-        w0, w1, w2, w3, x = _load_step(words_ptr + ahead * step_words, off0, off1, off2, off3,
-                                       xh_ptr + ahead * (RT * 16), x_off, x_ok, NL)
+        w0, w1, w2, w3, x = _load_step(p0, p1, p2, p3, ahead * step_words, xp, ahead * (RT * 16), x_ok, NL)
         if step_index + 1 < steps:
             acc = _step_dot(n0, n1, n2, n3, nx, o, zero, acc, K2, CB, MP, RT, CT, STATIC, BASE, NR)
 
@@ -747,11 +749,11 @@ def _prefill_products(words_ptr, xs_ptr, rows_ok, k, n, pid_n,
     acc = tl.zeros([CT * 16, BM], tl.float32)
     # Each step loads the next step's words and activations before decoding its own (the last step
     # re-reads its own).
-    w0, w1, w2, w3, x = _load_step(words_ptr, off0, off1, off2, off3, xs_ptr, x_off, rows_ok, NL)
+    p0, p1, p2, p3, xp = words_ptr + off0, words_ptr + off1, words_ptr + off2, words_ptr + off3, xs_ptr + x_off
+    w0, w1, w2, w3, x = _load_step(p0, p1, p2, p3, 0, xp, 0, rows_ok, NL)
     for step in range(0, steps):
         ahead = tl.minimum(step + 1, steps - 1)
-        n0, n1, n2, n3, nx = _load_step(words_ptr + ahead * step_words, off0, off1, off2, off3,
-                                        xs_ptr + ahead * (RT * 16), x_off, rows_ok, NL)
+        n0, n1, n2, n3, nx = _load_step(p0, p1, p2, p3, ahead * step_words, xp, ahead * (RT * 16), rows_ok, NL)
         acc = tl.dot(_decoded_tiles(w0, w1, w2, w3, o, zero, K2, CB, RT, CT, STATIC, BASE, NR), x, acc)
         w0, w1, w2, w3, x = n0, n1, n2, n3, nx
     return acc
