@@ -331,10 +331,11 @@ def _gemv_products(xh_ptr, words_ptr, m, k, n, steps, pid_n, pid_k,
     for step_index in range(0, steps, 2):
         ahead = tl.minimum(step_index + 1, steps - 1)
         n0, n1, n2, n3, nx = _load_step(p0, p1, p2, p3, ahead * step_words, xp, ahead * (RT * 16), x_ok, NL)
-        # x is already zero outside x_ok; saying so again after the loop-carried copy lets the compiler
-        # drop the B elements that are zero by their place (columns from 2 MP on), whose conversions
-        # otherwise ran every other step (sm_90 MoE loop, K3: 467 -> 443 instructions).
-        x = tl.where(x_ok, x, 0.0)
+        if 2 * MP < 16:
+            # x is already zero outside x_ok; saying so again after the loop-carried copy lets the
+            # compiler drop the B elements that are zero by their place (columns from 2 MP on), whose
+            # conversions otherwise ran every other step (sm_90 MoE loop, K3: 467 -> 443 instructions).
+            x = tl.where(x_ok, x, 0.0)
         acc = _step_dot(w0, w1, w2, w3, x, o, zero, acc, K2, CB, MP, RT, CT, STATIC, BASE, NR, DIRECT)
         ahead = tl.minimum(step_index + 2, steps - 1)
         w0, w1, w2, w3, x = _load_step(p0, p1, p2, p3, ahead * step_words, xp, ahead * (RT * 16), x_ok, NL)
