@@ -178,19 +178,22 @@ def _bits16(r0, r1, r2, r3, p: tl.constexpr):
 
 
 @triton.jit
-def _load_step(words_ptr, off0, off1, off2, off3, xh_ptr, x_off, x_ok, NL: tl.constexpr):
-    # One step's NL ring words of every lane of RT x CT tiles, and its activations [RT * 16, 16].
-    w0 = tl.load(words_ptr + off0).to(tl.uint32, bitcast=True)
+def _load_step(p0, p1, p2, p3, delta, x_ptrs, x_delta, x_ok, NL: tl.constexpr):
+    # One step's NL ring words of every lane of RT x CT tiles (word pointers p0..p3 plus delta), and
+    # its activations (x_ptrs plus x_delta). The callers form the pointers once, outside their loop,
+    # and pass the step as a scalar delta: each load's address is then one IMAD.WIDE on sm_90 (a
+    # per-step base plus a per-lane offset took a 64-bit add, two instructions, per load).
+    w0 = tl.load(p0 + delta).to(tl.uint32, bitcast=True)
     w1 = w0
     w2 = w0
     w3 = w0
     if NL > 1:
-        w1 = tl.load(words_ptr + off1).to(tl.uint32, bitcast=True)
+        w1 = tl.load(p1 + delta).to(tl.uint32, bitcast=True)
     if NL > 2:
-        w2 = tl.load(words_ptr + off2).to(tl.uint32, bitcast=True)
+        w2 = tl.load(p2 + delta).to(tl.uint32, bitcast=True)
     if NL > 3:
-        w3 = tl.load(words_ptr + off3).to(tl.uint32, bitcast=True)
-    x = tl.load(xh_ptr + x_off, mask=x_ok, other=0.0)
+        w3 = tl.load(p3 + delta).to(tl.uint32, bitcast=True)
+    x = tl.load(x_ptrs + x_delta, mask=x_ok, other=0.0)
     return w0, w1, w2, w3, x
 
 
@@ -211,13 +214,27 @@ def _lane_words(tiles_n, pid_n, K2: tl.constexpr, RT: tl.constexpr, CT: tl.const
 
 
 @triton.jit
+def _lane_state(w0, w1, r0, r1, r2, r3, o, p: tl.constexpr, DIRECT: tl.constexpr):
+    # The state p bits after b_L: a 64-bit shift of the lane's first two words when DIRECT, else a
+    # constant shift of the realigned words.
+    if DIRECT:
+        state = _funnel(w0, w1, o + p) >> 16
+    else:
+        state = _bits16(r0, r1, r2, r3, p)
+    return state
+
+
+@triton.jit
 def _decoded_tiles(w0, w1, w2, w3, o, zero, K2: tl.constexpr, CB: tl.constexpr, RT: tl.constexpr,
-                   CT: tl.constexpr, STATIC: tl.constexpr, BASE: tl.constexpr, NR: tl.constexpr):
+                   CT: tl.constexpr, STATIC: tl.constexpr, BASE: tl.constexpr, NR: tl.constexpr,
+                   DIRECT: tl.constexpr):
     # Ŵ^T [CT * 16, RT * 16] fp16 of one step from every lane's ring words, in the mma A-operand
     # layout (rows: output columns, columns: k, both natural).
-    if STATIC:
-        r0, r1, r2, r3 = w0, w1, w2, w3
-    else:
+    r0 = w0
+    r1 = w1
+    r2 = w2
+    r3 = w3
+    if not STATIC and not DIRECT:
         r0 = _funnel(w0, w1, o)
         r1 = r0
         r2 = r0
@@ -226,14 +243,14 @@ def _decoded_tiles(w0, w1, w2, w3, o, zero, K2: tl.constexpr, CB: tl.constexpr, 
         if NR > 2:
             r2 = _funnel(w2, w3, o)
         r3 = r0
-    v0 = _codebook(_bits16(r0, r1, r2, r3, BASE), CB, zero)
-    v1 = _codebook(_bits16(r0, r1, r2, r3, BASE + ((2 * K2) >> 1) - (K2 >> 1)), CB, zero)
-    v2 = _codebook(_bits16(r0, r1, r2, r3, BASE + ((3 * K2) >> 1) - (K2 >> 1)), CB, zero)
-    v3 = _codebook(_bits16(r0, r1, r2, r3, BASE + ((4 * K2) >> 1) - (K2 >> 1)), CB, zero)
-    v4 = _codebook(_bits16(r0, r1, r2, r3, BASE + ((5 * K2) >> 1) - (K2 >> 1)), CB, zero)
-    v5 = _codebook(_bits16(r0, r1, r2, r3, BASE + ((6 * K2) >> 1) - (K2 >> 1)), CB, zero)
-    v6 = _codebook(_bits16(r0, r1, r2, r3, BASE + ((7 * K2) >> 1) - (K2 >> 1)), CB, zero)
-    v7 = _codebook(_bits16(r0, r1, r2, r3, BASE + ((8 * K2) >> 1) - (K2 >> 1)), CB, zero)
+    v0 = _codebook(_lane_state(w0, w1, r0, r1, r2, r3, o, BASE, DIRECT), CB, zero)
+    v1 = _codebook(_lane_state(w0, w1, r0, r1, r2, r3, o, BASE + ((2 * K2) >> 1) - (K2 >> 1), DIRECT), CB, zero)
+    v2 = _codebook(_lane_state(w0, w1, r0, r1, r2, r3, o, BASE + ((3 * K2) >> 1) - (K2 >> 1), DIRECT), CB, zero)
+    v3 = _codebook(_lane_state(w0, w1, r0, r1, r2, r3, o, BASE + ((4 * K2) >> 1) - (K2 >> 1), DIRECT), CB, zero)
+    v4 = _codebook(_lane_state(w0, w1, r0, r1, r2, r3, o, BASE + ((5 * K2) >> 1) - (K2 >> 1), DIRECT), CB, zero)
+    v5 = _codebook(_lane_state(w0, w1, r0, r1, r2, r3, o, BASE + ((6 * K2) >> 1) - (K2 >> 1), DIRECT), CB, zero)
+    v6 = _codebook(_lane_state(w0, w1, r0, r1, r2, r3, o, BASE + ((7 * K2) >> 1) - (K2 >> 1), DIRECT), CB, zero)
+    v7 = _codebook(_lane_state(w0, w1, r0, r1, r2, r3, o, BASE + ((8 * K2) >> 1) - (K2 >> 1), DIRECT), CB, zero)
     # w[L, ct, rt, j0, j1, j2] = v_(4 j2 + 2 j1 + j0): Ŵ row 8 j1 + 2 (L % 4) + j0, column 8 j2 + L / 4.
     w = tl.join(tl.join(tl.join(v0, v1), tl.join(v2, v3)), tl.join(tl.join(v4, v5), tl.join(v6, v7)))
     w = tl.reshape(w, [8, 4, CT, RT, 2, 2, 2])                                  # c, g, ct, rt, j0, j1, j2
@@ -242,7 +259,8 @@ def _decoded_tiles(w0, w1, w2, w3, o, zero, K2: tl.constexpr, CB: tl.constexpr, 
 
 @triton.jit
 def _step_dot(w0, w1, w2, w3, x, o, zero, acc, K2: tl.constexpr, CB: tl.constexpr, MP: tl.constexpr,
-              RT: tl.constexpr, CT: tl.constexpr, STATIC: tl.constexpr, BASE: tl.constexpr, NR: tl.constexpr):
+              RT: tl.constexpr, CT: tl.constexpr, STATIC: tl.constexpr, BASE: tl.constexpr, NR: tl.constexpr,
+              DIRECT: tl.constexpr):
     # acc [CT * 16, 16] += Ŵ^T · B for one step of RT x CT tiles: y^T = Ŵ^T x^T, so that the decoded
     # weights are the mma A operand, whose fragment is exactly a lane's 8 states (spec §3: rows
     # 2(L%4) + {0, 1, 8, 9} of Ŵ, columns L/4 and L/4 + 8) and never leave the registers (on sm_90
@@ -252,7 +270,7 @@ def _step_dot(w0, w1, w2, w3, x, o, zero, acc, K2: tl.constexpr, CB: tl.constexp
     # a MoE layer with ~1e-4 activations was 6.5e-3 off on the H200); |x| must stay below 65504, as
     # in exllamav3's fp16 path.
     # Columns from 2 MP on are zero.
-    w = _decoded_tiles(w0, w1, w2, w3, o, zero, K2, CB, RT, CT, STATIC, BASE, NR)
+    w = _decoded_tiles(w0, w1, w2, w3, o, zero, K2, CB, RT, CT, STATIC, BASE, NR, DIRECT)
     hi = x.to(tl.float16)
     b = tl.where(tl.arange(0, 16)[None, :] < MP, hi, ((x - hi.to(tl.float32)) * 2048.0).to(tl.float16))
     return tl.dot(w, b, acc)
@@ -273,13 +291,20 @@ def _gemv_products(xh_ptr, words_ptr, m, k, n, steps, pid_n, pid_k,
     # start b_L of lane L's first state, state j starts at the compile-time bit
     # ((j + 1) K2 >> 1) - (K2 >> 1), and all 8 end SPAN bits after b_L. Only b_L's offset in its word
     # depends on the lane, unless 4 K2 is a multiple of 32 (STATIC: then it is BASE for every lane).
-    # Other rates shift the lane's words once per step so that they start at b_L (NR realigned
-    # words from NL loaded ones); either way every state is then a shift by a constant.
+    # Otherwise that offset o = (4 L K2 + (K2 >> 1) + 16) mod 32 steps by G = gcd(4 K2, 32) from lane
+    # to lane, so it is at most O_MAX. When every state of every lane then lies in the lane's first
+    # two words (DIRECT: K <= 3), each state is one 64-bit shift of those by o plus a constant (on
+    # sm_90 one SHF.L.U64.HI and the shift down: K3 467 loop instructions against 476 with the
+    # realignment); other rates shift the lane's words once per step so that they start at b_L (NR
+    # realigned words from NL loaded ones), and every state is then a shift by a constant.
     SPAN: tl.constexpr = ((8 * K2) >> 1) - (K2 >> 1) + 16
     STATIC: tl.constexpr = (4 * K2) % 32 == 0
     BASE: tl.constexpr = ((K2 >> 1) + 16) % 32 if STATIC else 0
     NR: tl.constexpr = (SPAN + 31) // 32
-    NL: tl.constexpr = (BASE + SPAN + 31) // 32 if STATIC else NR + 1
+    G: tl.constexpr = 32 if K2 % 8 == 0 else (16 if K2 % 4 == 0 else (8 if K2 % 2 == 0 else 4))
+    O_MAX: tl.constexpr = (((K2 >> 1) + 16) % G) + 32 - G
+    DIRECT: tl.constexpr = not STATIC and SPAN + O_MAX <= 64
+    NL: tl.constexpr = (BASE + SPAN + 31) // 32 if STATIC else (2 if DIRECT else NR + 1)
     tiles_n = n // 16
     # A zero the compiler cannot see through: with it, the codebook's two LOP3 constants are one
     # immediate and one loop-invariant register, instead of a constant re-materialized per weight.
@@ -301,17 +326,21 @@ def _gemv_products(xh_ptr, words_ptr, m, k, n, steps, pid_n, pid_k,
     # Each step prefetches the next step's words and activations (the loop is otherwise
     # latency-bound); the last step re-reads its own instead of reading past the split. Two steps
     # per iteration, so that the prefetched registers need no copying.
-    w0, w1, w2, w3, x = _load_step(words_ptr, off0, off1, off2, off3, xh_ptr, x_off, x_ok, NL)
+    p0, p1, p2, p3, xp = words_ptr + off0, words_ptr + off1, words_ptr + off2, words_ptr + off3, xh_ptr + x_off
+    w0, w1, w2, w3, x = _load_step(p0, p1, p2, p3, 0, xp, 0, x_ok, NL)
     for step_index in range(0, steps, 2):
         ahead = tl.minimum(step_index + 1, steps - 1)
-        n0, n1, n2, n3, nx = _load_step(words_ptr + ahead * step_words, off0, off1, off2, off3,
-                                        xh_ptr + ahead * (RT * 16), x_off, x_ok, NL)
-        acc = _step_dot(w0, w1, w2, w3, x, o, zero, acc, K2, CB, MP, RT, CT, STATIC, BASE, NR)
+        n0, n1, n2, n3, nx = _load_step(p0, p1, p2, p3, ahead * step_words, xp, ahead * (RT * 16), x_ok, NL)
+        if 2 * MP < 16:
+            # x is already zero outside x_ok; saying so again after the loop-carried copy lets the
+            # compiler drop the B elements that are zero by their place (columns from 2 MP on), whose
+            # conversions otherwise ran every other step (sm_90 MoE loop, K3: 467 -> 443 instructions).
+            x = tl.where(x_ok, x, 0.0)
+        acc = _step_dot(w0, w1, w2, w3, x, o, zero, acc, K2, CB, MP, RT, CT, STATIC, BASE, NR, DIRECT)
         ahead = tl.minimum(step_index + 2, steps - 1)
-        w0, w1, w2, w3, x = _load_step(words_ptr + ahead * step_words, off0, off1, off2, off3,
-                                       xh_ptr + ahead * (RT * 16), x_off, x_ok, NL)
+        w0, w1, w2, w3, x = _load_step(p0, p1, p2, p3, ahead * step_words, xp, ahead * (RT * 16), x_ok, NL)
         if step_index + 1 < steps:
-            acc = _step_dot(n0, n1, n2, n3, nx, o, zero, acc, K2, CB, MP, RT, CT, STATIC, BASE, NR)
+            acc = _step_dot(n0, n1, n2, n3, nx, o, zero, acc, K2, CB, MP, RT, CT, STATIC, BASE, NR, DIRECT)
 
     # Columns i and MP + i (hi and lo * 2^11 parts) make row i; columns from 2 MP on are zero.
     part = tl.where(tl.arange(0, 2)[None, :, None, None] == 0, 1.0, 1.0 / 2048.0)
@@ -737,7 +766,10 @@ def _prefill_products(words_ptr, xs_ptr, rows_ok, k, n, pid_n,
     STATIC: tl.constexpr = (4 * K2) % 32 == 0
     BASE: tl.constexpr = ((K2 >> 1) + 16) % 32 if STATIC else 0
     NR: tl.constexpr = (SPAN + 31) // 32
-    NL: tl.constexpr = (BASE + SPAN + 31) // 32 if STATIC else NR + 1
+    G: tl.constexpr = 32 if K2 % 8 == 0 else (16 if K2 % 4 == 0 else (8 if K2 % 2 == 0 else 4))
+    O_MAX: tl.constexpr = (((K2 >> 1) + 16) % G) + 32 - G
+    DIRECT: tl.constexpr = not STATIC and SPAN + O_MAX <= 64
+    NL: tl.constexpr = (BASE + SPAN + 31) // 32 if STATIC else (2 if DIRECT else NR + 1)
     tiles_n = n // 16
     zero = (k >> 31).to(tl.uint32)
     o, off0, off1, off2, off3 = _lane_words(tiles_n, pid_n, K2, RT, CT)
@@ -747,12 +779,12 @@ def _prefill_products(words_ptr, xs_ptr, rows_ok, k, n, pid_n,
     acc = tl.zeros([CT * 16, BM], tl.float32)
     # Each step loads the next step's words and activations before decoding its own (the last step
     # re-reads its own).
-    w0, w1, w2, w3, x = _load_step(words_ptr, off0, off1, off2, off3, xs_ptr, x_off, rows_ok, NL)
+    p0, p1, p2, p3, xp = words_ptr + off0, words_ptr + off1, words_ptr + off2, words_ptr + off3, xs_ptr + x_off
+    w0, w1, w2, w3, x = _load_step(p0, p1, p2, p3, 0, xp, 0, rows_ok, NL)
     for step in range(0, steps):
         ahead = tl.minimum(step + 1, steps - 1)
-        n0, n1, n2, n3, nx = _load_step(words_ptr + ahead * step_words, off0, off1, off2, off3,
-                                        xs_ptr + ahead * (RT * 16), x_off, rows_ok, NL)
-        acc = tl.dot(_decoded_tiles(w0, w1, w2, w3, o, zero, K2, CB, RT, CT, STATIC, BASE, NR), x, acc)
+        n0, n1, n2, n3, nx = _load_step(p0, p1, p2, p3, ahead * step_words, xp, ahead * (RT * 16), rows_ok, NL)
+        acc = tl.dot(_decoded_tiles(w0, w1, w2, w3, o, zero, K2, CB, RT, CT, STATIC, BASE, NR, DIRECT), x, acc)
         w0, w1, w2, w3, x = n0, n1, n2, n3, nx
     return acc
 

@@ -7,6 +7,8 @@ the larger cases run only on a GPU.
 import numpy as np
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import exl3
 import fp8
@@ -58,6 +60,34 @@ def test_decode_is_bit_exact_against_exllamav3(golden, config):
     inner = _golden(golden, config, "inner")
     mismatches = (out.view(torch.int16) != inner.view(torch.int16)).sum().item()
     assert mismatches == 0, f"{config}: {mismatches} of 65536 values differ from exllamav3's reconstruct"
+
+
+@triton.jit
+def _identity_times_tiles_kernel(words_ptr, eye_ptr, out_ptr, k, n, K2: tl.constexpr, CB: tl.constexpr,
+                                 RT: tl.constexpr, BM: tl.constexpr):
+    # out[BM rows, 128-column block] = (I · Ŵ)[those rows] through the decode that feeds tl.dot in the
+    # MoE prefill (_lane_words, _load_step, _decoded_tiles): each sum has one nonzero product, w · 1.
+    rows = tl.program_id(1) * BM + tl.arange(0, BM)
+    acc = kernels._prefill_products(words_ptr, eye_ptr + tl.program_id(1) * BM * k, (rows < k)[None, :], k, n,
+                                    tl.program_id(0), K2, CB, RT, BM)
+    cols = tl.program_id(0) * 128 + tl.arange(0, 128)
+    tl.store(out_ptr + rows[None, :] * n + cols[:, None], acc)
+
+
+# The decode paths of each rate: two words per lane (K <= 3), realigned words, lane-independent offsets.
+@pytest.mark.parametrize("config", ["K1_mcg", "K1p5_mul1", "K2_3inst", "K2p5_mul1", "K3_mcg", "K3p5_mul1",
+                                    "K4_mcg", "K5_3inst", "K6_mul1", "K7_mcg", "K8_3inst"])
+def test_decoded_tiles_are_bit_exact_against_exllamav3(golden, config):
+    trellis = _golden(golden, config, "trellis")
+    codebook = config.split("_")[1]
+    k2 = kernels.trellis_k2(trellis, codebook)
+    eye = torch.eye(256, dtype=torch.float16, device=DEVICE)
+    out = torch.full((256, 256), float("nan"), dtype=torch.float32, device=DEVICE)
+    _identity_times_tiles_kernel[(2, 2)](trellis.contiguous().view(torch.int32), eye, out, 256, 256, K2=k2,
+                                         CB=kernels.CODEBOOKS.index(codebook), RT=2, BM=128, num_warps=8)
+    inner = _golden(golden, config, "inner").float()
+    mismatches = (out != inner).sum().item()  # values, not bits: a zero weight may come out as +0 or -0
+    assert mismatches == 0, f"{config}: {mismatches} of 65536 decoded weights differ from exllamav3's reconstruct"
 
 
 @pytest.mark.parametrize("config,block_n,row_tiles,split_k", GEMV_CASES)
