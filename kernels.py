@@ -1355,8 +1355,10 @@ def _cast(x, DT: tl.constexpr):
 #   7.0 warp instructions per 32 bytes. The loop takes 3.05 at 1 row, 4.3 at 2, 5.6 at 3, 6.9 at 4
 #   with block_n 8 (2.9, 4.1, 5.3, 6.4 with 16; triton 3.6 SASS for sm_90: per weight half an
 #   e4m3x2 -> f16x2 conversion, an f16 -> fp32 one and one FMA per row), against 4.0 for the
-#   tensor-core kernel at any row count: at 3 and 4 rows the choice is close (to be settled on the
-#   H200: FP8_FMA_ROWS);
+#   tensor-core kernel at any row count. H200 sweep (session 5, `.whl_fp8_sweep.py`, CUDA graphs,
+#   weights cycled past the L2): at 1 row 0.69-0.87x the tensor-core kernel's best time on the
+#   model's 11 shapes (sum 266 vs 315 us, floor 220), best with 4 warps on most; at 2 rows 0.77-0.92x;
+#   at 3 rows 0.84-1.01x; at 4 rows 0.97-1.28x, so FP8_FMA_ROWS is 3;
 #   more rows: `_fp8_gemv_mma_kernel`, 16 activation rows (padded) per launch, the smallest tl.dot,
 #   tf32 (the weight tile goes to the tensor cores as fp32 through shared memory).
 # Both split k over programs: each stores its fp32 partial sums in its own slab; the last program of a
@@ -1365,7 +1367,7 @@ def _cast(x, DT: tl.constexpr):
 
 FP8_BLOCK = 128
 FP8_GEMV_ROWS = 16
-FP8_FMA_ROWS = 4
+FP8_FMA_ROWS = 3
 _FP8_ARRIVALS: dict[tuple[torch.device, int], torch.Tensor] = {}
 
 
@@ -1506,7 +1508,8 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, out
 
     weight [n, k] float8_e4m3fn, scale_inv [ceil(n/128), ceil(k/128)] fp32; y [m, n] in x's dtype.
     Twin: `fp8.FP8Linear` on CPU (dequantize, then matmul). m <= FP8_FMA_ROWS runs the FMA kernel
-    (block_n: output features per program, 8 or 16, default 8; num_warps 1, 2 or 4, default 1, each
+    (block_n: output features per program, 8 or 16, default 8; num_warps 1, 2 or 4, default 4 at one
+    row and 1 at more (the H200 sweep's best on most shapes), each
     program covering 4 * num_warps k blocks per loop step; num_stages default 1), more rows the
     tensor-core kernel, 16 rows per launch (block_n divides 128, default 128; num_warps default 4;
     num_stages default 4). split_k: programs
@@ -1529,7 +1532,8 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, out
     out = _out_buffer(out, (m, n), x.dtype, x.device)
     x, weight, scale_inv = x.contiguous(), weight.contiguous(), scale_inv.contiguous()
     if m <= FP8_FMA_ROWS:
-        _fp8_gemv_fma(x, weight, scale_inv, out, block_n or 8, split_k, num_warps or 1, num_stages or 1)
+        warps = num_warps or (4 if m == 1 else 1)
+        _fp8_gemv_fma(x, weight, scale_inv, out, block_n or 8, split_k, warps, num_stages or 1)
     else:
         _fp8_gemv_mma(x, weight, scale_inv, out, block_n or 128, split_k, num_warps or 4, num_stages or 4)
     return out

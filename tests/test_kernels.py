@@ -312,10 +312,12 @@ def _fp8_linear(n: int, k: int, seed: int) -> fp8.FP8Linear:
     (1, 203, 384, torch.bfloat16, 8, None, 1, 1),   # n not a multiple of 8 or 128, k short of one chunk
     (2, 256, 1024, torch.float16, 16, 2, 1, 1),     # whole chunks (no masks), partial sums over 2 splits
     (3, 136, 300, torch.bfloat16, 8, 1, 1, 1),      # k not a multiple of 128, three accumulators
-    (4, 128, 1280, torch.bfloat16, 8, 2, 2, 1),     # 2 warps: chunks of 8 blocks, the second partial
-    (4, 64, 2048, torch.float16, 16, 1, 4, 1),      # 4 warps: one chunk of 16 blocks, 4 rows
+    (3, 128, 1280, torch.bfloat16, 8, 2, 2, 1),     # 2 warps: chunks of 8 blocks, the second partial
+    (2, 64, 2048, torch.float16, 16, 1, 4, 1),      # 4 warps: one chunk of 16 blocks
     (1, 128, 2048, torch.bfloat16, 8, 1, 1, 3),     # 4 chunks prefetched through 3 stages
+    (1, 72, 640, torch.bfloat16, None, None, None, None),  # one row's defaults (4 warps): k inside one chunk
     # more rows: the tensor-core kernel
+    (4, 128, 384, torch.bfloat16, 64, 2, 4, 4),     # the first row count past FP8_FMA_ROWS
     (5, 256, 300, torch.float16, 32, 2, 4, 4),      # k not a multiple of 128, partial sums over splits
     (16, 128, 640, torch.bfloat16, 128, 3, 4, 4),   # uneven split of 5 k blocks, a full 16-row launch
     (17, 64, 256, torch.float16, 16, 1, 4, 4),      # two launches of rows, n below one block
@@ -359,7 +361,7 @@ def test_fp8_gemv_bad_input_is_named():
     with pytest.raises(ValueError, match="block_n must be 8 or 16 for 1 rows"):
         kernels.fp8_gemv(x, lin.weight, lin.scale_inv, block_n=32)
     with pytest.raises(ValueError, match=r"split_k 2 must lie in 1\.\.1 \(the chunks of 4 k blocks\)"):
-        kernels.fp8_gemv(x, lin.weight, lin.scale_inv, split_k=2)
+        kernels.fp8_gemv(x, lin.weight, lin.scale_inv, split_k=2, num_warps=1)
 
 
 # ---------------------------------------------------------------- EXL3 MoE decode
