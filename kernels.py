@@ -1050,7 +1050,7 @@ def chunk_factors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
                      aqk=torch.empty(rows, H, chunk, **f32))
     _kda_chunk_intra_kernel[(n_chunks, H)](
         q, k, v, beta, gamma, f.w, f.u, f.qg, f.kd, f.aqk, T,
-        H=H, DK=dk, DV=dv, BT=chunk, BC=SUB_CHUNK, BK3=16, BKD=min(dk, 32), DOT=precision,
+        H=H, DK=dk, DV=dv, BT=chunk, BC=SUB_CHUNK, BK3=16, BKD=min(dk, 32), BD=min(dk, dv, 32), DOT=precision,
         num_warps=num_warps, num_stages=num_stages)
     return f
 
@@ -1093,95 +1093,125 @@ def chunk_output(f: ChunkFactors, states: torch.Tensor, out_dtype: torch.dtype,
 def _kda_chunk_intra_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, gamma_ptr,
                             w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, T,
                             H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr,
-                            BC: tl.constexpr, BK3: tl.constexpr, BKD: tl.constexpr, DOT: tl.constexpr):
-    """One (chunk, head): rows are taken BC at a time (sub-block R), in order, because row block R
-    of U = Tm V_β needs the finished U of the blocks before it (block forward substitution):
+                            BC: tl.constexpr, BK3: tl.constexpr, BKD: tl.constexpr, BD: tl.constexpr,
+                            DOT: tl.constexpr):
+    """One (chunk, head). Tm = (I - A)^{-1} is built in registers a row block R of BC rows at a time
+    (block forward substitution on Tm itself, so no row of W or U waits for another):
 
-        (I - A_RR) U_R = V_β,R + Σ_{Q<R} A_RQ U_Q,   and the same for W with K_β ⊙ exp(Γ).
+        Tm_RR = (I - A_RR)^{-1},   Tm_R,<R = Tm_RR A_R,<R Tm_<R,<R
 
-    A_RQ for Q < R is a product of two factors decayed to the row just before block R, so both
-    exponents are <= 0; the diagonal block A_RR is summed per key channel from exp(Γ_r - Γ_s),
-    masked before exponentiating, so it is exact for any g <= 0.
+    then W = Tm (K_β ⊙ exp(Γ)) and U = Tm V_β as whole-chunk products, BD columns at a time.
+    A_R,<R is a product of two factors decayed to block R's first row, so both exponents are <= 0;
+    the diagonal block A_RR is summed per key channel from exp(Γ_r - Γ_s), masked before
+    exponentiating, so it is exact for any g <= 0.
     """
     c = tl.program_id(0)
     h = tl.program_id(1)
     NC: tl.constexpr = BT // BC
     rc = tl.arange(0, BC)
-    ik = tl.arange(0, DK)
-    iv = tl.arange(0, DV)
-    ic = tl.arange(0, BK3)
+    it = tl.arange(0, BT)
     id_ = tl.arange(0, BKD)
     lower = rc[:, None] > rc[None, :]
-    lower_incl = rc[:, None] >= rc[None, :]
     chunk0 = c * BT
-    gamma_last = tl.load(gamma_ptr + ((chunk0 + BT - 1).to(tl.int64) * H + h) * DK + ik)
+    rows_c = (chunk0 + it).to(tl.int64)
+    valid_c = rows_c < T
+    tm = tl.zeros([BT, BT], dtype=tl.float32)
     for R in range(NC):
         rows = (chunk0 + R * BC + rc).to(tl.int64)
         valid = rows < T
-        key_off = (rows[:, None] * H + h) * DK + ik[None, :]
-        gam = tl.load(gamma_ptr + key_off)
-        kx = tl.load(k_ptr + key_off, mask=valid[:, None], other=0.0).to(tl.float32)
-        qx = tl.load(q_ptr + key_off, mask=valid[:, None], other=0.0).to(tl.float32)
-        tl.store(qg_ptr + key_off, qx * tl.exp(gam))
-        tl.store(kd_ptr + key_off, kx * tl.exp(gamma_last[None, :] - gam))
         bx = tl.load(beta_ptr + rows * H + h, mask=valid, other=0.0).to(tl.float32)
-        rhs_w = kx * bx[:, None] * tl.exp(gam)
-        val_off = (rows[:, None] * H + h) * DV + iv[None, :]
-        rhs_u = tl.load(v_ptr + val_off, mask=valid[:, None], other=0.0).to(tl.float32) * bx[:, None]
+        kk_rr, qk_rr = _kda_diag_block(q_ptr, k_ptr, gamma_ptr, rows, valid, h, H, DK, BC, BK3)
 
-        # Diagonal block, per key channel: A[r, s] = -β_r Σ_i k_r,i k_s,i exp(Γ_r,i - Γ_s,i), s < r.
-        a_diag = tl.zeros([BC, BC], dtype=tl.float32)
-        aqk_diag = tl.zeros([BC, BC], dtype=tl.float32)
-        for i0 in tl.static_range(0, DK, BK3):
-            col_off = (rows[:, None] * H + h) * DK + i0 + ic[None, :]
-            kc = tl.load(k_ptr + col_off, mask=valid[:, None], other=0.0).to(tl.float32)
-            qc = tl.load(q_ptr + col_off, mask=valid[:, None], other=0.0).to(tl.float32)
-            gc = tl.load(gamma_ptr + col_off)
-            decay = tl.exp(tl.where(lower_incl[:, :, None], gc[:, None, :] - gc[None, :, :], float("-inf")))
-            ks = kc[None, :, :] * decay
-            a_diag += tl.sum(kc[:, None, :] * ks, axis=2)
-            aqk_diag += tl.sum(qc[:, None, :] * ks, axis=2)
-        a_diag = tl.where(lower, -bx[:, None] * a_diag, 0.0)
-        aqk_diag = tl.where(lower_incl, aqk_diag, 0.0)
+        # Columns s < R·BC: [BC, BT] products over the key dim, BKD channels at a time, both
+        # factors decayed to row R·BC; later columns are masked to zero before exponentiating.
+        ref = ((chunk0 + R * BC).to(tl.int64) * H + h) * DK
+        earlier = (it < R * BC)[:, None]
+        kk_off = tl.zeros([BC, BT], dtype=tl.float32)
+        qk_off = tl.zeros([BC, BT], dtype=tl.float32)
+        for i0 in range(0, DK, BKD):
+            col_r = (rows[:, None] * H + h) * DK + i0 + id_[None, :]
+            col_s = (rows_c[:, None] * H + h) * DK + i0 + id_[None, :]
+            gamma_ref = tl.load(gamma_ptr + ref + i0 + id_)[None, :]
+            to_ref = tl.exp(tl.load(gamma_ptr + col_r) - gamma_ref)
+            from_ref = tl.exp(tl.where(earlier, gamma_ref - tl.load(gamma_ptr + col_s), float("-inf")))
+            k_r = tl.load(k_ptr + col_r, mask=valid[:, None], other=0.0).to(tl.float32) * to_ref
+            q_r = tl.load(q_ptr + col_r, mask=valid[:, None], other=0.0).to(tl.float32) * to_ref
+            k_s = tl.load(k_ptr + col_s, mask=valid_c[:, None], other=0.0).to(tl.float32) * from_ref
+            kk_off += tl.dot(k_r, tl.trans(k_s), input_precision=DOT)
+            qk_off += tl.dot(q_r, tl.trans(k_s), input_precision=DOT)
+        tl.store(aqk_ptr + (rows[:, None] * H + h) * BT + it[None, :], _put_block(qk_off, qk_rr, R, BC, NC))
 
-        # Earlier blocks, both factors decayed to the reference row just before block R. The key
-        # dim is taken BKD at a time: a 16-row tl.dot holds its whole A operand in every warp.
-        ref_row = (chunk0 + tl.maximum(R * BC - 1, 0)).to(tl.int64)
-        for Q in range(R):
-            rows_q = (chunk0 + Q * BC + rc).to(tl.int64)
-            a_rq = tl.zeros([BC, BC], dtype=tl.float32)
-            aqk_rq = tl.zeros([BC, BC], dtype=tl.float32)
-            for i0 in tl.static_range(0, DK, BKD):
-                col_r = (rows[:, None] * H + h) * DK + i0 + id_[None, :]
-                col_q = (rows_q[:, None] * H + h) * DK + i0 + id_[None, :]
-                gamma_ref = tl.load(gamma_ptr + (ref_row * H + h) * DK + i0 + id_)
-                to_ref = tl.exp(tl.load(gamma_ptr + col_r) - gamma_ref[None, :])
-                from_ref = tl.exp(gamma_ref[None, :] - tl.load(gamma_ptr + col_q))
-                k_r = tl.load(k_ptr + col_r, mask=valid[:, None], other=0.0).to(tl.float32) * to_ref
-                q_r = tl.load(q_ptr + col_r, mask=valid[:, None], other=0.0).to(tl.float32) * to_ref
-                k_q = tl.load(k_ptr + col_q, mask=(rows_q < T)[:, None], other=0.0).to(tl.float32) * from_ref
-                a_rq += tl.dot(k_r, tl.trans(k_q), input_precision=DOT)
-                aqk_rq += tl.dot(q_r, tl.trans(k_q), input_precision=DOT)
-            a_rq = -bx[:, None] * a_rq
-            tl.store(aqk_ptr + (rows[:, None] * H + h) * BT + Q * BC + rc[None, :], aqk_rq)
-            u_q = tl.load(u_ptr + (rows_q[:, None] * H + h) * DV + iv[None, :], cache_modifier=".cg")
-            w_q = tl.load(w_ptr + (rows_q[:, None] * H + h) * DK + ik[None, :], cache_modifier=".cg")
-            rhs_u += tl.dot(a_rq, u_q, input_precision=DOT)
-            rhs_w += tl.dot(a_rq, w_q, input_precision=DOT)
-        tl.store(aqk_ptr + (rows[:, None] * H + h) * BT + R * BC + rc[None, :], aqk_diag)
-        for Q in range(R + 1, NC):
-            tl.store(aqk_ptr + (rows[:, None] * H + h) * BT + Q * BC + rc[None, :],
-                     tl.zeros([BC, BC], dtype=tl.float32))
+        # A = -β_r (K K^T ⊙ D), strictly lower; Tm's rows of block R from the finished rows before it.
+        tm_rr = _unit_lower_inverse(tl.where(lower, -bx[:, None] * kk_rr, 0.0), BC)
+        a_off = -bx[:, None] * kk_off
+        tm_row = tl.dot(tm_rr, tl.dot(a_off, tm, input_precision=DOT), input_precision=DOT)
+        tm = _put_rows(tm, _put_block(tm_row, tm_rr, R, BC, NC), R, BC, NC)
 
-        # Tm_RR = (I - A_RR)^{-1} by forward substitution: row r = e_r + Σ_{s<r} A[r, s] row s.
-        tm = tl.where(rc[:, None] == rc[None, :], 1.0, 0.0)
-        for r in tl.static_range(1, BC):
-            a_r = tl.sum(tl.where(rc[:, None] == r, a_diag, 0.0), axis=0)
-            tm = tl.where(rc[:, None] == r, tm + tl.sum(a_r[:, None] * tm, axis=0)[None, :], tm)
-        tl.store(u_ptr + val_off, tl.dot(tm, rhs_u, input_precision=DOT))
-        tl.store(w_ptr + key_off, tl.dot(tm, rhs_w, input_precision=DOT))
-        # The next block reads this block's U and W back.
-        tl.debug_barrier()
+    # Per-row factors and the WY products, BD columns at a time.
+    jd = tl.arange(0, BD)
+    bc = tl.load(beta_ptr + rows_c * H + h, mask=valid_c, other=0.0).to(tl.float32)
+    last = ((chunk0 + BT - 1).to(tl.int64) * H + h) * DK
+    for j0 in range(0, DK, BD):
+        key_off = (rows_c[:, None] * H + h) * DK + j0 + jd[None, :]
+        gam = tl.load(gamma_ptr + key_off)
+        kx = tl.load(k_ptr + key_off, mask=valid_c[:, None], other=0.0).to(tl.float32)
+        qx = tl.load(q_ptr + key_off, mask=valid_c[:, None], other=0.0).to(tl.float32)
+        tl.store(qg_ptr + key_off, qx * tl.exp(gam))
+        tl.store(kd_ptr + key_off, kx * tl.exp(tl.load(gamma_ptr + last + j0 + jd)[None, :] - gam))
+        tl.store(w_ptr + key_off, tl.dot(tm, kx * bc[:, None] * tl.exp(gam), input_precision=DOT))
+    for j0 in range(0, DV, BD):
+        val_off = (rows_c[:, None] * H + h) * DV + j0 + jd[None, :]
+        vx = tl.load(v_ptr + val_off, mask=valid_c[:, None], other=0.0).to(tl.float32)
+        tl.store(u_ptr + val_off, tl.dot(tm, vx * bc[:, None], input_precision=DOT))
+
+
+@triton.jit
+def _kda_diag_block(q_ptr, k_ptr, gamma_ptr, rows, valid, h, H: tl.constexpr, DK: tl.constexpr,
+                    BC: tl.constexpr, BK3: tl.constexpr):
+    """Σ_i x_r,i k_s,i exp(Γ_r,i - Γ_s,i) for s <= r within one row block, x = k and x = q, summed
+    per key channel BK3 channels at a time; zero above the diagonal."""
+    rc = tl.arange(0, BC)
+    ic = tl.arange(0, BK3)
+    lower_incl = rc[:, None] >= rc[None, :]
+    kk = tl.zeros([BC, BC], dtype=tl.float32)
+    qk = tl.zeros([BC, BC], dtype=tl.float32)
+    for i0 in range(0, DK, BK3):
+        col_off = (rows[:, None] * H + h) * DK + i0 + ic[None, :]
+        kc = tl.load(k_ptr + col_off, mask=valid[:, None], other=0.0).to(tl.float32)
+        qc = tl.load(q_ptr + col_off, mask=valid[:, None], other=0.0).to(tl.float32)
+        gc = tl.load(gamma_ptr + col_off)
+        decay = tl.exp(tl.where(lower_incl[:, :, None], gc[:, None, :] - gc[None, :, :], float("-inf")))
+        ks = kc[None, :, :] * decay
+        kk += tl.sum(kc[:, None, :] * ks, axis=2)
+        qk += tl.sum(qc[:, None, :] * ks, axis=2)
+    return kk, qk
+
+
+@triton.jit
+def _unit_lower_inverse(a, BC: tl.constexpr):
+    """(I - a)^{-1} for a strictly lower [BC, BC], by forward substitution: row r = e_r + Σ_{s<r} a[r, s] row s."""
+    rc = tl.arange(0, BC)
+    tm = tl.where(rc[:, None] == rc[None, :], 1.0, 0.0)
+    for r in tl.static_range(1, BC):
+        a_r = tl.sum(tl.where(rc[:, None] == r, a, 0.0), axis=0)
+        tm = tl.where(rc[:, None] == r, tm + tl.sum(a_r[:, None] * tm, axis=0)[None, :], tm)
+    return tm
+
+
+@triton.jit
+def _put_block(row, block, R, BC: tl.constexpr, NC: tl.constexpr):
+    """row [BC, NC·BC] with its column block R replaced by block [BC, BC]."""
+    row3 = tl.reshape(row, [BC, NC, BC])
+    row3 = tl.where((tl.arange(0, NC) == R)[None, :, None], block[:, None, :], row3)
+    return tl.reshape(row3, [BC, NC * BC])
+
+
+@triton.jit
+def _put_rows(m, rows, R, BC: tl.constexpr, NC: tl.constexpr):
+    """m [NC·BC, NC·BC] with its row block R replaced by rows [BC, NC·BC]."""
+    m3 = tl.reshape(m, [NC, BC, NC * BC])
+    m3 = tl.where((tl.arange(0, NC) == R)[:, None, None], rows[None, :, :], m3)
+    return tl.reshape(m3, [NC * BC, NC * BC])
 
 
 @triton.jit
