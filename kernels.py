@@ -1033,9 +1033,12 @@ class ChunkFactors:
 def chunk_factors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                   beta: torch.Tensor, chunk: int, precision: str = DOT_PRECISION,
                   num_warps: int = 4, num_stages: int = 1) -> ChunkFactors:
-    """ptxas for sm_90 (d = 128, tf32): 4 warps, 1 stage: 255 registers, 32 B spilled, 17 KB shared
-    memory, two programs per SM; the default 3 stages would pipeline the block loop through 117 KB
-    of shared memory, one program per SM."""
+    """Two launches: `_kda_chunk_intra_kernel` per (chunk, head) builds Aqk and Tm = (I - A)^{-1}
+    one 16 x 16 block at a time; `_kda_chunk_wy_kernel` per (chunk, head, 32 columns of [K | V])
+    multiplies W = Tm (K_β ⊙ exp(Γ)), U = Tm V_β as [chunk, chunk] x [chunk, 32] products.
+    ptxas for sm_90 (triton 3.6, d = 128, chunk 64, tf32x3, 4 warps, no spills): 157 and 125
+    registers (the single kernel this replaces: 255 and 176 B spilled). Transient memory: A and Tm,
+    [rows, H, chunk] fp32 each."""
     T, H, dk = q.shape
     dv = v.shape[-1]
     q, k, v, beta = (x.contiguous() for x in (q, k, v, beta))
@@ -1048,10 +1051,15 @@ def chunk_factors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     f = ChunkFactors(T, chunk, gamma, w=torch.empty(rows, H, dk, **f32), u=torch.empty(rows, H, dv, **f32),
                      qg=torch.empty(rows, H, dk, **f32), kd=torch.empty(rows, H, dk, **f32),
                      aqk=torch.empty(rows, H, chunk, **f32))
+    a = torch.empty(rows, H, chunk, **f32)
+    tm = torch.empty(rows, H, chunk, **f32)
     _kda_chunk_intra_kernel[(n_chunks, H)](
-        q, k, v, beta, gamma, f.w, f.u, f.qg, f.kd, f.aqk, T,
-        H=H, DK=dk, DV=dv, BT=chunk, BC=SUB_CHUNK, BK3=16, BKD=min(dk, 32), BD=min(dk, dv, 32), DOT=precision,
-        num_warps=num_warps, num_stages=num_stages)
+        q, k, beta, gamma, a, tm, f.aqk, T, H=H, DK=dk, BT=chunk, BC=SUB_CHUNK, BK3=8,
+        BKD=16, DOT=precision, num_warps=num_warps, num_stages=num_stages)
+    bd = min(dk, dv, 32)
+    _kda_chunk_wy_kernel[(n_chunks, H, (dk + dv) // bd)](
+        q, k, v, beta, gamma, tm, f.w, f.u, f.qg, f.kd, T, H=H, DK=dk, DV=dv, BT=chunk, BD=bd,
+        DOT=precision, num_warps=4, num_stages=1)
     return f
 
 
@@ -1090,20 +1098,19 @@ def chunk_output(f: ChunkFactors, states: torch.Tensor, out_dtype: torch.dtype,
 
 
 @triton.jit
-def _kda_chunk_intra_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, gamma_ptr,
-                            w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, T,
-                            H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr,
-                            BC: tl.constexpr, BK3: tl.constexpr, BKD: tl.constexpr, BD: tl.constexpr,
-                            DOT: tl.constexpr):
-    """One (chunk, head). Tm = (I - A)^{-1} is built in registers a row block R of BC rows at a time
-    (block forward substitution on Tm itself, so no row of W or U waits for another):
+def _kda_chunk_intra_kernel(q_ptr, k_ptr, beta_ptr, gamma_ptr, a_ptr, tm_ptr, aqk_ptr, T,
+                            H: tl.constexpr, DK: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+                            BK3: tl.constexpr, BKD: tl.constexpr, DOT: tl.constexpr):
+    """One (chunk, head): Aqk and Tm = (I - A)^{-1}, BC x BC blocks at a time. Row block R:
 
-        Tm_RR = (I - A_RR)^{-1},   Tm_R,<R = Tm_RR A_R,<R Tm_<R,<R
+        Tm_RR = (I - A_RR)^{-1},   Tm_RQ = Tm_RR Σ_{Q<=P<R} A_RP Tm_PQ   (Q < R)
 
-    then W = Tm (K_β ⊙ exp(Γ)) and U = Tm V_β as whole-chunk products, BD columns at a time.
-    A_R,<R is a product of two factors decayed to block R's first row, so both exponents are <= 0;
-    the diagonal block A_RR is summed per key channel from exp(Γ_r - Γ_s), masked before
-    exponentiating, so it is exact for any g <= 0.
+    A_RP (P < R) goes through a_ptr and Tm's blocks through tm_ptr, both [rows, H, BT] and read
+    back by the same program after a barrier (a few KB, cache-resident), so every tensor here is
+    one block: no register holds a whole chunk.
+    A_RP is a product of two factors decayed to block R's first row, so both exponents are <= 0;
+    A_RR is summed per key channel from exp(Γ_r - Γ_s), masked before exponentiating, so it is
+    exact for any g <= 0.
     """
     c = tl.program_id(0)
     h = tl.program_id(1)
@@ -1113,56 +1120,76 @@ def _kda_chunk_intra_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, gamma_ptr,
     id_ = tl.arange(0, BKD)
     lower = rc[:, None] > rc[None, :]
     chunk0 = c * BT
-    rows_c = (chunk0 + it).to(tl.int64)
-    valid_c = rows_c < T
-    tm = tl.zeros([BT, BT], dtype=tl.float32)
     for R in range(NC):
         rows = (chunk0 + R * BC + rc).to(tl.int64)
         valid = rows < T
         bx = tl.load(beta_ptr + rows * H + h, mask=valid, other=0.0).to(tl.float32)
-        kk_rr, qk_rr = _kda_diag_block(q_ptr, k_ptr, gamma_ptr, rows, valid, h, H, DK, BC, BK3)
-
-        # Columns s < R·BC: [BC, BT] products over the key dim, BKD channels at a time, both
-        # factors decayed to row R·BC; later columns are masked to zero before exponentiating.
+        block_rows = (rows[:, None] * H + h) * BT  # row offsets into aqk, a and tm
         ref = ((chunk0 + R * BC).to(tl.int64) * H + h) * DK
-        earlier = (it < R * BC)[:, None]
-        kk_off = tl.zeros([BC, BT], dtype=tl.float32)
-        qk_off = tl.zeros([BC, BT], dtype=tl.float32)
-        for i0 in range(0, DK, BKD):
-            col_r = (rows[:, None] * H + h) * DK + i0 + id_[None, :]
-            col_s = (rows_c[:, None] * H + h) * DK + i0 + id_[None, :]
-            gamma_ref = tl.load(gamma_ptr + ref + i0 + id_)[None, :]
-            to_ref = tl.exp(tl.load(gamma_ptr + col_r) - gamma_ref)
-            from_ref = tl.exp(tl.where(earlier, gamma_ref - tl.load(gamma_ptr + col_s), float("-inf")))
-            k_r = tl.load(k_ptr + col_r, mask=valid[:, None], other=0.0).to(tl.float32) * to_ref
-            q_r = tl.load(q_ptr + col_r, mask=valid[:, None], other=0.0).to(tl.float32) * to_ref
-            k_s = tl.load(k_ptr + col_s, mask=valid_c[:, None], other=0.0).to(tl.float32) * from_ref
-            kk_off += tl.dot(k_r, tl.trans(k_s), input_precision=DOT)
-            qk_off += tl.dot(q_r, tl.trans(k_s), input_precision=DOT)
-        tl.store(aqk_ptr + (rows[:, None] * H + h) * BT + it[None, :], _put_block(qk_off, qk_rr, R, BC, NC))
-
-        # A = -β_r (K K^T ⊙ D), strictly lower; Tm's rows of block R from the finished rows before it.
+        for P in range(R):
+            rows_p = (chunk0 + P * BC + rc).to(tl.int64)
+            kk = tl.zeros([BC, BC], dtype=tl.float32)
+            qk = tl.zeros([BC, BC], dtype=tl.float32)
+            for i0 in range(0, DK, BKD):
+                col_r = (rows[:, None] * H + h) * DK + i0 + id_[None, :]
+                col_p = (rows_p[:, None] * H + h) * DK + i0 + id_[None, :]
+                gamma_ref = tl.load(gamma_ptr + ref + i0 + id_)[None, :]
+                to_ref = tl.exp(tl.load(gamma_ptr + col_r) - gamma_ref)
+                k_r = tl.load(k_ptr + col_r, mask=valid[:, None], other=0.0).to(tl.float32) * to_ref
+                q_r = tl.load(q_ptr + col_r, mask=valid[:, None], other=0.0).to(tl.float32) * to_ref
+                k_p = tl.load(k_ptr + col_p, mask=(rows_p < T)[:, None], other=0.0).to(tl.float32)
+                k_p *= tl.exp(gamma_ref - tl.load(gamma_ptr + col_p))
+                kk += tl.dot(k_r, tl.trans(k_p), input_precision=DOT)
+                qk += tl.dot(q_r, tl.trans(k_p), input_precision=DOT)
+            tl.store(aqk_ptr + block_rows + P * BC + rc[None, :], qk)
+            tl.store(a_ptr + block_rows + P * BC + rc[None, :], -bx[:, None] * kk)
+        kk_rr, qk_rr = _kda_diag_block(q_ptr, k_ptr, gamma_ptr, rows, valid, h, H, DK, BC, BK3)
+        tl.store(aqk_ptr + block_rows + it[None, :], tl.zeros([BC, BT], dtype=tl.float32),
+                 mask=(it >= R * BC + BC)[None, :])
+        tl.store(aqk_ptr + block_rows + R * BC + rc[None, :], qk_rr)
         tm_rr = _unit_lower_inverse(tl.where(lower, -bx[:, None] * kk_rr, 0.0), BC)
-        a_off = -bx[:, None] * kk_off
-        tm_row = tl.dot(tm_rr, tl.dot(a_off, tm, input_precision=DOT), input_precision=DOT)
-        tm = _put_rows(tm, _put_block(tm_row, tm_rr, R, BC, NC), R, BC, NC)
+        tl.store(tm_ptr + block_rows + it[None, :], tl.zeros([BC, BT], dtype=tl.float32),
+                 mask=(it >= R * BC + BC)[None, :])
+        tl.store(tm_ptr + block_rows + R * BC + rc[None, :], tm_rr)
+        tl.debug_barrier()  # A_RP and the Tm rows before block R, written by other threads
+        for Q in range(R):
+            acc = tl.zeros([BC, BC], dtype=tl.float32)
+            for P in range(Q, R):
+                rows_p = (chunk0 + P * BC + rc).to(tl.int64)
+                a_rp = tl.load(a_ptr + block_rows + P * BC + rc[None, :])
+                tm_pq = tl.load(tm_ptr + (rows_p[:, None] * H + h) * BT + Q * BC + rc[None, :])
+                acc += tl.dot(a_rp, tm_pq, input_precision=DOT)
+            tl.store(tm_ptr + block_rows + Q * BC + rc[None, :], tl.dot(tm_rr, acc, input_precision=DOT))
+        tl.debug_barrier()
 
-    # Per-row factors and the WY products, BD columns at a time.
+
+@triton.jit
+def _kda_chunk_wy_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, gamma_ptr, tm_ptr, w_ptr, u_ptr, qg_ptr, kd_ptr, T,
+                         H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr,
+                         BD: tl.constexpr, DOT: tl.constexpr):
+    """One (chunk, head, BD columns of [K | V]): W = Tm (K_β ⊙ exp(Γ)) with qg and kd, or U = Tm V_β."""
+    c = tl.program_id(0)
+    h = tl.program_id(1)
+    j0 = tl.program_id(2) * BD
+    it = tl.arange(0, BT)
     jd = tl.arange(0, BD)
-    bc = tl.load(beta_ptr + rows_c * H + h, mask=valid_c, other=0.0).to(tl.float32)
-    last = ((chunk0 + BT - 1).to(tl.int64) * H + h) * DK
-    for j0 in range(0, DK, BD):
-        key_off = (rows_c[:, None] * H + h) * DK + j0 + jd[None, :]
+    rows = (c * BT + it).to(tl.int64)
+    valid = (rows < T)[:, None]
+    tm = tl.load(tm_ptr + (rows[:, None] * H + h) * BT + it[None, :])
+    bx = tl.load(beta_ptr + rows * H + h, mask=rows < T, other=0.0).to(tl.float32)[:, None]
+    if j0 < DK:
+        key_off = (rows[:, None] * H + h) * DK + j0 + jd[None, :]
+        last = ((c * BT + BT - 1).to(tl.int64) * H + h) * DK + j0 + jd
         gam = tl.load(gamma_ptr + key_off)
-        kx = tl.load(k_ptr + key_off, mask=valid_c[:, None], other=0.0).to(tl.float32)
-        qx = tl.load(q_ptr + key_off, mask=valid_c[:, None], other=0.0).to(tl.float32)
+        kx = tl.load(k_ptr + key_off, mask=valid, other=0.0).to(tl.float32)
+        qx = tl.load(q_ptr + key_off, mask=valid, other=0.0).to(tl.float32)
         tl.store(qg_ptr + key_off, qx * tl.exp(gam))
-        tl.store(kd_ptr + key_off, kx * tl.exp(tl.load(gamma_ptr + last + j0 + jd)[None, :] - gam))
-        tl.store(w_ptr + key_off, tl.dot(tm, kx * bc[:, None] * tl.exp(gam), input_precision=DOT))
-    for j0 in range(0, DV, BD):
-        val_off = (rows_c[:, None] * H + h) * DV + j0 + jd[None, :]
-        vx = tl.load(v_ptr + val_off, mask=valid_c[:, None], other=0.0).to(tl.float32)
-        tl.store(u_ptr + val_off, tl.dot(tm, vx * bc[:, None], input_precision=DOT))
+        tl.store(kd_ptr + key_off, kx * tl.exp(tl.load(gamma_ptr + last)[None, :] - gam))
+        tl.store(w_ptr + key_off, tl.dot(tm, kx * bx * tl.exp(gam), input_precision=DOT))
+    else:
+        val_off = (rows[:, None] * H + h) * DV + j0 - DK + jd[None, :]
+        vx = tl.load(v_ptr + val_off, mask=valid, other=0.0).to(tl.float32)
+        tl.store(u_ptr + val_off, tl.dot(tm, vx * bx, input_precision=DOT))
 
 
 @triton.jit
@@ -1192,26 +1219,10 @@ def _unit_lower_inverse(a, BC: tl.constexpr):
     """(I - a)^{-1} for a strictly lower [BC, BC], by forward substitution: row r = e_r + Σ_{s<r} a[r, s] row s."""
     rc = tl.arange(0, BC)
     tm = tl.where(rc[:, None] == rc[None, :], 1.0, 0.0)
-    for r in tl.static_range(1, BC):
+    for r in range(1, BC):
         a_r = tl.sum(tl.where(rc[:, None] == r, a, 0.0), axis=0)
         tm = tl.where(rc[:, None] == r, tm + tl.sum(a_r[:, None] * tm, axis=0)[None, :], tm)
     return tm
-
-
-@triton.jit
-def _put_block(row, block, R, BC: tl.constexpr, NC: tl.constexpr):
-    """row [BC, NC·BC] with its column block R replaced by block [BC, BC]."""
-    row3 = tl.reshape(row, [BC, NC, BC])
-    row3 = tl.where((tl.arange(0, NC) == R)[None, :, None], block[:, None, :], row3)
-    return tl.reshape(row3, [BC, NC * BC])
-
-
-@triton.jit
-def _put_rows(m, rows, R, BC: tl.constexpr, NC: tl.constexpr):
-    """m [NC·BC, NC·BC] with its row block R replaced by rows [BC, NC·BC]."""
-    m3 = tl.reshape(m, [NC, BC, NC * BC])
-    m3 = tl.where((tl.arange(0, NC) == R)[:, None, None], rows[None, :, :], m3)
-    return tl.reshape(m3, [NC * BC, NC * BC])
 
 
 @triton.jit
