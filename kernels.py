@@ -1033,32 +1033,30 @@ class ChunkFactors:
 def chunk_factors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                   beta: torch.Tensor, chunk: int, precision: str = DOT_PRECISION,
                   num_warps: int = 4, num_stages: int = 1) -> ChunkFactors:
-    """Two launches: `_kda_chunk_intra_kernel` per (chunk, head) builds Aqk and Tm = (I - A)^{-1}
-    one 16 x 16 block at a time; `_kda_chunk_wy_kernel` per (chunk, head, 32 columns of [K | V])
-    multiplies W = Tm (K_β ⊙ exp(Γ)), U = Tm V_β as [chunk, chunk] x [chunk, 32] products.
-    ptxas for sm_90 (triton 3.6, d = 128, chunk 64, tf32x3, 4 warps, no spills): 157 and 125
-    registers (the single kernel this replaces: 255 and 176 B spilled). Transient memory: A and Tm,
-    [rows, H, chunk] fp32 each."""
+    """Two launches: `_kda_chunk_intra_kernel` per (chunk, head) builds Γ, Aqk and
+    Tm = (I - A)^{-1} one 16 x 16 block at a time; `_kda_chunk_wy_kernel` per (32 columns of
+    [K | V], chunk, head) multiplies W = Tm (K_β ⊙ exp(Γ)), U = Tm V_β as [chunk, chunk] x
+    [chunk, 32] products. ptxas for sm_90 (triton 3.6, d = 128, chunk 64, tf32x3, 4 warps): 157
+    and 125 registers, no spills (the single kernel this replaces: 255 and 176 B spilled); key
+    slices of 32 instead of 16 in the intra kernel cost ~70 registers (its slice loop is unrolled
+    and the loads hoisted). Transient memory: A and Tm, [rows, H, chunk] fp32 each."""
     T, H, dk = q.shape
     dv = v.shape[-1]
-    q, k, v, beta = (x.contiguous() for x in (q, k, v, beta))
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     n_chunks = triton.cdiv(T, chunk)
     rows = n_chunks * chunk
     f32 = dict(dtype=torch.float32, device=q.device)
-    gamma = torch.zeros(rows, H, dk, **f32)
-    gamma[:T] = g
-    gamma = gamma.view(n_chunks, chunk, H, dk).cumsum(1).view(rows, H, dk)
-    f = ChunkFactors(T, chunk, gamma, w=torch.empty(rows, H, dk, **f32), u=torch.empty(rows, H, dv, **f32),
-                     qg=torch.empty(rows, H, dk, **f32), kd=torch.empty(rows, H, dk, **f32),
+    keys = lambda: torch.empty(rows, H, dk, **f32)
+    f = ChunkFactors(T, chunk, gamma=keys(), w=keys(), u=torch.empty(rows, H, dv, **f32), qg=keys(), kd=keys(),
                      aqk=torch.empty(rows, H, chunk, **f32))
     a = torch.empty(rows, H, chunk, **f32)
     tm = torch.empty(rows, H, chunk, **f32)
     _kda_chunk_intra_kernel[(n_chunks, H)](
-        q, k, beta, gamma, a, tm, f.aqk, T, H=H, DK=dk, BT=chunk, BC=SUB_CHUNK, BK3=8,
+        q, k, g, beta, f.gamma, a, tm, f.aqk, T, H=H, DK=dk, BT=chunk, BC=SUB_CHUNK, BK3=8,
         BKD=16, DOT=precision, num_warps=num_warps, num_stages=num_stages)
     bd = min(dk, dv, 32)
-    _kda_chunk_wy_kernel[(n_chunks, H, (dk + dv) // bd)](
-        q, k, v, beta, gamma, tm, f.w, f.u, f.qg, f.kd, T, H=H, DK=dk, DV=dv, BT=chunk, BD=bd,
+    _kda_chunk_wy_kernel[((dk + dv) // bd, n_chunks, H)](
+        q, k, v, beta, f.gamma, tm, f.w, f.u, f.qg, f.kd, T, H=H, DK=dk, DV=dv, BT=chunk, BD=bd,
         DOT=precision, num_warps=4, num_stages=1)
     return f
 
@@ -1098,10 +1096,11 @@ def chunk_output(f: ChunkFactors, states: torch.Tensor, out_dtype: torch.dtype,
 
 
 @triton.jit
-def _kda_chunk_intra_kernel(q_ptr, k_ptr, beta_ptr, gamma_ptr, a_ptr, tm_ptr, aqk_ptr, T,
+def _kda_chunk_intra_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, gamma_ptr, a_ptr, tm_ptr, aqk_ptr, T,
                             H: tl.constexpr, DK: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
                             BK3: tl.constexpr, BKD: tl.constexpr, DOT: tl.constexpr):
-    """One (chunk, head): Aqk and Tm = (I - A)^{-1}, BC x BC blocks at a time. Row block R:
+    """One (chunk, head): Γ (the chunk's cumulative sum of g), then Aqk and Tm = (I - A)^{-1},
+    BC x BC blocks at a time. Row block R:
 
         Tm_RR = (I - A_RR)^{-1},   Tm_RQ = Tm_RR Σ_{Q<=P<R} A_RP Tm_PQ   (Q < R)
 
@@ -1120,6 +1119,12 @@ def _kda_chunk_intra_kernel(q_ptr, k_ptr, beta_ptr, gamma_ptr, a_ptr, tm_ptr, aq
     id_ = tl.arange(0, BKD)
     lower = rc[:, None] > rc[None, :]
     chunk0 = c * BT
+    rows_c = (chunk0 + it).to(tl.int64)
+    for i0 in range(0, DK, BKD):
+        col = (rows_c[:, None] * H + h) * DK + i0 + id_[None, :]
+        g = tl.load(g_ptr + col, mask=(rows_c < T)[:, None], other=0.0).to(tl.float32)
+        tl.store(gamma_ptr + col, tl.cumsum(g, axis=0))
+    tl.debug_barrier()  # Γ is read below across rows written by other threads
     for R in range(NC):
         rows = (chunk0 + R * BC + rc).to(tl.int64)
         valid = rows < T
@@ -1168,9 +1173,9 @@ def _kda_chunk_wy_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, gamma_ptr, tm_ptr, w_ptr
                          H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr,
                          BD: tl.constexpr, DOT: tl.constexpr):
     """One (chunk, head, BD columns of [K | V]): W = Tm (K_β ⊙ exp(Γ)) with qg and kd, or U = Tm V_β."""
-    c = tl.program_id(0)
-    h = tl.program_id(1)
-    j0 = tl.program_id(2) * BD
+    j0 = tl.program_id(0) * BD  # fastest: the programs of one chunk read its Tm while it is in L2
+    c = tl.program_id(1)
+    h = tl.program_id(2)
     it = tl.arange(0, BT)
     jd = tl.arange(0, BD)
     rows = (c * BT + it).to(tl.int64)
