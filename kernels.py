@@ -1034,12 +1034,12 @@ def chunk_factors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
                   beta: torch.Tensor, chunk: int, precision: str = DOT_PRECISION,
                   num_warps: int = 4, num_stages: int = 1) -> ChunkFactors:
     """Two launches: `_kda_chunk_intra_kernel` per (chunk, head) builds Γ, Aqk and
-    Tm = (I - A)^{-1} one 16 x 16 block at a time; `_kda_chunk_wy_kernel` per (32 columns of
+    Tm = (I - A)^{-1} one 16-row block at a time; `_kda_chunk_wy_kernel` per (32 columns of
     [K | V], chunk, head) multiplies W = Tm (K_β ⊙ exp(Γ)), U = Tm V_β as [chunk, chunk] x
-    [chunk, 32] products. ptxas for sm_90 (triton 3.6, d = 128, chunk 64, tf32x3, 4 warps): 155
+    [chunk, 32] products. ptxas for sm_90 (triton 3.6, d = 128, chunk 64, tf32x3, 4 warps): 154
     and 125 registers, no spills (the single kernel this replaces: 255 and 176 B spilled); key
-    slices of 32 instead of 16 in the intra kernel cost ~70 registers (its slice loop is unrolled
-    and the loads hoisted). Transient memory: A and Tm, [rows, H, chunk] fp32 each."""
+    slices of 32 instead of 16 in the intra kernel take 254 (its slice loop is unrolled and the
+    loads hoisted). Transient memory: A and Tm, [rows, H, chunk] fp32 each."""
     T, H, dk = q.shape
     dv = v.shape[-1]
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
@@ -1105,9 +1105,9 @@ def _kda_chunk_intra_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, gamma_ptr, a_ptr, tm_
         Tm_RR = (I - A_RR)^{-1},   Tm_RQ = Tm_RR Σ_{Q<=P<R} A_RP Tm_PQ   (Q < R)
 
     A_RP (P < R) goes through a_ptr and Tm's blocks through tm_ptr, both [rows, H, BT] and read
-    back by the same program after a barrier (a few KB, cache-resident), so every tensor here is
-    one block: no register holds a whole chunk.
-    A_RP is a product of two factors decayed to block R's first row, so both exponents are <= 0;
+    back by the same program after a barrier (a few KB, cache-resident), so no register holds a
+    whole chunk's matrix.
+    A_R,<R is a product of two factors decayed to block R's first row, so both exponents are <= 0;
     A_RR is summed per key channel from exp(Γ_r - Γ_s), masked before exponentiating, so it is
     exact for any g <= 0.
     """
@@ -1120,9 +1120,10 @@ def _kda_chunk_intra_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, gamma_ptr, a_ptr, tm_
     lower = rc[:, None] > rc[None, :]
     chunk0 = c * BT
     rows_c = (chunk0 + it).to(tl.int64)
+    valid_c = rows_c < T
     for i0 in range(0, DK, BKD):
         col = (rows_c[:, None] * H + h) * DK + i0 + id_[None, :]
-        g = tl.load(g_ptr + col, mask=(rows_c < T)[:, None], other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + col, mask=valid_c[:, None], other=0.0).to(tl.float32)
         tl.store(gamma_ptr + col, tl.cumsum(g, axis=0))
     tl.debug_barrier()  # Γ is read below across rows written by other threads
     for R in range(NC):
@@ -1130,25 +1131,30 @@ def _kda_chunk_intra_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, gamma_ptr, a_ptr, tm_
         valid = rows < T
         bx = tl.load(beta_ptr + rows * H + h, mask=valid, other=0.0).to(tl.float32)
         block_rows = (rows[:, None] * H + h) * BT  # row offsets into aqk, a and tm
-        ref = ((chunk0 + R * BC).to(tl.int64) * H + h) * DK
-        for P in range(R):
-            rows_p = (chunk0 + P * BC + rc).to(tl.int64)
-            kk = tl.zeros([BC, BC], dtype=tl.float32)
-            qk = tl.zeros([BC, BC], dtype=tl.float32)
+        # A_RP and Aqk_RP for all P < R at once: [BC, BT] products over the key dim, BKD channels
+        # at a time, both factors decayed to row R·BC; columns from R·BC on are masked to zero
+        # before exponentiating (and not stored).
+        if R > 0:
+            ref = ((chunk0 + R * BC).to(tl.int64) * H + h) * DK
+            earlier = it < R * BC
+            kk = tl.zeros([BC, BT], dtype=tl.float32)
+            qk = tl.zeros([BC, BT], dtype=tl.float32)
             for i0 in range(0, DK, BKD):
                 col_r = (rows[:, None] * H + h) * DK + i0 + id_[None, :]
-                col_p = (rows_p[:, None] * H + h) * DK + i0 + id_[None, :]
+                col_s = (rows_c[:, None] * H + h) * DK + i0 + id_[None, :]
                 gamma_ref = tl.load(gamma_ptr + ref + i0 + id_)[None, :]
                 to_ref = tl.exp(tl.load(gamma_ptr + col_r) - gamma_ref)
+                from_ref = tl.exp(tl.where(earlier[:, None], gamma_ref - tl.load(gamma_ptr + col_s),
+                                           float("-inf")))
                 k_r = tl.load(k_ptr + col_r, mask=valid[:, None], other=0.0).to(tl.float32) * to_ref
                 q_r = tl.load(q_ptr + col_r, mask=valid[:, None], other=0.0).to(tl.float32) * to_ref
-                k_p = tl.load(k_ptr + col_p, mask=(rows_p < T)[:, None], other=0.0).to(tl.float32)
-                k_p *= tl.exp(gamma_ref - tl.load(gamma_ptr + col_p))
-                kk += tl.dot(k_r, tl.trans(k_p), input_precision=DOT)
-                qk += tl.dot(q_r, tl.trans(k_p), input_precision=DOT)
-            tl.store(aqk_ptr + block_rows + P * BC + rc[None, :], qk)
-            tl.store(a_ptr + block_rows + P * BC + rc[None, :], -bx[:, None] * kk)
-        kk_rr, qk_rr = _kda_diag_block(q_ptr, k_ptr, gamma_ptr, rows, valid, h, H, DK, BC, BK3)
+                k_s = tl.load(k_ptr + col_s, mask=valid_c[:, None], other=0.0).to(tl.float32) * from_ref
+                kk += tl.dot(k_r, tl.trans(k_s), input_precision=DOT)
+                qk += tl.dot(q_r, tl.trans(k_s), input_precision=DOT)
+            tl.store(aqk_ptr + block_rows + it[None, :], qk, mask=earlier[None, :])
+            tl.store(a_ptr + block_rows + it[None, :], -bx[:, None] * kk, mask=earlier[None, :])
+        r0 = ((chunk0 + R * BC).to(tl.int64) * H + h) * DK
+        kk_rr, qk_rr = _kda_diag_block(q_ptr, k_ptr, gamma_ptr, r0, T - chunk0 - R * BC, H, DK, BC, BK3)
         tl.store(aqk_ptr + block_rows + it[None, :], tl.zeros([BC, BT], dtype=tl.float32),
                  mask=(it >= R * BC + BC)[None, :])
         tl.store(aqk_ptr + block_rows + R * BC + rc[None, :], qk_rr)
@@ -1198,27 +1204,29 @@ def _kda_chunk_wy_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, gamma_ptr, tm_ptr, w_ptr
 
 
 @triton.jit
-def _kda_diag_block(q_ptr, k_ptr, gamma_ptr, rows, valid, h, H: tl.constexpr, DK: tl.constexpr,
+def _kda_diag_block(q_ptr, k_ptr, gamma_ptr, r0, n_valid, H: tl.constexpr, DK: tl.constexpr,
                     BC: tl.constexpr, BK3: tl.constexpr):
     """Σ_i x_r,i k_s,i exp(Γ_r,i - Γ_s,i) for s <= r within one row block, x = k and x = q, BK3 key
-    channels at a time; zero above the diagonal. Every operand is loaded as the full [BC, BC, BK3]
-    tile (cache hits), so each thread holds whole channel runs and sums them without shuffles."""
+    channels at a time; zero above the diagonal. The pointers are at the head's channel 0 of the
+    block's first row r0; n_valid of its rows exist. Every operand is loaded as the full
+    [BC, BC, BK3] tile (cache hits), so each thread holds whole channel runs and sums them
+    without shuffles; 32-bit offsets keep the address arithmetic short."""
     rc = tl.arange(0, BC)
     ic = tl.arange(0, BK3)
     lower_incl = (rc[:, None] >= rc[None, :])[:, :, None]
-    spread = tl.zeros([BC, BC, BK3], dtype=tl.int64)
-    at_r = spread + ((rows[:, None] * H + h) * DK)[:, :, None] + ic[None, None, :]
-    at_s = spread + ((rows[None, :] * H + h) * DK)[:, :, None] + ic[None, None, :]
-    in_r = (spread == 0) & valid[:, None, None]
-    in_s = (spread == 0) & valid[None, :, None]
+    spread = tl.zeros([BC, BC, BK3], dtype=tl.int32)
+    at_r = spread + (rc * (H * DK))[:, None, None] + ic[None, None, :]
+    at_s = spread + (rc * (H * DK))[None, :, None] + ic[None, None, :]
+    in_r = (spread + rc[:, None, None]) < n_valid
+    in_s = (spread + rc[None, :, None]) < n_valid
+    g_ptr = gamma_ptr + r0
     kk = tl.zeros([BC, BC], dtype=tl.float32)
     qk = tl.zeros([BC, BC], dtype=tl.float32)
     for i0 in range(0, DK, BK3):
-        decay = tl.exp(tl.where(lower_incl, tl.load(gamma_ptr + at_r + i0) - tl.load(gamma_ptr + at_s + i0),
-                                float("-inf")))
-        ks = tl.load(k_ptr + at_s + i0, mask=in_s, other=0.0).to(tl.float32) * decay
-        kk += tl.sum(tl.load(k_ptr + at_r + i0, mask=in_r, other=0.0).to(tl.float32) * ks, axis=2)
-        qk += tl.sum(tl.load(q_ptr + at_r + i0, mask=in_r, other=0.0).to(tl.float32) * ks, axis=2)
+        decay = tl.exp(tl.where(lower_incl, tl.load(g_ptr + at_r + i0) - tl.load(g_ptr + at_s + i0), float("-inf")))
+        ks = tl.load(k_ptr + r0 + at_s + i0, mask=in_s, other=0.0).to(tl.float32) * decay
+        kk += tl.sum(tl.load(k_ptr + r0 + at_r + i0, mask=in_r, other=0.0).to(tl.float32) * ks, axis=2)
+        qk += tl.sum(tl.load(q_ptr + r0 + at_r + i0, mask=in_r, other=0.0).to(tl.float32) * ks, axis=2)
     return kk, qk
 
 
