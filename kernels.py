@@ -1036,10 +1036,10 @@ def chunk_factors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     """Two launches: `_kda_chunk_intra_kernel` per (chunk, head) builds Γ, Aqk and
     Tm = (I - A)^{-1} one 16-row block at a time; `_kda_chunk_wy_kernel` per (32 columns of
     [K | V], chunk, head) multiplies W = Tm (K_β ⊙ exp(Γ)), U = Tm V_β as [chunk, chunk] x
-    [chunk, 32] products. ptxas for sm_90 (triton 3.6, d = 128, chunk 64, tf32x3, 4 warps): 154
-    and 125 registers, no spills (the single kernel this replaces: 255 and 176 B spilled); key
-    slices of 32 instead of 16 in the intra kernel take 254 (its slice loop is unrolled and the
-    loads hoisted). Transient memory: A and Tm, [rows, H, chunk] fp32 each."""
+    [chunk, 32] products. ptxas for sm_90 (triton 3.6, d = 128, chunk 64, tf32x3, 4 warps): 128
+    registers with 4 B spilled, and 125 registers (the single kernel this replaces: 255 and
+    176 B spilled); key slices of 32 instead of 16 in the intra kernel take ~250 (its slice loop
+    is unrolled and the loads hoisted). Transient memory: A and Tm, [rows, H, chunk] fp32 each."""
     T, H, dk = q.shape
     dv = v.shape[-1]
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
@@ -1104,12 +1104,12 @@ def _kda_chunk_intra_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, gamma_ptr, a_ptr, tm_
 
         Tm_RR = (I - A_RR)^{-1},   Tm_RQ = Tm_RR Σ_{Q<=P<R} A_RP Tm_PQ   (Q < R)
 
-    A_RP (P < R) goes through a_ptr and Tm's blocks through tm_ptr, both [rows, H, BT] and read
-    back by the same program after a barrier (a few KB, cache-resident), so no register holds a
-    whole chunk's matrix.
+    A's blocks go through a_ptr and Tm's through tm_ptr, both [rows, H, BT] and read back by the
+    same program after a barrier (a few KB, cache-resident), so no register holds a whole
+    chunk's matrix.
     A_R,<R is a product of two factors decayed to block R's first row, so both exponents are <= 0;
-    A_RR is summed per key channel from exp(Γ_r - Γ_s), masked before exponentiating, so it is
-    exact for any g <= 0.
+    A_RR is summed per key channel from exp(Γ_r - Γ_s) over the pairs s < r only, so it is exact
+    for any g <= 0.
     """
     c = tl.program_id(0)
     h = tl.program_id(1)
@@ -1153,12 +1153,26 @@ def _kda_chunk_intra_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, gamma_ptr, a_ptr, tm_
                 qk += tl.dot(q_r, tl.trans(k_s), input_precision=DOT)
             tl.store(aqk_ptr + block_rows + it[None, :], qk, mask=earlier[None, :])
             tl.store(a_ptr + block_rows + it[None, :], -bx[:, None] * kk, mask=earlier[None, :])
+        # Diagonal block: the pairs s < r exactly per key channel into A (through a_ptr) and Aqk,
+        # Aqk's diagonal Σ_i q_r,i k_r,i, and zeros above it.
         r0 = ((chunk0 + R * BC).to(tl.int64) * H + h) * DK
-        kk_rr, qk_rr = _kda_diag_block(q_ptr, k_ptr, gamma_ptr, r0, T - chunk0 - R * BC, H, DK, BC, BK3)
+        n_valid = T - chunk0 - R * BC
+        r, s, kk_rs, qk_rs = _kda_diag_pairs(q_ptr, k_ptr, gamma_ptr, r0, n_valid, H, DK, BC, BK3)
+        pair_rows = ((chunk0 + R * BC + r).to(tl.int64) * H + h) * BT + R * BC
+        b_r = tl.load(beta_ptr + (chunk0 + R * BC + r).to(tl.int64) * H + h, mask=r < n_valid, other=0.0)
+        tl.store(a_ptr + pair_rows + s, -b_r.to(tl.float32) * kk_rs, mask=r > s)
+        tl.store(aqk_ptr + pair_rows + s, qk_rs, mask=r > s)
+        qk_rr = tl.zeros([BC], dtype=tl.float32)
+        for i0 in range(0, DK, BKD):
+            col_r = (rows[:, None] * H + h) * DK + i0 + id_[None, :]
+            k_r = tl.load(k_ptr + col_r, mask=valid[:, None], other=0.0).to(tl.float32)
+            qk_rr += tl.sum(tl.load(q_ptr + col_r, mask=valid[:, None], other=0.0).to(tl.float32) * k_r, axis=1)
+        tl.store(aqk_ptr + (rows * H + h) * BT + R * BC + rc, qk_rr)
         tl.store(aqk_ptr + block_rows + it[None, :], tl.zeros([BC, BT], dtype=tl.float32),
-                 mask=(it >= R * BC + BC)[None, :])
-        tl.store(aqk_ptr + block_rows + R * BC + rc[None, :], qk_rr)
-        tm_rr = _unit_lower_inverse(tl.where(lower, -bx[:, None] * kk_rr, 0.0), BC)
+                 mask=it[None, :] > R * BC + rc[:, None])
+        tl.debug_barrier()  # A_RR, written by other threads
+        kk_rr = tl.load(a_ptr + block_rows + R * BC + rc[None, :], mask=lower, other=0.0)
+        tm_rr = _unit_lower_inverse(kk_rr, BC)
         tl.store(tm_ptr + block_rows + it[None, :], tl.zeros([BC, BT], dtype=tl.float32),
                  mask=(it >= R * BC + BC)[None, :])
         tl.store(tm_ptr + block_rows + R * BC + rc[None, :], tm_rr)
@@ -1204,30 +1218,36 @@ def _kda_chunk_wy_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, gamma_ptr, tm_ptr, w_ptr
 
 
 @triton.jit
-def _kda_diag_block(q_ptr, k_ptr, gamma_ptr, r0, n_valid, H: tl.constexpr, DK: tl.constexpr,
+def _kda_diag_pairs(q_ptr, k_ptr, gamma_ptr, r0, n_valid, H: tl.constexpr, DK: tl.constexpr,
                     BC: tl.constexpr, BK3: tl.constexpr):
-    """Σ_i x_r,i k_s,i exp(Γ_r,i - Γ_s,i) for s <= r within one row block, x = k and x = q, BK3 key
-    channels at a time; zero above the diagonal. The pointers are at the head's channel 0 of the
-    block's first row r0; n_valid of its rows exist. Every operand is loaded as the full
-    [BC, BC, BK3] tile (cache hits), so each thread holds whole channel runs and sums them
-    without shuffles; 32-bit offsets keep the address arithmetic short."""
-    rc = tl.arange(0, BC)
+    """Σ_i x_r,i k_s,i exp(Γ_r,i - Γ_s,i) for the pairs s < r of one row block, x = k and x = q,
+    BK3 key channels at a time: returns r, s and both sums, [BC²/2] each (the BC(BC-1)/2 pairs,
+    then BC/2 repeats of the pair (0, 0) to mask). Pair p = r(r-1)/2 + s. The pointers are at
+    the head's channel 0 of the block's first row r0; n_valid of its rows exist. Only pairs
+    below the diagonal are computed, each by one thread over whole channel runs: no exponent
+    above 0, no shuffles, 32-bit offsets."""
+    p = tl.arange(0, BC * BC // 2)
+    r = tl.zeros([BC * BC // 2], dtype=tl.int32)
+    for j in tl.static_range(1, BC):
+        r += (p >= j * (j - 1) // 2).to(tl.int32)
+    s = p - r * (r - 1) // 2
+    pair = s < r
+    r = tl.where(pair, r, 0)
+    s = tl.where(pair, s, 0)
     ic = tl.arange(0, BK3)
-    lower_incl = (rc[:, None] >= rc[None, :])[:, :, None]
-    spread = tl.zeros([BC, BC, BK3], dtype=tl.int32)
-    at_r = spread + (rc * (H * DK))[:, None, None] + ic[None, None, :]
-    at_s = spread + (rc * (H * DK))[None, :, None] + ic[None, None, :]
-    in_r = (spread + rc[:, None, None]) < n_valid
-    in_s = (spread + rc[None, :, None]) < n_valid
+    at_r = (r * (H * DK))[:, None] + ic[None, :]
+    at_s = (s * (H * DK))[:, None] + ic[None, :]
+    in_r = (r < n_valid)[:, None]
+    in_s = (s < n_valid)[:, None]
     g_ptr = gamma_ptr + r0
-    kk = tl.zeros([BC, BC], dtype=tl.float32)
-    qk = tl.zeros([BC, BC], dtype=tl.float32)
+    kk = tl.zeros([BC * BC // 2], dtype=tl.float32)
+    qk = tl.zeros([BC * BC // 2], dtype=tl.float32)
     for i0 in range(0, DK, BK3):
-        decay = tl.exp(tl.where(lower_incl, tl.load(g_ptr + at_r + i0) - tl.load(g_ptr + at_s + i0), float("-inf")))
-        ks = tl.load(k_ptr + r0 + at_s + i0, mask=in_s, other=0.0).to(tl.float32) * decay
-        kk += tl.sum(tl.load(k_ptr + r0 + at_r + i0, mask=in_r, other=0.0).to(tl.float32) * ks, axis=2)
-        qk += tl.sum(tl.load(q_ptr + r0 + at_r + i0, mask=in_r, other=0.0).to(tl.float32) * ks, axis=2)
-    return kk, qk
+        ks = tl.load(k_ptr + r0 + at_s + i0, mask=in_s, other=0.0).to(tl.float32)
+        ks *= tl.exp(tl.load(g_ptr + at_r + i0) - tl.load(g_ptr + at_s + i0))
+        kk += tl.sum(tl.load(k_ptr + r0 + at_r + i0, mask=in_r, other=0.0).to(tl.float32) * ks, axis=1)
+        qk += tl.sum(tl.load(q_ptr + r0 + at_r + i0, mask=in_r, other=0.0).to(tl.float32) * ks, axis=1)
+    return r, s, kk, qk
 
 
 @triton.jit
