@@ -1170,9 +1170,9 @@ def _kda_chunk_intra_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, gamma_ptr, a_ptr, tm_
         tl.store(aqk_ptr + (rows * H + h) * BT + R * BC + rc, qk_rr)
         tl.store(aqk_ptr + block_rows + it[None, :], tl.zeros([BC, BT], dtype=tl.float32),
                  mask=it[None, :] > R * BC + rc[:, None])
-        tl.debug_barrier()  # A_RR, written by other threads
-        kk_rr = tl.load(a_ptr + block_rows + R * BC + rc[None, :], mask=lower, other=0.0)
-        tm_rr = _unit_lower_inverse(kk_rr, BC)
+        tl.debug_barrier()  # A_RR, written by other threads; such read-backs go through L2 (.cg)
+        a_rr = tl.load(a_ptr + block_rows + R * BC + rc[None, :], mask=lower, other=0.0, cache_modifier=".cg")
+        tm_rr = _unit_lower_inverse(a_rr, BC)
         tl.store(tm_ptr + block_rows + it[None, :], tl.zeros([BC, BT], dtype=tl.float32),
                  mask=(it >= R * BC + BC)[None, :])
         tl.store(tm_ptr + block_rows + R * BC + rc[None, :], tm_rr)
@@ -1181,8 +1181,9 @@ def _kda_chunk_intra_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, gamma_ptr, a_ptr, tm_
             acc = tl.zeros([BC, BC], dtype=tl.float32)
             for P in range(Q, R):
                 rows_p = (chunk0 + P * BC + rc).to(tl.int64)
-                a_rp = tl.load(a_ptr + block_rows + P * BC + rc[None, :])
-                tm_pq = tl.load(tm_ptr + (rows_p[:, None] * H + h) * BT + Q * BC + rc[None, :])
+                a_rp = tl.load(a_ptr + block_rows + P * BC + rc[None, :], cache_modifier=".cg")
+                tm_pq = tl.load(tm_ptr + (rows_p[:, None] * H + h) * BT + Q * BC + rc[None, :],
+                                cache_modifier=".cg")
                 acc += tl.dot(a_rp, tm_pq, input_precision=DOT)
             tl.store(tm_ptr + block_rows + Q * BC + rc[None, :], tl.dot(tm_rr, acc, input_precision=DOT))
         tl.debug_barrier()
