@@ -1065,25 +1065,31 @@ class ChunkFactors:
 def chunk_factors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                   beta: torch.Tensor, chunk: int, precision: str = DOT_PRECISION,
                   num_warps: int = 4, num_stages: int = 1) -> ChunkFactors:
-    """ptxas for sm_90 (d = 128, tf32): 4 warps, 1 stage: 255 registers, 32 B spilled, 17 KB shared
-    memory, two programs per SM; the default 3 stages would pipeline the block loop through 117 KB
-    of shared memory, one program per SM."""
+    """Two launches: `_kda_chunk_intra_kernel` per (chunk, head) builds Γ, Aqk and
+    Tm = (I - A)^{-1} one 16-row block at a time; `_kda_chunk_wy_kernel` per (32 columns of
+    [K | V], chunk, head) multiplies W = Tm (K_β ⊙ exp(Γ)), U = Tm V_β as [chunk, chunk] x
+    [chunk, 32] products. ptxas for sm_90 (triton 3.6, d = 128, chunk 64, tf32x3, 4 warps): 128
+    registers with 4 B spilled, and 125 registers (the single kernel this replaces: 255 and
+    176 B spilled); key slices of 32 instead of 16 in the intra kernel take ~250 (its slice loop
+    is unrolled and the loads hoisted). Transient memory: A and Tm, [rows, H, chunk] fp32 each."""
     T, H, dk = q.shape
     dv = v.shape[-1]
-    q, k, v, beta = (x.contiguous() for x in (q, k, v, beta))
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     n_chunks = triton.cdiv(T, chunk)
     rows = n_chunks * chunk
     f32 = dict(dtype=torch.float32, device=q.device)
-    gamma = torch.zeros(rows, H, dk, **f32)
-    gamma[:T] = g
-    gamma = gamma.view(n_chunks, chunk, H, dk).cumsum(1).view(rows, H, dk)
-    f = ChunkFactors(T, chunk, gamma, w=torch.empty(rows, H, dk, **f32), u=torch.empty(rows, H, dv, **f32),
-                     qg=torch.empty(rows, H, dk, **f32), kd=torch.empty(rows, H, dk, **f32),
+    keys = lambda: torch.empty(rows, H, dk, **f32)
+    f = ChunkFactors(T, chunk, gamma=keys(), w=keys(), u=torch.empty(rows, H, dv, **f32), qg=keys(), kd=keys(),
                      aqk=torch.empty(rows, H, chunk, **f32))
+    a = torch.empty(rows, H, chunk, **f32)
+    tm = torch.empty(rows, H, chunk, **f32)
     _kda_chunk_intra_kernel[(n_chunks, H)](
-        q, k, v, beta, gamma, f.w, f.u, f.qg, f.kd, f.aqk, T,
-        H=H, DK=dk, DV=dv, BT=chunk, BC=SUB_CHUNK, BK3=16, BKD=min(dk, 32), DOT=precision,
-        num_warps=num_warps, num_stages=num_stages)
+        q, k, g, beta, f.gamma, a, tm, f.aqk, T, H=H, DK=dk, BT=chunk, BC=SUB_CHUNK, BK3=4, BKD=16,
+        DOT=precision, num_warps=num_warps, num_stages=num_stages)
+    bd = min(dk, dv, 32)
+    _kda_chunk_wy_kernel[((dk + dv) // bd, n_chunks, H)](
+        q, k, v, beta, f.gamma, tm, f.w, f.u, f.qg, f.kd, T, H=H, DK=dk, DV=dv, BT=chunk, BD=bd,
+        DOT=precision, num_warps=4, num_stages=1)
     return f
 
 
@@ -1122,98 +1128,170 @@ def chunk_output(f: ChunkFactors, states: torch.Tensor, out_dtype: torch.dtype,
 
 
 @triton.jit
-def _kda_chunk_intra_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, gamma_ptr,
-                            w_ptr, u_ptr, qg_ptr, kd_ptr, aqk_ptr, T,
-                            H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr,
-                            BC: tl.constexpr, BK3: tl.constexpr, BKD: tl.constexpr, DOT: tl.constexpr):
-    """One (chunk, head): rows are taken BC at a time (sub-block R), in order, because row block R
-    of U = Tm V_β needs the finished U of the blocks before it (block forward substitution):
+def _kda_chunk_intra_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, gamma_ptr, a_ptr, tm_ptr, aqk_ptr, T,
+                            H: tl.constexpr, DK: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+                            BK3: tl.constexpr, BKD: tl.constexpr, DOT: tl.constexpr):
+    """One (chunk, head): Γ (the chunk's cumulative sum of g), then Aqk and Tm = (I - A)^{-1},
+    BC x BC blocks at a time. Row block R:
 
-        (I - A_RR) U_R = V_β,R + Σ_{Q<R} A_RQ U_Q,   and the same for W with K_β ⊙ exp(Γ).
+        Tm_RR = (I - A_RR)^{-1},   Tm_RQ = Tm_RR Σ_{Q<=P<R} A_RP Tm_PQ   (Q < R)
 
-    A_RQ for Q < R is a product of two factors decayed to the row just before block R, so both
-    exponents are <= 0; the diagonal block A_RR is summed per key channel from exp(Γ_r - Γ_s),
-    masked before exponentiating, so it is exact for any g <= 0.
+    A's blocks go through a_ptr and Tm's through tm_ptr, both [rows, H, BT] and read back by the
+    same program after a barrier (a few KB, cache-resident), so no register holds a whole
+    chunk's matrix.
+    A_R,<R is a product of two factors decayed to block R's first row, so both exponents are <= 0;
+    A_RR is summed per key channel from exp(Γ_r - Γ_s) over the pairs s < r only, so it is exact
+    for any g <= 0.
     """
     c = tl.program_id(0)
     h = tl.program_id(1)
     NC: tl.constexpr = BT // BC
     rc = tl.arange(0, BC)
-    ik = tl.arange(0, DK)
-    iv = tl.arange(0, DV)
-    ic = tl.arange(0, BK3)
+    it = tl.arange(0, BT)
     id_ = tl.arange(0, BKD)
     lower = rc[:, None] > rc[None, :]
-    lower_incl = rc[:, None] >= rc[None, :]
     chunk0 = c * BT
-    gamma_last = tl.load(gamma_ptr + ((chunk0 + BT - 1).to(tl.int64) * H + h) * DK + ik)
+    rows_c = (chunk0 + it).to(tl.int64)
+    valid_c = rows_c < T
+    for i0 in range(0, DK, BKD):
+        col = (rows_c[:, None] * H + h) * DK + i0 + id_[None, :]
+        g = tl.load(g_ptr + col, mask=valid_c[:, None], other=0.0).to(tl.float32)
+        tl.store(gamma_ptr + col, tl.cumsum(g, axis=0))
+    tl.debug_barrier()  # Γ is read below across rows written by other threads
     for R in range(NC):
         rows = (chunk0 + R * BC + rc).to(tl.int64)
         valid = rows < T
-        key_off = (rows[:, None] * H + h) * DK + ik[None, :]
-        gam = tl.load(gamma_ptr + key_off)
-        kx = tl.load(k_ptr + key_off, mask=valid[:, None], other=0.0).to(tl.float32)
-        qx = tl.load(q_ptr + key_off, mask=valid[:, None], other=0.0).to(tl.float32)
-        tl.store(qg_ptr + key_off, qx * tl.exp(gam))
-        tl.store(kd_ptr + key_off, kx * tl.exp(gamma_last[None, :] - gam))
         bx = tl.load(beta_ptr + rows * H + h, mask=valid, other=0.0).to(tl.float32)
-        rhs_w = kx * bx[:, None] * tl.exp(gam)
-        val_off = (rows[:, None] * H + h) * DV + iv[None, :]
-        rhs_u = tl.load(v_ptr + val_off, mask=valid[:, None], other=0.0).to(tl.float32) * bx[:, None]
-
-        # Diagonal block, per key channel: A[r, s] = -β_r Σ_i k_r,i k_s,i exp(Γ_r,i - Γ_s,i), s < r.
-        a_diag = tl.zeros([BC, BC], dtype=tl.float32)
-        aqk_diag = tl.zeros([BC, BC], dtype=tl.float32)
-        for i0 in tl.static_range(0, DK, BK3):
-            col_off = (rows[:, None] * H + h) * DK + i0 + ic[None, :]
-            kc = tl.load(k_ptr + col_off, mask=valid[:, None], other=0.0).to(tl.float32)
-            qc = tl.load(q_ptr + col_off, mask=valid[:, None], other=0.0).to(tl.float32)
-            gc = tl.load(gamma_ptr + col_off)
-            decay = tl.exp(tl.where(lower_incl[:, :, None], gc[:, None, :] - gc[None, :, :], float("-inf")))
-            ks = kc[None, :, :] * decay
-            a_diag += tl.sum(kc[:, None, :] * ks, axis=2)
-            aqk_diag += tl.sum(qc[:, None, :] * ks, axis=2)
-        a_diag = tl.where(lower, -bx[:, None] * a_diag, 0.0)
-        aqk_diag = tl.where(lower_incl, aqk_diag, 0.0)
-
-        # Earlier blocks, both factors decayed to the reference row just before block R. The key
-        # dim is taken BKD at a time: a 16-row tl.dot holds its whole A operand in every warp.
-        ref_row = (chunk0 + tl.maximum(R * BC - 1, 0)).to(tl.int64)
-        for Q in range(R):
-            rows_q = (chunk0 + Q * BC + rc).to(tl.int64)
-            a_rq = tl.zeros([BC, BC], dtype=tl.float32)
-            aqk_rq = tl.zeros([BC, BC], dtype=tl.float32)
-            for i0 in tl.static_range(0, DK, BKD):
+        block_rows = (rows[:, None] * H + h) * BT  # row offsets into aqk, a and tm
+        # A_RP and Aqk_RP for all P < R at once: [BC, BT] products over the key dim, BKD channels
+        # at a time, both factors decayed to row R·BC; columns from R·BC on are masked to zero
+        # before exponentiating (and not stored).
+        if R > 0:
+            ref = ((chunk0 + R * BC).to(tl.int64) * H + h) * DK
+            earlier = it < R * BC
+            kk = tl.zeros([BC, BT], dtype=tl.float32)
+            qk = tl.zeros([BC, BT], dtype=tl.float32)
+            for i0 in range(0, DK, BKD):
                 col_r = (rows[:, None] * H + h) * DK + i0 + id_[None, :]
-                col_q = (rows_q[:, None] * H + h) * DK + i0 + id_[None, :]
-                gamma_ref = tl.load(gamma_ptr + (ref_row * H + h) * DK + i0 + id_)
-                to_ref = tl.exp(tl.load(gamma_ptr + col_r) - gamma_ref[None, :])
-                from_ref = tl.exp(gamma_ref[None, :] - tl.load(gamma_ptr + col_q))
+                col_s = (rows_c[:, None] * H + h) * DK + i0 + id_[None, :]
+                gamma_ref = tl.load(gamma_ptr + ref + i0 + id_)[None, :]
+                to_ref = tl.exp(tl.load(gamma_ptr + col_r) - gamma_ref)
+                from_ref = tl.exp(tl.where(earlier[:, None], gamma_ref - tl.load(gamma_ptr + col_s),
+                                           float("-inf")))
                 k_r = tl.load(k_ptr + col_r, mask=valid[:, None], other=0.0).to(tl.float32) * to_ref
                 q_r = tl.load(q_ptr + col_r, mask=valid[:, None], other=0.0).to(tl.float32) * to_ref
-                k_q = tl.load(k_ptr + col_q, mask=(rows_q < T)[:, None], other=0.0).to(tl.float32) * from_ref
-                a_rq += tl.dot(k_r, tl.trans(k_q), input_precision=DOT)
-                aqk_rq += tl.dot(q_r, tl.trans(k_q), input_precision=DOT)
-            a_rq = -bx[:, None] * a_rq
-            tl.store(aqk_ptr + (rows[:, None] * H + h) * BT + Q * BC + rc[None, :], aqk_rq)
-            u_q = tl.load(u_ptr + (rows_q[:, None] * H + h) * DV + iv[None, :], cache_modifier=".cg")
-            w_q = tl.load(w_ptr + (rows_q[:, None] * H + h) * DK + ik[None, :], cache_modifier=".cg")
-            rhs_u += tl.dot(a_rq, u_q, input_precision=DOT)
-            rhs_w += tl.dot(a_rq, w_q, input_precision=DOT)
-        tl.store(aqk_ptr + (rows[:, None] * H + h) * BT + R * BC + rc[None, :], aqk_diag)
-        for Q in range(R + 1, NC):
-            tl.store(aqk_ptr + (rows[:, None] * H + h) * BT + Q * BC + rc[None, :],
-                     tl.zeros([BC, BC], dtype=tl.float32))
-
-        # Tm_RR = (I - A_RR)^{-1} by forward substitution: row r = e_r + Σ_{s<r} A[r, s] row s.
-        tm = tl.where(rc[:, None] == rc[None, :], 1.0, 0.0)
-        for r in tl.static_range(1, BC):
-            a_r = tl.sum(tl.where(rc[:, None] == r, a_diag, 0.0), axis=0)
-            tm = tl.where(rc[:, None] == r, tm + tl.sum(a_r[:, None] * tm, axis=0)[None, :], tm)
-        tl.store(u_ptr + val_off, tl.dot(tm, rhs_u, input_precision=DOT))
-        tl.store(w_ptr + key_off, tl.dot(tm, rhs_w, input_precision=DOT))
-        # The next block reads this block's U and W back.
+                k_s = tl.load(k_ptr + col_s, mask=valid_c[:, None], other=0.0).to(tl.float32) * from_ref
+                kk += tl.dot(k_r, tl.trans(k_s), input_precision=DOT)
+                qk += tl.dot(q_r, tl.trans(k_s), input_precision=DOT)
+            tl.store(aqk_ptr + block_rows + it[None, :], qk, mask=earlier[None, :])
+            tl.store(a_ptr + block_rows + it[None, :], -bx[:, None] * kk, mask=earlier[None, :])
+        # Diagonal block: the pairs s < r exactly per key channel into A (through a_ptr) and Aqk,
+        # Aqk's diagonal Σ_i q_r,i k_r,i, and zeros above it.
+        r0 = ((chunk0 + R * BC).to(tl.int64) * H + h) * DK
+        n_valid = T - chunk0 - R * BC
+        r, s, kk_rs, qk_rs = _kda_diag_pairs(q_ptr, k_ptr, gamma_ptr, r0, n_valid, H, DK, BC, BK3)
+        pair_rows = ((chunk0 + R * BC + r).to(tl.int64) * H + h) * BT + R * BC
+        b_r = tl.load(beta_ptr + (chunk0 + R * BC + r).to(tl.int64) * H + h, mask=r < n_valid, other=0.0)
+        tl.store(a_ptr + pair_rows + s, -b_r.to(tl.float32) * kk_rs, mask=r > s)
+        tl.store(aqk_ptr + pair_rows + s, qk_rs, mask=r > s)
+        qk_rr = tl.zeros([BC], dtype=tl.float32)
+        for i0 in range(0, DK, BKD):
+            col_r = (rows[:, None] * H + h) * DK + i0 + id_[None, :]
+            k_r = tl.load(k_ptr + col_r, mask=valid[:, None], other=0.0).to(tl.float32)
+            qk_rr += tl.sum(tl.load(q_ptr + col_r, mask=valid[:, None], other=0.0).to(tl.float32) * k_r, axis=1)
+        tl.store(aqk_ptr + (rows * H + h) * BT + R * BC + rc, qk_rr)
+        tl.store(aqk_ptr + block_rows + it[None, :], tl.zeros([BC, BT], dtype=tl.float32),
+                 mask=it[None, :] > R * BC + rc[:, None])
+        tl.debug_barrier()  # A_RR, written by other threads; such read-backs go through L2 (.cg)
+        a_rr = tl.load(a_ptr + block_rows + R * BC + rc[None, :], mask=lower, other=0.0, cache_modifier=".cg")
+        tm_rr = _unit_lower_inverse(a_rr, BC)
+        tl.store(tm_ptr + block_rows + it[None, :], tl.zeros([BC, BT], dtype=tl.float32),
+                 mask=(it >= R * BC + BC)[None, :])
+        tl.store(tm_ptr + block_rows + R * BC + rc[None, :], tm_rr)
+        tl.debug_barrier()  # A_RP and the Tm rows before block R, written by other threads
+        for Q in range(R):
+            acc = tl.zeros([BC, BC], dtype=tl.float32)
+            for P in range(Q, R):
+                rows_p = (chunk0 + P * BC + rc).to(tl.int64)
+                a_rp = tl.load(a_ptr + block_rows + P * BC + rc[None, :], cache_modifier=".cg")
+                tm_pq = tl.load(tm_ptr + (rows_p[:, None] * H + h) * BT + Q * BC + rc[None, :],
+                                cache_modifier=".cg")
+                acc += tl.dot(a_rp, tm_pq, input_precision=DOT)
+            tl.store(tm_ptr + block_rows + Q * BC + rc[None, :], tl.dot(tm_rr, acc, input_precision=DOT))
         tl.debug_barrier()
+
+
+@triton.jit
+def _kda_chunk_wy_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, gamma_ptr, tm_ptr, w_ptr, u_ptr, qg_ptr, kd_ptr, T,
+                         H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr,
+                         BD: tl.constexpr, DOT: tl.constexpr):
+    """One (chunk, head, BD columns of [K | V]): W = Tm (K_β ⊙ exp(Γ)) with qg and kd, or U = Tm V_β."""
+    j0 = tl.program_id(0) * BD  # fastest: the programs of one chunk read its Tm while it is in L2
+    c = tl.program_id(1)
+    h = tl.program_id(2)
+    it = tl.arange(0, BT)
+    jd = tl.arange(0, BD)
+    rows = (c * BT + it).to(tl.int64)
+    valid = (rows < T)[:, None]
+    tm = tl.load(tm_ptr + (rows[:, None] * H + h) * BT + it[None, :])
+    bx = tl.load(beta_ptr + rows * H + h, mask=rows < T, other=0.0).to(tl.float32)[:, None]
+    if j0 < DK:
+        key_off = (rows[:, None] * H + h) * DK + j0 + jd[None, :]
+        last = ((c * BT + BT - 1).to(tl.int64) * H + h) * DK + j0 + jd
+        gam = tl.load(gamma_ptr + key_off)
+        kx = tl.load(k_ptr + key_off, mask=valid, other=0.0).to(tl.float32)
+        qx = tl.load(q_ptr + key_off, mask=valid, other=0.0).to(tl.float32)
+        tl.store(qg_ptr + key_off, qx * tl.exp(gam))
+        tl.store(kd_ptr + key_off, kx * tl.exp(tl.load(gamma_ptr + last)[None, :] - gam))
+        tl.store(w_ptr + key_off, tl.dot(tm, kx * bx * tl.exp(gam), input_precision=DOT))
+    else:
+        val_off = (rows[:, None] * H + h) * DV + j0 - DK + jd[None, :]
+        vx = tl.load(v_ptr + val_off, mask=valid, other=0.0).to(tl.float32)
+        tl.store(u_ptr + val_off, tl.dot(tm, vx * bx, input_precision=DOT))
+
+
+@triton.jit
+def _kda_diag_pairs(q_ptr, k_ptr, gamma_ptr, r0, n_valid, H: tl.constexpr, DK: tl.constexpr,
+                    BC: tl.constexpr, BK3: tl.constexpr):
+    """Σ_i x_r,i k_s,i exp(Γ_r,i - Γ_s,i) for the pairs s < r of one row block, x = k and x = q,
+    BK3 key channels at a time: returns r, s and both sums, [BC²/2] each (the BC(BC-1)/2 pairs,
+    then BC/2 repeats of the pair (0, 0) to mask). Pair p = r(r-1)/2 + s. The pointers are at
+    the head's channel 0 of the block's first row r0; n_valid of its rows exist. Only pairs
+    below the diagonal are computed, each by one thread over whole channel runs: no exponent
+    above 0, no shuffles, 32-bit offsets."""
+    p = tl.arange(0, BC * BC // 2)
+    r = tl.zeros([BC * BC // 2], dtype=tl.int32)
+    for j in tl.static_range(1, BC):
+        r += (p >= j * (j - 1) // 2).to(tl.int32)
+    s = p - r * (r - 1) // 2
+    pair = s < r
+    r = tl.where(pair, r, 0)
+    s = tl.where(pair, s, 0)
+    ic = tl.arange(0, BK3)
+    at_r = (r * (H * DK))[:, None] + ic[None, :]
+    at_s = (s * (H * DK))[:, None] + ic[None, :]
+    in_r = (r < n_valid)[:, None]
+    in_s = (s < n_valid)[:, None]
+    g_ptr = gamma_ptr + r0
+    kk = tl.zeros([BC * BC // 2], dtype=tl.float32)
+    qk = tl.zeros([BC * BC // 2], dtype=tl.float32)
+    for i0 in range(0, DK, BK3):
+        ks = tl.load(k_ptr + r0 + at_s + i0, mask=in_s, other=0.0).to(tl.float32)
+        ks *= tl.exp(tl.load(g_ptr + at_r + i0) - tl.load(g_ptr + at_s + i0))
+        kk += tl.sum(tl.load(k_ptr + r0 + at_r + i0, mask=in_r, other=0.0).to(tl.float32) * ks, axis=1)
+        qk += tl.sum(tl.load(q_ptr + r0 + at_r + i0, mask=in_r, other=0.0).to(tl.float32) * ks, axis=1)
+    return r, s, kk, qk
+
+
+@triton.jit
+def _unit_lower_inverse(a, BC: tl.constexpr):
+    """(I - a)^{-1} for a strictly lower [BC, BC], by forward substitution: row r = e_r + Σ_{s<r} a[r, s] row s."""
+    rc = tl.arange(0, BC)
+    tm = tl.where(rc[:, None] == rc[None, :], 1.0, 0.0)
+    for r in range(1, BC):
+        a_r = tl.sum(tl.where(rc[:, None] == r, a, 0.0), axis=0)
+        tm = tl.where(rc[:, None] == r, tm + tl.sum(a_r[:, None] * tm, axis=0)[None, :], tm)
+    return tm
 
 
 @triton.jit
