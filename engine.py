@@ -588,9 +588,9 @@ class Engine:
                            b.snapshots.nbytes, speculator=self.speculator_name, **self.counters)
 
     def _fast_prefill(self) -> "fastprefill.FastPrefill | None":
-        """The kernel prefill (and verify passes) on one CUDA device, over the fast decode step's
-        prepared weights (with a speculator, over a decoder of its own: no graphs are captured)."""
-        if len(self.model.placement.devices) != 1 or self.device.type != "cuda":
+        """The kernel prefill (and verify passes) on CUDA (a layer split too), over the fast decode
+        step's prepared weights (with a speculator, over a decoder of its own: no graphs are captured)."""
+        if self.device.type != "cuda":
             return None
         try:
             decoder = self.fast or fastdecode.FastDecoder(self.model, self.cache, max_context=self.max_model_len)
@@ -600,15 +600,20 @@ class Engine:
             return None
 
     def _fast_decoder(self, max_num_seqs: int) -> "fastdecode.FastDecoder | None":
-        """The graph-captured decode step, where it applies (one CUDA device, a model it supports).
-        Captured now, before any sequence lives in the cache (capture writes scratch rows)."""
-        if len(self.model.placement.devices) != 1 or self.device.type != "cuda":
+        """The graph-captured decode step, where it applies (CUDA, a model it supports). Captured now,
+        before any sequence lives in the cache (capture writes scratch rows). Layers split over
+        several devices run the same kernels eagerly (one graph cannot span devices)."""
+        if self.device.type != "cuda":
             return None
         try:
             fast = fastdecode.FastDecoder(self.model, self.cache, max_context=self.max_model_len)
         except fastdecode.Unsupported as why:
             print(f"engine: decode steps take the reference path: {why}")
             return None
+        if len(set(self.model.placement.devices)) > 1:
+            print("engine: decode steps run the kernels eagerly, layer by layer on each device (no CUDA graphs "
+                  "across devices)")
+            return fast
         contexts, c = [], 4096
         while c < self.max_model_len:
             contexts.append(c)

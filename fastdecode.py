@@ -33,7 +33,7 @@ import exl3
 import fp8
 import kernels
 from cache import CachePool
-from model_glm import ForwardOutput, GLMModel, SeqChunk, Weight, linear, rms_norm, swiglu
+from model_glm import ForwardOutput, GLMModel, SeqChunk, Weight, linear, on_device, rms_norm, swiglu
 
 
 class Unsupported(ValueError):
@@ -171,6 +171,7 @@ class Layer:
     down: Weight | None
     experts: Experts | None
     router: tuple[torch.Tensor, torch.Tensor] | None  # fp32 gate weight, correction bias
+    device: torch.device  # where the layer's weights and cache rows live (model.placement)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -194,7 +195,9 @@ class FastDecoder:
     scratch values into slots 0..B-1 and block 0). A step uses the graph of its batch size with the
     smallest context bucket that holds its positions: the bucket fixes the width of the block
     table, which is what the indexer scans. Steps without a graph, and every step on CPU, run the
-    same code eagerly over the blocks they need. `max_context` bounds every position."""
+    same code eagerly over the blocks they need. `max_context` bounds every position. A model whose
+    layers are split over devices (`model.placement`, not the expert split) runs each layer on its
+    device, eagerly (no graphs)."""
 
     def __init__(self, model: GLMModel, cache: CachePool, max_context: int):
         self.model, self.cache, self.cfg = model, cache, model.config
@@ -206,6 +209,8 @@ class FastDecoder:
             raise ValueError(f"FastDecoder: max_context {max_context} needs {self.max_blocks} blocks, "
                              f"the cache has {cache.num_blocks}")
         self.max_context = max_context
+        if model.placement.split_experts:
+            raise Unsupported("the routed experts are split over devices; the fast path runs a layer split only")
         self.layers = [self._prepare(L) for L in range(self.cfg.num_hidden_layers)]
         self.embed = model.w("embed_tokens.weight")
         self.head = model.w("lm_head.weight")
@@ -249,7 +254,7 @@ class FastDecoder:
             router = (m.w(f + "gate.weight").float(), m.w(f + "gate.e_score_correction_bias").float())
         return Layer(kind, row, hc("attn"), hc("ffn"), m.w(p + "input_layernorm.weight"),
                      m.w(p + "post_attention_layernorm.weight"), proj, proj2, attn, m.w(a + "o_proj.weight"),
-                     mlp, down, experts, router)
+                     mlp, down, experts, router, m.placement.device(L))
 
     # -- the public step ----------------------------------------------------------------------
 
@@ -307,6 +312,9 @@ class FastDecoder:
         memory pool. Scratch writes: see the class."""
         if self.device.type != "cuda":
             raise ValueError("FastDecoder.capture: CUDA graphs need a CUDA device")
+        if any(layer.device != self.device for layer in self.layers):
+            raise ValueError("FastDecoder.capture: the layers are split over devices; a graph is captured on one "
+                             "device, and per-device graphs are not written: such steps run eagerly")
         bad = [c for c in contexts or () if not 1 <= c <= self.max_context]
         if bad:
             raise ValueError(f"FastDecoder.capture: contexts {bad} are outside 1..max_context ({self.max_context})")
@@ -339,18 +347,28 @@ class FastDecoder:
         """The step on device tensors: tokens, positions, slots [B]; tables [B, width in blocks]."""
         cfg = self.cfg
         X = self.embed[tokens][:, None, :].repeat(1, cfg.hc_mult, 1).contiguous()
+        # With a layer split (model.placement) the streams move to each layer's device, and so do the
+        # step's index tensors, once per device; embedding, final norm and head are on the first.
+        inputs = {X.device: (positions, slots, tables)}
         for layer in self.layers:
-            x, post, C = self._hc_pre(X, layer.attn_hc, layer.input_norm)
-            if layer.kind == "kda":
-                y = self.kda(layer, x, slots)
-            else:
-                y = self.dsa(layer, x, positions, tables)
-            X = kernels.hc_post(X, y, post, C)
-            h, post, C = self._hc_pre(X, layer.ffn_hc, layer.post_norm)
-            y = self.moe(layer, h) if layer.experts is not None else self.mlp(layer, h)
-            X = kernels.hc_post(X, y, post, C)
-        h = rms_norm(X.float().mean(1).to(X.dtype), self.norm, cfg.rms_norm_eps)
-        return linear(h, self.head).float(), h
+            if layer.device not in inputs:
+                inputs[layer.device] = tuple(t.to(layer.device) for t in (positions, slots, tables))
+            on_positions, on_slots, on_tables = inputs[layer.device]
+            X = X.to(layer.device)
+            with on_device(layer.device):  # Triton launches on the current device
+                x, post, C = self._hc_pre(X, layer.attn_hc, layer.input_norm)
+                if layer.kind == "kda":
+                    y = self.kda(layer, x, on_slots)
+                else:
+                    y = self.dsa(layer, x, on_positions, on_tables)
+                X = kernels.hc_post(X, y, post, C)
+                h, post, C = self._hc_pre(X, layer.ffn_hc, layer.post_norm)
+                y = self.moe(layer, h) if layer.experts is not None else self.mlp(layer, h)
+                X = kernels.hc_post(X, y, post, C)
+        X = X.to(self.embed.device)
+        with on_device(X.device):
+            h = rms_norm(X.float().mean(1).to(X.dtype), self.norm, cfg.rms_norm_eps)
+            return linear(h, self.head).float(), h
 
     def _hc_pre(self, X: torch.Tensor, hc: tuple, norm: torch.Tensor) -> tuple[torch.Tensor, ...]:
         cfg = self.cfg

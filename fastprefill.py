@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 import kernels
 from fastdecode import FastDecoder, Layer, Unsupported, fp32_linear
-from model_glm import KDA_CHUNK, ForwardOutput, SeqChunk, linear, rms_norm, route_logits, write_dsa_rows
+from model_glm import KDA_CHUNK, ForwardOutput, SeqChunk, linear, on_device, rms_norm, route_logits, write_dsa_rows
 
 
 @dataclass
@@ -65,7 +65,8 @@ class FastPrefill:
         runs = [self.chunk(c, every_row, taps, [r - a for r in kda_input_rows if a <= r < b])
                 for c, (a, b) in zip(batch, spans)]
         h = torch.cat([r.h for r in runs])
-        logits = linear(h[list(logit_rows)] if every_row else h, self.decoder.head).float()
+        with on_device(h.device):
+            logits = linear(h[list(logit_rows)] if every_row else h, self.decoder.head).float()
         tapped = torch.cat([torch.cat([r.taps[L] for r in runs]) for L in taps], dim=-1) if taps else None
         kda_inputs = {}
         if len(kda_input_rows):  # the chunks kept their recorded rows in row order; put them in the asked order
@@ -82,24 +83,27 @@ class FastPrefill:
         """One chunk through the trunk: the final-norm hidden of its last row (every row), the
         taps of its rows and the KDA layers' inputs at the chunk rows `record` (in row order)."""
         d, cfg = self.decoder, self.cfg
-        tokens = c.tokens.to(self.cache.device)
-        record_index = torch.tensor(sorted(record), dtype=torch.long, device=self.cache.device) if record else None
+        first = d.embed.device
+        tokens = c.tokens.to(first)
         run = ChunkRun()
         X = d.embed[tokens][:, None, :].repeat(1, cfg.hc_mult, 1).contiguous()
         for L, layer in enumerate(d.layers):
-            x, post, C = d._hc_pre(X, layer.attn_hc, layer.input_norm)
-            if layer.kind == "kda":
-                if record:
-                    run.kda_inputs[L] = x[record_index]
-                y = self.kda(layer, x, c)
-            else:
-                y = self.dsa(layer, x, c)
-            X = kernels.hc_post(X, y, post, C)
-            h, post, C = d._hc_pre(X, layer.ffn_hc, layer.post_norm)
-            y = self.moe(L, layer, h) if layer.experts is not None else d.mlp(layer, h)
-            X = kernels.hc_post(X, y, post, C)
+            X = X.to(layer.device)  # a layer split: each layer on its device (FastDecoder.run)
+            with on_device(layer.device):
+                x, post, C = d._hc_pre(X, layer.attn_hc, layer.input_norm)
+                if layer.kind == "kda":
+                    if record:  # kept on the first device, as model_glm keeps them
+                        run.kda_inputs[L] = x[torch.tensor(sorted(record), device=x.device)].to(first)
+                    y = self.kda(layer, x, c)
+                else:
+                    y = self.dsa(layer, x, c)
+                X = kernels.hc_post(X, y, post, C)
+                h, post, C = d._hc_pre(X, layer.ffn_hc, layer.post_norm)
+                y = self.moe(L, layer, h) if layer.experts is not None else d.mlp(layer, h)
+                X = kernels.hc_post(X, y, post, C)
             if L in taps:  # DFlash2 §2.4: mean of the streams after the layer, fp32 in stream order
-                run.taps[L] = (X.float().sum(1) * (1 / cfg.hc_mult)).to(X.dtype)
+                run.taps[L] = (X.float().sum(1) * (1 / cfg.hc_mult)).to(X.dtype).to(first)
+        X = X.to(first)
         last = X if every_row else X[-1:]
         run.h = rms_norm(last.float().mean(1).to(X.dtype), d.norm, cfg.rms_norm_eps)
         return run

@@ -13,6 +13,8 @@ import torch
 
 import checkpoint
 import engine as E
+import fastdecode
+import fastprefill
 import placement
 import serve
 import tiny
@@ -225,3 +227,23 @@ def test_model_rejects_weights_off_their_planned_device():
     out = model.forward([SeqChunk(torch.tensor(prompt(6, 5)), 0, torch.tensor([0]), 0)],
                         CachePool(cfg, 1, 1, block_size=BS, dtype=torch.float32))
     assert out.logits.shape == (1, cfg.vocab_size)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")  # the interpreter's sigmoid
+def test_fast_path_runs_a_layer_split(ckpt):
+    """The kernels' prefill (FastPrefill) and decode step (FastDecoder) over a layer split on two
+    "cpu" devices give exactly the one-device logits; an expert split is refused by name."""
+    engines = [E.load(ckpt, device="cpu", **OPTS), E.load(ckpt, devices=["cpu", "cpu"], **OPTS)]
+    assert len(set(engines[1].model.placement.layer_device)) == 2
+    ids, table = torch.tensor(prompt(6, 21)), torch.arange(4)
+    got = []
+    for eng in engines:
+        fast = fastdecode.FastDecoder(eng.model, eng.cache, max_context=64)
+        first = fastprefill.FastPrefill(fast).forward([SeqChunk(ids, 0, table, 0)]).logits
+        step = fast.step([SeqChunk(first.argmax(-1).cpu(), ids.shape[0], table, 0)]).logits
+        got.append((first, step))
+    for one, two in zip(*got):
+        assert torch.equal(one, two)
+    split = E.load(ckpt, devices=["cpu", "cpu"], split_experts=True, **OPTS)
+    with pytest.raises(fastdecode.Unsupported, match="split over devices"):
+        fastdecode.FastDecoder(split.model, split.cache, max_context=64)
