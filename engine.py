@@ -600,9 +600,9 @@ class Engine:
             return None
 
     def _fast_decoder(self, max_num_seqs: int) -> "fastdecode.FastDecoder | None":
-        """The graph-captured decode step, where it applies (CUDA, a model it supports). Captured now,
-        before any sequence lives in the cache (capture writes scratch rows). Layers split over
-        several devices run the same kernels eagerly (one graph cannot span devices)."""
+        """The graph-captured decode step, where it applies (CUDA, a model it supports; a layer split:
+        one graph per device run of layers). Captured now, before any sequence lives in the cache
+        (capture writes scratch rows)."""
         if self.device.type != "cuda":
             return None
         try:
@@ -610,10 +610,6 @@ class Engine:
         except fastdecode.Unsupported as why:
             print(f"engine: decode steps take the reference path: {why}")
             return None
-        if len(set(self.model.placement.devices)) > 1:
-            print("engine: decode steps run the kernels eagerly, layer by layer on each device (no CUDA graphs "
-                  "across devices)")
-            return fast
         contexts, c = [], 4096
         while c < self.max_model_len:
             contexts.append(c)

@@ -178,12 +178,52 @@ class Layer:
 # The step
 # ---------------------------------------------------------------------------------------------
 
+@dataclass(frozen=True)
+class _Span:
+    """A stretch of the step on one device: the embedding (if `embed`), layers [start, end), the
+    final norm and head (if `head`). One device gives one span; a layer split gives one per run of
+    consecutive layers, plus the embedding or head on the first device where the runs do not start
+    or end there."""
+    device: torch.device
+    embed: bool
+    start: int
+    end: int
+    head: bool
+
+
 @dataclass
-class _Graph:
+class _Piece:
+    """A span's CUDA graph: its static copies of the step's inputs (tokens, positions, slots,
+    tables) on its device, the streams it reads (None after the embedding) and what it leaves: (X,)
+    or (logits, hidden)."""
+    span: _Span
     graph: "torch.cuda.CUDAGraph"
-    inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # tokens, positions, slots, tables
-    logits: torch.Tensor
-    hidden: torch.Tensor
+    inputs: tuple[torch.Tensor, ...]
+    x_in: torch.Tensor | None
+    out: tuple[torch.Tensor, ...]
+
+
+def _spans(layer_device: list[int], devices: tuple[torch.device, ...]) -> list[_Span]:
+    """The spans of a step whose layer L runs on devices[layer_device[L]], the embedding and head on
+    devices[0] (placement indices, so that two "cpu" entries still give two spans)."""
+    runs, L = [], 0
+    while L < len(layer_device):
+        end = L
+        while end < len(layer_device) and layer_device[end] == layer_device[L]:
+            end += 1
+        runs.append((layer_device[L], L, end))
+        L = end
+    first, last = runs[0], runs[-1]
+    spans = [_Span(devices[d], False, a, b, False) for d, a, b in runs]
+    if first[0] == 0:
+        spans[0] = _Span(devices[0], True, first[1], first[2], False)
+    else:
+        spans.insert(0, _Span(devices[0], True, 0, 0, False))
+    if last[0] == 0:
+        spans[-1] = _Span(devices[0], spans[-1].embed, last[1], last[2], True)
+    else:
+        spans.append(_Span(devices[0], False, last[2], last[2], True))
+    return spans
 
 
 class FastDecoder:
@@ -197,7 +237,8 @@ class FastDecoder:
     table, which is what the indexer scans. Steps without a graph, and every step on CPU, run the
     same code eagerly over the blocks they need. `max_context` bounds every position. A model whose
     layers are split over devices (`model.placement`, not the expert split) runs each layer on its
-    device, eagerly (no graphs)."""
+    device: the step is cut into spans, one per device run (`_spans`), each its own CUDA graph, the
+    streams copied between them."""
 
     def __init__(self, model: GLMModel, cache: CachePool, max_context: int):
         self.model, self.cache, self.cfg = model, cache, model.config
@@ -215,8 +256,10 @@ class FastDecoder:
         self.embed = model.w("embed_tokens.weight")
         self.head = model.w("lm_head.weight")
         self.norm = model.w("norm.weight")
-        self.graphs: dict[tuple[int, int], _Graph] = {}  # (batch size, table width in blocks)
-        self._pool = None
+        placement = model.placement
+        self.spans = _spans(list(placement.layer_device[:self.cfg.num_hidden_layers]), placement.devices)
+        self.graphs: dict[tuple[int, int], list[_Piece]] = {}  # (batch size, table width in blocks)
+        self._pools: dict[torch.device, tuple] = {}  # one graph memory pool per device
 
     def _prepare(self, L: int) -> Layer:
         m, cfg = self.model, self.cfg
@@ -264,14 +307,22 @@ class FastDecoder:
         fits = [w for B, w in self.graphs if B == len(batch) and w >= width]
         width = min(fits, default=width)
         tokens, positions, slots, tables = self._inputs(batch, width)
-        g = self.graphs.get((len(batch), width))
-        if g is None:
+        pieces = self.graphs.get((len(batch), width))
+        if pieces is None:
             logits, hidden = self.run(tokens, positions, slots, tables)
         else:
-            for static, new in zip(g.inputs, (tokens, positions, slots, tables)):
-                static.copy_(new)
-            g.graph.replay()
-            logits, hidden = g.logits, g.hidden
+            out = ()
+            for piece in pieces:
+                # each graph replays on its device's current stream; a copy between devices orders
+                # the two devices' current streams (torch's peer copy), so the spans run in turn
+                with on_device(piece.span.device):
+                    for static, new in zip(piece.inputs, (tokens, positions, slots, tables)):
+                        static.copy_(new)
+                    if piece.x_in is not None:
+                        piece.x_in.copy_(out[0])
+                    piece.graph.replay()
+                out = piece.out
+            logits, hidden = out
         return ForwardOutput(logits.clone(), hidden.clone())
 
     def _inputs(self, batch: list[SeqChunk], width: int) -> tuple[torch.Tensor, ...]:
@@ -308,13 +359,11 @@ class FastDecoder:
     # -- CUDA graphs --------------------------------------------------------------------------
 
     def capture(self, batch_sizes: list[int], contexts: list[int] | None = None) -> None:
-        """One CUDA graph per batch size and context bucket (default: max_context), sharing one
-        memory pool. Scratch writes: see the class."""
+        """One CUDA graph per span (one per device run of layers, see `_spans`) for each batch size
+        and context bucket (default: max_context), sharing one memory pool per device. Scratch
+        writes: see the class."""
         if self.device.type != "cuda":
             raise ValueError("FastDecoder.capture: CUDA graphs need a CUDA device")
-        if any(layer.device != self.device for layer in self.layers):
-            raise ValueError("FastDecoder.capture: the layers are split over devices; a graph is captured on one "
-                             "device, and per-device graphs are not written: such steps run eagerly")
         bad = [c for c in contexts or () if not 1 <= c <= self.max_context]
         if bad:
             raise ValueError(f"FastDecoder.capture: contexts {bad} are outside 1..max_context ({self.max_context})")
@@ -327,46 +376,61 @@ class FastDecoder:
                       torch.ones(B, dtype=torch.long, device=self.device),
                       torch.arange(B, device=self.device),
                       torch.zeros(B, width, dtype=torch.long, device=self.device))
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):  # compiles every kernel outside the capture
-                self.run(*inputs)
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            if self._pool is None:
-                self._pool = torch.cuda.graph_pool_handle()
-            with torch.cuda.graph(graph, pool=self._pool):
-                logits, hidden = self.run(*inputs)
-            self.graphs[(B, width)] = _Graph(graph, inputs, logits, hidden)
-        torch.cuda.synchronize(self.device)
+            self.graphs[(B, width)] = self._capture_spans(inputs)
+        for d in {span.device for span in self.spans}:
+            torch.cuda.synchronize(d)
+
+    def _capture_spans(self, inputs: tuple[torch.Tensor, ...]) -> list[_Piece]:
+        pieces, out = [], ()
+        for span in self.spans:
+            with torch.cuda.device(span.device):
+                static = tuple(t if t.device == span.device else t.to(span.device) for t in inputs)
+                x_in = None if span.embed else out[0].to(span.device)
+                side = torch.cuda.Stream(span.device)
+                side.wait_stream(torch.cuda.current_stream(span.device))
+                with torch.cuda.stream(side):  # compiles every kernel outside the capture
+                    self._run_span(span, x_in, *static)
+                torch.cuda.current_stream(span.device).wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                if span.device not in self._pools:
+                    self._pools[span.device] = torch.cuda.graph_pool_handle()
+                with torch.cuda.graph(graph, pool=self._pools[span.device]):
+                    out = self._run_span(span, x_in, *static)
+            pieces.append(_Piece(span, graph, static, x_in, out))
+        return pieces
 
     # -- §4.1 the trunk, one token per sequence ---------------------------------------------------
 
     def run(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
             tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The step on device tensors: tokens, positions, slots [B]; tables [B, width in blocks]."""
+        """The step on device tensors: tokens, positions, slots [B]; tables [B, width in blocks].
+        With a layer split the streams and the index tensors move to each span's device."""
+        out, moved = (), {}
+        for span in self.spans:
+            if span.device not in moved:
+                moved[span.device] = tuple(t.to(span.device) for t in (tokens, positions, slots, tables))
+            out = self._run_span(span, None if span.embed else out[0].to(span.device), *moved[span.device])
+        return out
+
+    def _run_span(self, span: _Span, X: torch.Tensor | None, tokens: torch.Tensor, positions: torch.Tensor,
+                  slots: torch.Tensor, tables: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """One span on its device: (X,) after its layers, or (logits, hidden) when it ends with the head."""
         cfg = self.cfg
-        X = self.embed[tokens][:, None, :].repeat(1, cfg.hc_mult, 1).contiguous()
-        # With a layer split (model.placement) the streams move to each layer's device, and so do the
-        # step's index tensors, once per device; embedding, final norm and head are on the first.
-        inputs = {X.device: (positions, slots, tables)}
-        for layer in self.layers:
-            if layer.device not in inputs:
-                inputs[layer.device] = tuple(t.to(layer.device) for t in (positions, slots, tables))
-            on_positions, on_slots, on_tables = inputs[layer.device]
-            X = X.to(layer.device)
-            with on_device(layer.device):  # Triton launches on the current device
+        with on_device(span.device):  # Triton launches on the current device
+            if span.embed:
+                X = self.embed[tokens][:, None, :].repeat(1, cfg.hc_mult, 1).contiguous()
+            for layer in self.layers[span.start:span.end]:
                 x, post, C = self._hc_pre(X, layer.attn_hc, layer.input_norm)
                 if layer.kind == "kda":
-                    y = self.kda(layer, x, on_slots)
+                    y = self.kda(layer, x, slots)
                 else:
-                    y = self.dsa(layer, x, on_positions, on_tables)
+                    y = self.dsa(layer, x, positions, tables)
                 X = kernels.hc_post(X, y, post, C)
                 h, post, C = self._hc_pre(X, layer.ffn_hc, layer.post_norm)
                 y = self.moe(layer, h) if layer.experts is not None else self.mlp(layer, h)
                 X = kernels.hc_post(X, y, post, C)
-        X = X.to(self.embed.device)
-        with on_device(X.device):
+            if not span.head:
+                return (X,)
             h = rms_norm(X.float().mean(1).to(X.dtype), self.norm, cfg.rms_norm_eps)
             return linear(h, self.head).float(), h
 

@@ -247,3 +247,15 @@ def test_fast_path_runs_a_layer_split(ckpt):
     split = E.load(ckpt, devices=["cpu", "cpu"], split_experts=True, **OPTS)
     with pytest.raises(fastdecode.Unsupported, match="split over devices"):
         fastdecode.FastDecoder(split.model, split.cache, max_context=64)
+
+
+def test_decode_spans_follow_the_layer_runs():
+    """The decode step's graph pieces: one per run of consecutive layers on a device, the embedding
+    and head joining a run on the first device or standing alone."""
+    a, b = torch.device("cpu"), torch.device("meta")
+    spans = lambda layout: [(s.device.type, s.embed, s.start, s.end, s.head)
+                            for s in fastdecode._spans(layout, (a, b))]
+    assert spans([0, 0, 0]) == [("cpu", True, 0, 3, True)]
+    assert spans([0, 0, 1]) == [("cpu", True, 0, 2, False), ("meta", False, 2, 3, False), ("cpu", False, 3, 3, True)]
+    assert spans([1, 0, 0]) == [("cpu", True, 0, 0, False), ("meta", False, 0, 1, False), ("cpu", False, 1, 3, True)]
+    assert spans([0, 1, 0]) == [("cpu", True, 0, 1, False), ("meta", False, 1, 2, False), ("cpu", False, 2, 3, True)]
