@@ -1,6 +1,7 @@
 """Benchmarks against the floors of ../shared/spec/performance.md, measured on the same GPU in the same run.
 
     python bench.py model [--layers N] [--bits 3.25|4] [--core fp8|bf16]   synthetic full-size model
+    python bench.py model --devices cuda:0,cuda:1 --bits 4                   the same, layers split over GPUs
     python bench.py model --device cpu --tiny                                the same code on a tiny model
     python bench.py kernels [--peer]       EXL3 GEMV and fused MoE, KDA decode/prefill, FP8 GEMV (--peer: + exllamav3)
     python bench.py exl3 sweep|quick|compare|sweep+compare|crosscheck [--codebook mcg]
@@ -11,14 +12,17 @@
 
 `model` builds GLM-5.3-Flash (shapes from the fixture config.json, no files) directly on the device:
 routed experts as EXL3 random trellises (--bits 3.25: a quarter of the MoE layers K4, the rest K3),
-the other linears FP8 block-128 (`fp8.FP8Linear`) or BF16, and runs `GLMModel.forward` on
-`CachePool` / `SeqChunk` as the engine does: decode at batch 1, 4, 16 and at batch 1 over a long
-context (cache filled with random rows, not prefilled), prefill at 1K and 8K. Every figure comes with
-its floor: bytes per step at the copy bandwidth measured here (decode), or the larger of all-weights
-read and FLOPs at the bf16 matmul rate measured here (prefill). Random weights: the numbers are
-speeds, not quality. Then a profile of one decode step (top operators, kernel launches) and an
-attempt to capture that step in a CUDA graph (it reports why it cannot while the forward pass
-synchronizes with the host).
+the other linears FP8 block-128 (`fp8.FP8Linear`) or BF16, and runs it on `CachePool` / `SeqChunk`
+as the engine does, through the fast path (fastdecode / fastprefill; --reference: model_glm's
+forward): decode at batch 1, 4, 16 and at batch 1 over a long context (cache filled with random
+rows, not prefilled), prefill at 1K to 128K. Every figure comes with its floor: bytes per step at
+the copy bandwidth measured here (decode), or the larger of all-weights read and FLOPs at the bf16
+matmul rate measured here (prefill). Random weights: the numbers are speeds, not quality. Weights
+and cache are planned first (placement.py, from `weight_sizes`): a plan that does not fit is
+refused with its numbers before anything is built. With --devices the layers are split over the
+devices; the decode steps then run eagerly (one CUDA graph cannot span devices), and on one GPU
+the eager steps are timed beside the graph ones for the comparison. --profile: where one decode
+step and one prefill spend their time.
 
 Timings: decode and prefill are wall time between CUDA synchronizations (eager, as the engine runs);
 kernels use triton.testing.do_bench medians, "graph" = the calls replayed from one CUDA graph.
