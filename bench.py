@@ -1,6 +1,7 @@
 """Benchmarks against the floors of ../shared/spec/performance.md, measured on the same GPU in the same run.
 
     python bench.py model [--layers N] [--bits 3.25|4] [--core fp8|bf16]   synthetic full-size model
+    python bench.py model --devices cuda:0,cuda:1 --bits 4                   the same, layers split over GPUs
     python bench.py model --device cpu --tiny                                the same code on a tiny model
     python bench.py kernels [--peer]       EXL3 GEMV and fused MoE, KDA decode/prefill, FP8 GEMV (--peer: + exllamav3)
     python bench.py exl3 sweep|quick|compare|sweep+compare|crosscheck [--codebook mcg]
@@ -11,14 +12,17 @@
 
 `model` builds GLM-5.3-Flash (shapes from the fixture config.json, no files) directly on the device:
 routed experts as EXL3 random trellises (--bits 3.25: a quarter of the MoE layers K4, the rest K3),
-the other linears FP8 block-128 (`fp8.FP8Linear`) or BF16, and runs `GLMModel.forward` on
-`CachePool` / `SeqChunk` as the engine does: decode at batch 1, 4, 16 and at batch 1 over a long
-context (cache filled with random rows, not prefilled), prefill at 1K and 8K. Every figure comes with
-its floor: bytes per step at the copy bandwidth measured here (decode), or the larger of all-weights
-read and FLOPs at the bf16 matmul rate measured here (prefill). Random weights: the numbers are
-speeds, not quality. Then a profile of one decode step (top operators, kernel launches) and an
-attempt to capture that step in a CUDA graph (it reports why it cannot while the forward pass
-synchronizes with the host).
+the other linears FP8 block-128 (`fp8.FP8Linear`) or BF16, and runs it on `CachePool` / `SeqChunk`
+as the engine does, through the fast path (fastdecode / fastprefill; --reference: model_glm's
+forward): decode at batch 1, 4, 16 and at batch 1 over a long context (cache filled with random
+rows, not prefilled), prefill at 1K to 128K. Every figure comes with its floor: bytes per step at
+the copy bandwidth measured here (decode), or the larger of all-weights read and FLOPs at the bf16
+matmul rate measured here (prefill). Random weights: the numbers are speeds, not quality. Weights
+and cache are planned first (placement.py, from `weight_sizes`): a plan that does not fit is
+refused with its numbers before anything is built. With --devices the layers are split over the
+devices; the decode steps then run eagerly (one CUDA graph cannot span devices), and on one GPU
+the eager steps are timed beside the graph ones for the comparison. --profile: where one decode
+step and one prefill spend their time.
 
 Timings: decode and prefill are wall time between CUDA synchronizations (eager, as the engine runs);
 kernels use triton.testing.do_bench medians, "graph" = the calls replayed from one CUDA graph.
@@ -36,19 +40,23 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Sequence
 
 import torch
 
 if not torch.cuda.is_available():  # the Triton kernels then run in the interpreter (set before they load)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import cache as cache_mod
 import checkpoint
 import exl3
 import fp8
+import placement
 from cache import CachePool
 from fastdecode import FastDecoder, Unsupported
 from fastprefill import FastPrefill
-from model_glm import GLMConfig, GLMModel, SeqChunk, kda_recurrent
+from model_glm import GLMConfig, GLMModel, SeqChunk, kda_recurrent, on_device
+from placement import Placement, PlacementError
 
 ROOT = Path(__file__).resolve().parent
 CONFIG_CANDIDATES = [Path(os.environ.get("GLM53_SHARED", ROOT.parent / "shared")), ROOT / "shared",
@@ -174,13 +182,35 @@ def _layer(name: str) -> int:
 
 
 def weight_bytes(name: str, spec: checkpoint.TensorSpec, fmt: str, bits: dict[int, int], dtype_bytes: int) -> int:
+    """Bytes `build_weights` allocates for one weight: an EXL3 linear's int16 trellis and fp16 suh,
+    svh; an FP8 linear's bytes and fp32 block scales; else the tensor in the model dtype (small
+    fp32 tensors in fp32)."""
     if fmt == "exl3":
         out_f, in_f = spec.shape
-        return in_f * out_f * bits[_layer(name)] // 8 + 2 * (in_f + out_f)
+        return (in_f // 16) * (out_f // 16) * exl3.trellis_width(bits[_layer(name)]) * 2 + 2 * (in_f + out_f)
     if fmt == "fp8":
         out_f, in_f = spec.shape
         return out_f * in_f + 4 * -(-out_f // 128) * -(-in_f // 128)
-    return math.prod(spec.shape) * (4 if spec.fp32 else dtype_bytes)
+    fp32 = spec.fp32 and not spec.linear and name != "embed_tokens.weight"
+    return math.prod(spec.shape) * (4 if fp32 else dtype_bytes)
+
+
+def weight_sizes(cfg: GLMConfig, bits: dict[int, int], core: str, dtype: torch.dtype) -> dict[str, int]:
+    """Bytes by in-memory name of what `build_weights` will allocate, without allocating: what
+    placement.plan places."""
+    size = torch.empty((), dtype=dtype).element_size()
+    return {name: weight_bytes(name, spec, weight_format(name, spec, core), bits, size)
+            for name, spec in checkpoint.expected_tensors(cfg).items()}
+
+
+def cache_bytes(cfg: GLMConfig, num_blocks: int, num_slots: int, dtype: torch.dtype) -> dict[int, int]:
+    """Bytes of each layer's rows in a CachePool of num_blocks blocks and num_slots slots
+    (cache.layer_bytes): the cache the plan reserves, as engine.load reserves it."""
+    out = {}
+    for L in range(cfg.num_hidden_layers + cfg.num_nextn_predict_layers):
+        per_block, per_slot = cache_mod.layer_bytes(cfg, L, BLOCK_SIZE, dtype)
+        out[L] = num_blocks * per_block + num_slots * per_slot
+    return out
 
 
 @dataclass
@@ -276,69 +306,84 @@ def _random_experts(cfg: GLMConfig, L: int, k: int, device, gen) -> dict[str, ex
 
 
 def build_weights(cfg: GLMConfig, bits: dict[int, int], core: str, dtype: torch.dtype,
-                  device: torch.device, seed: int = 0) -> dict:
-    """Random weights by in-memory name, on the device; the core first (its FP8 quantization needs
-    transient memory), then the experts layer by layer."""
-    gen = torch.Generator(device=device).manual_seed(seed)
+                  device: torch.device | Callable[[str], torch.device], seed: int = 0) -> dict:
+    """Random weights by in-memory name, on `device` or on `device(name)` (a placement's device_of);
+    the core first (its FP8 quantization needs transient memory), then the experts layer by layer.
+    One generator per device, each seeded with `seed`: one device draws what it always drew."""
+    where = device if callable(device) else lambda name: device
+    gens: dict[torch.device, torch.Generator] = {}
+
+    def gen(dev: torch.device) -> torch.Generator:
+        if dev not in gens:
+            gens[dev] = torch.Generator(device=dev).manual_seed(seed)
+        return gens[dev]
+
     weights: dict = {}
     specs = checkpoint.expected_tensors(cfg)
     for name, spec in specs.items():
         fmt = weight_format(name, spec, core)
         if fmt == "exl3":
             continue
+        dev = torch.device(where(name))
         if fmt == "fp8":
-            w = _random_linear_tensor(spec.shape, torch.bfloat16, device, gen)
+            w = _random_linear_tensor(spec.shape, torch.bfloat16, dev, gen(dev))
             weights[name] = fp8.FP8Linear.from_weight(w, name=name)
         elif spec.linear:
-            weights[name] = _random_linear_tensor(spec.shape, dtype, device, gen)
+            weights[name] = _random_linear_tensor(spec.shape, dtype, dev, gen(dev))
         elif name == "embed_tokens.weight":
-            weights[name] = torch.randn(spec.shape, dtype=dtype, device=device, generator=gen)
+            weights[name] = torch.randn(spec.shape, dtype=dtype, device=dev, generator=gen(dev))
         else:  # small tensors: checkpoint's initializer (A_log, dt_bias, mHC, norms, router ...)
             g = torch.Generator().manual_seed(seed + len(weights))
             weights[name] = checkpoint.random_init(name, spec, g).to(
-                device=device, dtype=torch.float32 if spec.fp32 else dtype)
+                device=dev, dtype=torch.float32 if spec.fp32 else dtype)
     for L, k in bits.items():
-        weights |= _random_experts(cfg, L, k, device, gen)
+        dev = torch.device(where(f"layers.{L}.mlp.experts.0.gate_proj.weight"))  # the layer's experts lie together
+        weights |= _random_experts(cfg, L, k, dev, gen(dev))
     return weights
 
 
 def fill_context(cache: CachePool, blocks: torch.Tensor, slot: int, ctx: int, gen: torch.Generator) -> None:
     """Stand-in for a prefill of `ctx` tokens: random latent rows, index keys, gate scores and pooled
-    keys in the sequence's blocks, a random KDA and conv state in its slot (unit-scale values)."""
+    keys in the sequence's blocks, a random KDA and conv state in its slot (unit-scale values).
+    Drawn on the generator's device; a pool split over devices (cache.LayerRows) sends each layer's
+    rows to its device."""
     used = blocks[:-(-ctx // cache.block_size)].to(cache.device)
     for t in (cache.latent, cache.index_k, cache.gate, cache.pooled):
-        t[:, used] = torch.randn((t.shape[0], len(used), *t.shape[2:]), dtype=t.dtype, device=t.device,
+        t[:, used] = torch.randn((t.shape[0], len(used), *t.shape[2:]), dtype=t.dtype, device=gen.device,
                                  generator=gen)
-    s = cache.kda_state[:, slot]
-    cache.kda_state[:, slot] = 0.05 * torch.randn(s.shape, device=s.device, generator=gen)
-    c = cache.conv_state[:, slot]
-    cache.conv_state[:, slot] = torch.randn(c.shape, dtype=c.dtype, device=c.device, generator=gen)
+    s = cache.kda_state
+    cache.kda_state[:, slot] = 0.05 * torch.randn((s.shape[0], *s.shape[2:]), device=gen.device, generator=gen)
+    c = cache.conv_state
+    cache.conv_state[:, slot] = torch.randn((c.shape[0], *c.shape[2:]), dtype=c.dtype, device=gen.device,
+                                            generator=gen)
 
 
-def warm_up(model: GLMModel, device: torch.device) -> float:
-    """Calls every distinct quantized linear (by type, shape and K) with the row counts decode can give
-    it, so that Triton compiles (one per specialization: 1 row, 2..8 rows by power of two, 16) happen
-    here and not inside a timed step. Returns the seconds it took."""
+def warm_up(model: GLMModel) -> float:
+    """Calls every distinct quantized linear (by device, type, shape and K) with the row counts decode
+    can give it, so that Triton compiles (one per specialization: 1 row, 2..8 rows by power of two,
+    16) happen here and not inside a timed step. Returns the seconds it took."""
     start = time.time()
     seen = set()
     for w in model.weights.values():
         if isinstance(w, exl3.EXL3Linear):
-            key, rows = ("exl3", w.in_features, w.out_features, w.bits), (1, 2, 3, 5, 9, 16)
+            device, key, rows = w.trellis.device, ("exl3", w.in_features, w.out_features, w.bits), (1, 2, 3, 5, 9, 16)
         elif isinstance(w, fp8.FP8Linear):
-            key, rows = ("fp8", w.in_features, w.out_features), (1, 2, 4, 16)
+            device, key, rows = w.weight.device, ("fp8", w.in_features, w.out_features), (1, 2, 4, 16)
         else:
             continue
-        if key not in seen:
-            seen.add(key)
-            for m in rows:
-                w(torch.zeros(m, w.in_features, dtype=model.dtype, device=device))
-    sync(device)
+        if (device, key) not in seen:
+            seen.add((device, key))
+            with on_device(device):  # Triton launches on the current device
+                for m in rows:
+                    w(torch.zeros(m, w.in_features, dtype=model.dtype, device=device))
+    sync(*model.placement.devices)
     return time.time() - start
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def sync(*devices: torch.device) -> None:
+    for device in dict.fromkeys(devices):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
 
 
 @dataclass
@@ -349,21 +394,22 @@ class Row:
     extra: str = ""
 
 
-def decode_rate(step, tables: list[torch.Tensor], ctx: int, steps: int, device: torch.device) -> float:
+def decode_rate(step, tables: list[torch.Tensor], ctx: int, steps: int, devices: Sequence[torch.device]) -> float:
     """tok/s of `steps` decode steps for len(tables) sequences (slots 0..B-1) that hold `ctx` tokens;
     `step(batch)` returns the logits (GLMModel.forward or FastDecoder.step); each step feeds the
-    argmax of the previous one to the host, as the engine does. One untimed step first."""
+    argmax of the previous one to the host, as the engine does. One untimed step first; the
+    clock stops after every device is done."""
     B = len(tables)
     tokens = torch.ones(B, dtype=torch.long)
     pos = ctx
     for i in range(steps + 1):
         if i == 1:
-            sync(device)
+            sync(*devices)
             start = time.perf_counter()
         batch = [SeqChunk(tokens[b:b + 1], pos, tables[b], b) for b in range(B)]
         tokens = step(batch).argmax(-1).cpu()
         pos += 1
-    sync(device)
+    sync(*devices)
     return B * steps / (time.perf_counter() - start)
 
 
@@ -406,8 +452,24 @@ def fast_vs_reference(model: GLMModel, fast: FastDecoder, cache: CachePool, tabl
     return {k: (sum(v) / len(v), max(v), agree[k]) for k, v in kls.items()}
 
 
+def model_devices(args) -> tuple[torch.device, ...]:
+    """--devices (a layer split over them) or --device (default cuda), checked by placement."""
+    return placement.parse_devices(args.devices if args.devices else [args.device or "cuda"])
+
+
+def plan_model(cfg: GLMConfig, bits: dict[int, int], core: str, dtype: torch.dtype,
+               devices: Sequence[torch.device], budgets: Sequence[int | None], num_blocks: int,
+               num_slots: int) -> Placement:
+    """The layer split of the synthetic model and its cache over `devices` (placement.plan, with the
+    bytes build_weights will allocate): raises PlacementError, with every device's numbers, when a
+    device's weights and cache rows exceed its budget."""
+    return placement.plan(cfg, weight_sizes(cfg, bits, core, dtype), devices, budgets=budgets,
+                          cache=cache_bytes(cfg, num_blocks, num_slots, dtype))
+
+
 def run_model(args) -> list[Row]:
-    device = torch.device(args.device)
+    devices = model_devices(args)
+    device = devices[0]  # embedding, final norm, head; logits arrive here
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     cfg = model_config(args.layers, args.tiny)
     bits = layer_bits(cfg, args.bits)
@@ -417,30 +479,6 @@ def run_model(args) -> list[Row]:
         f"{CODEBOOK} K{args.bits} ({sum(k == 4 for k in bits.values())} layers K4), core {args.core}, "
         f"{dtype}, weights {budget.all_bytes / 1e9:.2f} GB")
 
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        if budget.all_bytes + args.reserve_gb * 1e9 > free:
-            raise SystemExit(f"the weights need {budget.all_bytes / 1e9:.1f} GB + {args.reserve_gb} GB reserve, "
-                             f"the GPU has {free / 1e9:.1f} GB free of {total / 1e9:.1f}: use --layers or --bits 3.25")
-        bw, tflops = copy_gbps() * 1e9, matmul_tflops() * 1e12
-        say(f"{torch.cuda.get_device_name(device)}: copy {bw / 1e9:.0f} GB/s (read + write), bf16 matmul "
-            f"{tflops / 1e12:.0f} TFLOP/s (8192^3)")
-    else:
-        bw, tflops = 50e9, 1e12  # nominal: the CPU smoke run checks the code, not the machine
-        say("CPU: floors use a nominal 50 GB/s and 1 TFLOP/s")
-
-    t0 = time.time()
-    weights = build_weights(cfg, bits, args.core, dtype, device, args.seed)
-    model = GLMModel(cfg, weights)
-    sync(device)
-    if device.type == "cuda":
-        torch.cuda.empty_cache()  # the FP8 quantization's transients
-    say(f"built in {time.time() - t0:.0f} s")
-    try:
-        say(f"kernel warm-up (Triton compiles): {warm_up(model, device):.0f} s")
-    except Exception as error:  # the sections then report their own failures
-        say(f"kernel warm-up failed: {type(error).__name__}: {error}")
-
     batches = [b for b in (1, 4, 16) if b <= args.max_batch]
     prompts = [64, 256] if args.tiny else [1024, 8192, 32768, 131072]
     long_ctx = 512 if args.tiny else args.long_context
@@ -449,28 +487,75 @@ def run_model(args) -> list[Row]:
     long_blocks = -(-(max(long_ctx + steps + 1, max(prompts))) // BLOCK_SIZE)  # also the prompts' table
     num_blocks = max(max(batches) * blocks_per_seq, long_blocks)
     num_slots = max(batches)
-    probe = CachePool(cfg, 1, 1, block_size=BLOCK_SIZE, dtype=dtype, device="meta")
+
+    # A CUDA device may use its free memory less --reserve-gb (activations) for weights and cache.
+    budgets = [torch.cuda.mem_get_info(d)[0] - int(args.reserve_gb * 1e9) if d.type == "cuda" else None
+               for d in devices]
+    plan = plan_model(cfg, bits, args.core, dtype, devices, budgets, num_blocks, num_slots)
+    say(plan.describe())
+    split = len(set(plan.device(L) for L in range(cfg.num_hidden_layers)) | {device}) > 1
     if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        spare = free - args.reserve_gb * 1e9 - num_slots * probe.bytes_per_sequence()
-        say(f"after weights: {torch.cuda.memory_allocated(device) / 1e9:.2f} GB allocated, {free / 1e9:.1f} GB free; "
-            f"cache capacity with {args.reserve_gb} GB kept for activations and {num_slots} KDA slots "
-            f"({probe.bytes_per_sequence() / 1e6:.1f} MB each): {int(spare // probe.bytes_per_token()):,} tokens "
-            f"at {probe.bytes_per_token():,} B/token")
-    cache = CachePool(cfg, num_blocks, num_slots, block_size=BLOCK_SIZE, dtype=dtype, device=device)
+        with torch.cuda.device(device):
+            bw, tflops = copy_gbps() * 1e9, matmul_tflops() * 1e12
+        say(f"{torch.cuda.get_device_name(device)}: copy {bw / 1e9:.0f} GB/s (read + write), bf16 matmul "
+            f"{tflops / 1e12:.0f} TFLOP/s (8192^3)")
+    else:
+        bw, tflops = 50e9, 1e12  # nominal: the CPU smoke run checks the code, not the machine
+        say("CPU: floors use a nominal 50 GB/s and 1 TFLOP/s")
+    if split:
+        say(f"note: the floors are one device's ({device}): the layers run one after another, each on its "
+            f"device, so a layer split adds memory, not bandwidth; its floor per token is the one-device floor")
+
+    t0 = time.time()
+    weights = build_weights(cfg, bits, args.core, dtype, plan.device_of, args.seed)
+    model = GLMModel(cfg, weights, plan)
+    sync(*devices)
+    for d in dict.fromkeys(devices):
+        if d.type == "cuda":
+            with torch.cuda.device(d):
+                torch.cuda.empty_cache()  # the FP8 quantization's transients
+    say(f"built in {time.time() - t0:.0f} s")
+    try:
+        say(f"kernel warm-up (Triton compiles): {warm_up(model):.0f} s")
+    except Exception as error:  # the sections then report their own failures
+        say(f"kernel warm-up failed: {type(error).__name__}: {error}")
+
+    probe = CachePool(cfg, 1, 1, block_size=BLOCK_SIZE, dtype=dtype, device="meta")
+    fits = []
+    for i, d in enumerate(plan.devices):
+        if d.type != "cuda" or i != plan.devices.index(d):
+            continue
+        layers = [L for L in range(cfg.num_hidden_layers) if plan.device(L) == d]
+        per_block, per_slot = (sum(cache_mod.layer_bytes(cfg, L, BLOCK_SIZE, dtype)[j] for L in layers) for j in (0, 1))
+        free, _ = torch.cuda.mem_get_info(d)
+        spare = free - args.reserve_gb * 1e9 - num_slots * per_slot
+        if per_block:
+            fits.append(int(spare // per_block) * BLOCK_SIZE)
+        say(f"after weights [{i}] {d}: {torch.cuda.memory_allocated(d) / 1e9:.2f} GB allocated, {free / 1e9:.1f} GB "
+            f"free; its layers' cache rows: {per_block // BLOCK_SIZE:,} B/token, {per_slot / 1e6:.1f} MB per KDA slot")
+    if fits:
+        say(f"cache capacity with {args.reserve_gb} GB kept for activations on each device and {num_slots} KDA slots "
+            f"({probe.bytes_per_sequence() / 1e6:.1f} MB each): {min(fits):,} tokens at {probe.bytes_per_token():,} "
+            f"B/token")
+    cache = CachePool(cfg, num_blocks, num_slots, block_size=BLOCK_SIZE, dtype=dtype, device=list(plan.devices),
+                      layer_device=dict(enumerate(plan.layer_device)))
     gen = torch.Generator(device=device).manual_seed(args.seed + 1)
     tables = [torch.arange(b * blocks_per_seq, (b + 1) * blocks_per_seq) for b in range(num_slots)]
 
-    fast = None
+    fast, captured = None, False
     if not args.reference:
         t0 = time.time()
         fast = FastDecoder(model, cache, max_context=max(long_ctx, ctx0) + steps + 2)
         say(f"fast path prepared (fused projections, stacked experts) in {time.time() - t0:.1f} s")
-        if device.type == "cuda":
+        if device.type == "cuda" and split:
+            say(f"CUDA graphs: not captured, the layers are split over {len(set(plan.devices))} devices (one graph "
+                f"cannot span devices: FastDecoder.capture refuses); every fast decode step runs eagerly")
+        elif device.type == "cuda":
             t0 = time.time()
             try:
                 fast.capture(batches, contexts=[ctx0 + steps + 2])
                 fast.capture([1], contexts=[long_ctx + steps + 2])
+                captured = True
                 say(f"CUDA graphs captured for batch {batches} (context {ctx0 + steps + 2}) and batch 1 "
                     f"(context {long_ctx + steps + 2}) in {time.time() - t0:.1f} s; "
                     f"{torch.cuda.memory_allocated(device) / 1e9:.2f} GB allocated")
@@ -482,8 +567,12 @@ def run_model(args) -> list[Row]:
             pre = FastPrefill(fast)
         except Unsupported as why:
             say(f"fast prefill: not available: {why}")
-    path = "reference" if fast is None else ("graph" if device.type == "cuda" else "fast eager")
+    path = "reference" if fast is None else ("graph" if captured else "fast eager")
     step = (lambda batch: model.forward(batch, cache).logits) if fast is None else (lambda batch: fast.step(batch).logits)
+
+    def eager_step(batch: list[SeqChunk]) -> torch.Tensor:
+        """The fast step without its graph: the one-device figure a layer split compares with."""
+        return fast.run(*fast._inputs(batch, max(c.start for c in batch) // BLOCK_SIZE + 1))[0]
 
     rows: list[Row] = []
 
@@ -504,7 +593,7 @@ def run_model(args) -> list[Row]:
     def decode(B: int, forward=step, label: str = path, n: int = steps) -> Row:
         for b in range(B):
             fill_context(cache, tables[b], b, ctx0, gen)
-        rate = decode_rate(forward, tables[:B], ctx0, n, device)
+        rate = decode_rate(forward, tables[:B], ctx0, n, devices)
         floor = B * bw / budget.decode_bytes(B, ctx0)
         return Row(f"decode B={B} ctx {ctx0} ({label})", rate, floor,
                    f"({budget.decode_bytes(B, ctx0) / 1e9:.2f} GB/step, E(B)={budget.experts_touched(B):.1f})")
@@ -512,7 +601,7 @@ def run_model(args) -> list[Row]:
     def decode_long() -> Row:
         table = torch.arange(long_blocks)
         fill_context(cache, table, 0, long_ctx, gen)
-        rate = decode_rate(step, [table], long_ctx, steps, device)
+        rate = decode_rate(step, [table], long_ctx, steps, devices)
         return Row(f"decode B=1 ctx {long_ctx} ({path})", rate, bw / budget.decode_bytes(1, long_ctx),
                    f"({budget.decode_bytes(1, long_ctx) / 1e9:.2f} GB/step)")
 
@@ -539,10 +628,10 @@ def run_model(args) -> list[Row]:
         times = {}
         for rows in (1, 8, 1, 8):
             tokens = torch.ones(rows, dtype=torch.long)
-            sync(device)
+            sync(*devices)
             t = time.perf_counter()
             model.forward([SeqChunk(tokens, ctx0, tables[0], 0)], cache, all_logits=True)
-            sync(device)
+            sync(*devices)
             times[rows] = min(times.get(rows, math.inf), time.perf_counter() - t)
         say(f"verify cost, reference path, B=1 ctx {ctx0}: 8 rows {1e3 * times[8]:.0f} ms vs 1 row "
             f"{1e3 * times[1]:.0f} ms ({times[8] / times[1]:.2f}x)")
@@ -561,12 +650,12 @@ def run_model(args) -> list[Row]:
         """One prompt of T tokens in chunks of --prefill-chunk, as the engine runs it: last logits, seconds."""
         tokens = prompt(T)
         table = torch.arange(long_blocks)
-        sync(device)
+        sync(*devices)
         start = time.perf_counter()
         for s in range(0, T, args.prefill_chunk):
             chunk = [SeqChunk(tokens[s:s + args.prefill_chunk], s, table, 0)]
             logits = pre.forward(chunk).logits if fast_path else model.forward(chunk, cache).logits
-        sync(device)
+        sync(*devices)
         return logits, time.perf_counter() - start
 
     def prefill(T: int, fast_path: bool = pre is not None) -> Row:
@@ -578,6 +667,9 @@ def run_model(args) -> list[Row]:
 
     # Most telling first: a --budget cut drops the tail.
     section(f"decode B={batches[0]}", lambda: decode(batches[0]))
+    if captured:  # what the graphs save: the same steps launched eagerly (a layer split's only way)
+        for B in dict.fromkeys((batches[0], batches[-1])):
+            section(f"decode B={B} fast eager", lambda B=B: decode(B, eager_step, "fast eager"))
     if fast is not None:
         section("decode B=1 reference path", lambda: decode(1, lambda b: model.forward(b, cache).logits, "reference", 2))
         if args.kl_steps:
@@ -595,39 +687,40 @@ def run_model(args) -> list[Row]:
         section(f"decode B={B}", lambda B=B: decode(B))
     for T in prompts[1:]:
         section(f"prefill {T}", lambda T=T: prefill(T))
-    if device.type == "cuda":
-        say(f"peak GPU memory {torch.cuda.max_memory_allocated(device) / 1e9:.2f} GB")
+    for i, d in enumerate(plan.devices):
+        if d.type == "cuda" and i == plan.devices.index(d):
+            say(f"peak GPU memory [{i}] {d}: {torch.cuda.max_memory_allocated(d) / 1e9:.2f} GB")
     print_table(rows)
     if args.profile and time.time() - START <= args.budget:
         # eager: the kernels of a graph replay are the same, but the profiler sees them one by one
         eager = (lambda b: model.forward(b, cache)) if fast is None else \
             (lambda b: fast.run(*fast._inputs(b, ctx0 // BLOCK_SIZE + 1)))
-        profile_step(eager, SeqChunk(torch.ones(1, dtype=torch.long), ctx0, tables[0], 0), device,
+        profile_step(eager, SeqChunk(torch.ones(1, dtype=torch.long), ctx0, tables[0], 0), devices,
                      "one decode step, B=1")
         T = min(args.prefill_chunk, prompts[-1])
         tokens = torch.randint(0, cfg.vocab_size, (T,), generator=torch.Generator().manual_seed(T))
         forward = (lambda b: model.forward(b, cache)) if pre is None else pre.forward
-        profile_step(forward, SeqChunk(tokens, 0, torch.arange(long_blocks), 0), device,
+        profile_step(forward, SeqChunk(tokens, 0, torch.arange(long_blocks), 0), devices,
                      f"one prefill of {T} tokens ({'reference' if pre is None else 'fast'})")
     return rows
 
 
-def profile_step(step, chunk: SeqChunk, device: torch.device, what: str) -> None:
+def profile_step(step, chunk: SeqChunk, devices: Sequence[torch.device], what: str) -> None:
     """Where one eager forward (`step([chunk])`) spends its time: torch.profiler's top operators by
     self time on the device and on the host, and the number of device events."""
     from torch.profiler import ProfilerActivity, profile
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if devices[0].type == "cuda" else [])
     try:
         with profile(activities=activities) as prof:
             step([chunk])
-            sync(device)
+            sync(*devices)
     except Exception as error:  # the profiler depends on CUPTI being usable
         say(f"profile: failed: {type(error).__name__}: {error}")
         return
     events = prof.key_averages()
-    on_device = sum(e.count for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
-    say(f"\nprofile of {what}: {on_device} device events (kernels, copies)")
-    for key in (["self_device_time_total"] if device.type == "cuda" else []) + ["self_cpu_time_total"]:
+    n_events = sum(e.count for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+    say(f"\nprofile of {what}: {n_events} device events (kernels, copies)")
+    for key in (["self_device_time_total"] if devices[0].type == "cuda" else []) + ["self_cpu_time_total"]:
         say(events.table(sort_by=key, row_limit=25, max_name_column_width=60))
 
 
@@ -1103,7 +1196,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     m = sub.add_parser("model", help="synthetic full-size model: decode and prefill vs floors")
-    m.add_argument("--device", default="cuda")
+    where = m.add_mutually_exclusive_group()
+    where.add_argument("--device", default=None, help="one device (default cuda)")
+    where.add_argument("--devices", default=None,
+                       help="e.g. cuda:0,cuda:1: the layers split over them (placement.py); no CUDA graphs then")
     m.add_argument("--tiny", action="store_true", help="the tests' tiny config (CPU smoke run)")
     m.add_argument("--layers", type=int, default=None, help="first N layers only (default: all 45)")
     m.add_argument("--bits", type=float, default=3.25, help="3.25 (K3/K4 mix) or an integer K")
@@ -1274,13 +1370,24 @@ def main(argv: list[str] | None = None) -> None:
     # The model nearly fills the GPU: let the allocator grow segments instead of fragmenting.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     args = parse(argv)
-    if args.command not in ("model", "speculative", "agreement", "fp8core") or args.device != "cpu":
+    if args.command == "model":
+        _or_exit(lambda: model_devices(args))  # names a CUDA device this machine lacks
+    elif not (args.command in ("speculative", "agreement", "fp8core") and args.device == "cpu"):
         if not torch.cuda.is_available():
             sys.exit(f"bench.py {args.command} needs CUDA (only `model --device cpu --tiny` runs without)")
     torch.manual_seed(0)
     with torch.inference_mode():
-        {"model": run_model, "kernels": run_kernels, "exl3": run_exl3, "kda": run_kda,
-         "speculative": run_speculative, "agreement": run_agreement, "fp8core": run_fp8_core}[args.command](args)
+        _or_exit(lambda: {"model": run_model, "kernels": run_kernels, "exl3": run_exl3, "kda": run_kda,
+                          "speculative": run_speculative, "agreement": run_agreement,
+                          "fp8core": run_fp8_core}[args.command](args))
+
+
+def _or_exit(fn):
+    """fn(), or exit with a placement's refusal (the device list, or the numbers of a plan that does not fit)."""
+    try:
+        return fn()
+    except PlacementError as error:
+        sys.exit(f"bench.py: {error}")
 
 
 if __name__ == "__main__":

@@ -6,6 +6,10 @@ import pytest
 import torch
 
 import bench
+import placement
+from cache import CachePool, LayerRows
+from model_glm import GLMModel
+from placement import PlacementError
 
 
 @pytest.fixture(scope="module")
@@ -57,3 +61,65 @@ def test_tiny_model_runs_every_section_on_cpu():
                      "decode B=4 ctx 64 (reference)", "decode B=16 ctx 64 (reference)", "prefill 256 (reference)"]
     for r in rows:
         assert 0 < r.measured < r.floor < math.inf, r
+
+
+@pytest.mark.parametrize("core, dtype, bits", [("fp8", torch.float32, 3.25), ("bf16", torch.bfloat16, 4),
+                                               ("fp8", torch.bfloat16, 2)])
+def test_weight_sizes_are_what_build_weights_allocates(core, dtype, bits):
+    cfg = bench.model_config(None, tiny=True)
+    k = bench.layer_bits(cfg, bits)
+    built = placement.sizes_of(bench.build_weights(cfg, k, core, dtype, torch.device("cpu")))
+    assert bench.weight_sizes(cfg, k, core, dtype) == built
+
+
+def test_k4_plan_refuses_one_h200_and_splits_over_two(fixtures_dir):
+    """Full size, K4 experts: refused on one device of an H200's free memory less the 8 GB reserve,
+    with the numbers, before anything is built; two such devices hold it, layers on each."""
+    cfg = bench.model_config(None, tiny=False)
+    bits, budget = bench.layer_bits(cfg, 4), 141 * 10**9
+    with pytest.raises(PlacementError, match=r"does not fit: \[0\] cpu needs 15\d\.\d\d GiB .* has 131\.32 GiB"):
+        bench.plan_model(cfg, bits, "fp8", torch.bfloat16, [torch.device("cpu")], [budget], 2049, 16)
+    plan = bench.plan_model(cfg, bits, "fp8", torch.bfloat16, [torch.device("cpu")] * 2, [budget] * 2, 2049, 16)
+    assert set(plan.layer_device) == {0, 1}
+    assert sum(plan.weight_bytes) == bench.Budget.of(cfg, bits, "fp8", dtype_bytes=2).all_bytes
+    need = [b + c for b, c in zip(plan.weight_bytes, plan.cache_bytes)]
+    assert max(need) < 0.52 * sum(need)
+
+
+def test_tiny_model_runs_every_section_on_two_cpu_devices():
+    """The same sections over a layer split (placement over "cpu", "cpu": the cache rows in LayerRows)."""
+    with torch.inference_mode():
+        rows = bench.run_model(bench.parse(["model", "--devices", "cpu,cpu", "--tiny", "--steps", "2",
+                                            "--context", "64", "--budget", "600", "--reference"]))
+    assert [r.what for r in rows] == ["decode B=1 ctx 64 (reference)", "prefill 64 (reference)",
+                                      "decode B=1 ctx 512 (reference)", "decode B=4 ctx 64 (reference)",
+                                      "decode B=16 ctx 64 (reference)", "prefill 256 (reference)"]
+
+
+def test_two_cpu_devices_give_the_one_device_weights_and_decode_logits():
+    cfg = bench.model_config(None, tiny=True)
+    bits, blocks = bench.layer_bits(cfg, 3.25), 4
+    logits, weights = [], []
+    for devices in (["cpu"], ["cpu", "cpu"]):
+        plan = bench.plan_model(cfg, bits, "fp8", torch.float32, [torch.device(d) for d in devices],
+                                [None] * len(devices), 2 * blocks, 2)
+        w = bench.build_weights(cfg, bits, "fp8", torch.float32, plan.device_of, seed=3)
+        model = GLMModel(cfg, w, plan)
+        cache = CachePool(cfg, 2 * blocks, 2, block_size=bench.BLOCK_SIZE, dtype=torch.float32,
+                          device=list(plan.devices), layer_device=dict(enumerate(plan.layer_device)))
+        assert isinstance(cache.latent, LayerRows) == (len(devices) == 2)
+        gen = torch.Generator().manual_seed(4)
+        tables = [torch.arange(b * blocks, (b + 1) * blocks) for b in range(2)]
+        for b in range(2):
+            bench.fill_context(cache, tables[b], b, 100, gen)
+        with torch.inference_mode():
+            batch = [bench.SeqChunk(torch.tensor([5 + b]), 100, tables[b], b) for b in range(2)]
+            logits.append(model.forward(batch, cache).logits)
+        weights.append(w)
+    weights.append(bench.build_weights(cfg, bits, "fp8", torch.float32, torch.device("cpu"), seed=3))
+    assert set(plan.layer_device) == {0, 1}
+    values = [{(n, k): t for n, x in w.items()
+               for k, t in ({"": x} if isinstance(x, torch.Tensor) else x.tensors()).items()} for w in weights]
+    assert values[0].keys() == values[1].keys() == values[2].keys()
+    assert all(torch.equal(values[0][key], v[key]) for v in values[1:] for key in values[0])
+    assert torch.equal(logits[0], logits[1])
