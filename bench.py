@@ -20,8 +20,8 @@ the copy bandwidth measured here (decode), or the larger of all-weights read and
 matmul rate measured here (prefill). Random weights: the numbers are speeds, not quality. Weights
 and cache are planned first (placement.py, from `weight_sizes`): a plan that does not fit is
 refused with its numbers before anything is built. With --devices the layers are split over the
-devices; the decode steps then run eagerly (one CUDA graph cannot span devices), and on one GPU
-the eager steps are timed beside the graph ones for the comparison. --profile: where one decode
+devices; the decode step then replays one CUDA graph per device run of layers, and the eager
+steps are timed beside the graph ones (what the graphs save). --profile: where one decode
 step and one prefill spend their time.
 
 Timings: decode and prefill are wall time between CUDA synchronizations (eager, as the engine runs);
@@ -547,10 +547,7 @@ def run_model(args) -> list[Row]:
         t0 = time.time()
         fast = FastDecoder(model, cache, max_context=max(long_ctx, ctx0) + steps + 2)
         say(f"fast path prepared (fused projections, stacked experts) in {time.time() - t0:.1f} s")
-        if device.type == "cuda" and split:
-            say(f"CUDA graphs: not captured, the layers are split over {len(set(plan.devices))} devices (one graph "
-                f"cannot span devices: FastDecoder.capture refuses); every fast decode step runs eagerly")
-        elif device.type == "cuda":
+        if device.type == "cuda":  # a layer split: one graph per device run of layers (FastDecoder.capture)
             t0 = time.time()
             try:
                 fast.capture(batches, contexts=[ctx0 + steps + 2])
@@ -571,7 +568,7 @@ def run_model(args) -> list[Row]:
     step = (lambda batch: model.forward(batch, cache).logits) if fast is None else (lambda batch: fast.step(batch).logits)
 
     def eager_step(batch: list[SeqChunk]) -> torch.Tensor:
-        """The fast step without its graph: the one-device figure a layer split compares with."""
+        """The fast step without its graphs."""
         return fast.run(*fast._inputs(batch, max(c.start for c in batch) // BLOCK_SIZE + 1))[0]
 
     rows: list[Row] = []
@@ -667,7 +664,7 @@ def run_model(args) -> list[Row]:
 
     # Most telling first: a --budget cut drops the tail.
     section(f"decode B={batches[0]}", lambda: decode(batches[0]))
-    if captured:  # what the graphs save: the same steps launched eagerly (a layer split's only way)
+    if captured:  # what the graphs save: the same steps launched eagerly
         for B in dict.fromkeys((batches[0], batches[-1])):
             section(f"decode B={B} fast eager", lambda B=B: decode(B, eager_step, "fast eager"))
     if fast is not None:
