@@ -2458,6 +2458,19 @@ def dsa_index_scores(q_idx: torch.Tensor, w_idx: torch.Tensor, pooled: torch.Ten
 
 
 @triton.jit
+def _online_softmax_step(q_hi, q_lo, lat, valid, scale, m, l, acc, TC: tl.constexpr):
+    # One block of selected latent rows into the running softmax (max m, sum l, acc = Σ p · lat) of
+    # the heads q = q_hi + q_lo; rows that are not valid score -inf. A head with only -inf so far
+    # keeps m = -inf and is shifted by 0 instead (no inf - inf).
+    s = tl.where(valid[None, :], _dot_pair(q_hi, q_lo, tl.trans(lat), TC) / scale, -float("inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
+    p = tl.exp(s - m_safe[:, None])
+    alpha = tl.exp(m - m_safe)
+    return m_new, l * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + _dot_f32(p, lat, TC)
+
+
+@triton.jit
 def _dsa_attn_kernel(q_ptr, q_sb, q_sh, lat_ptr, tables_ptr, t_stride, pos_ptr, top_ptr, top_stride,
                      m_ptr, l_ptr, acc_ptr, H, NT, steps, bs, scale,
                      R: tl.constexpr, KPOOL: tl.constexpr, TAIL: tl.constexpr, ALL: tl.constexpr,
@@ -2493,14 +2506,7 @@ def _dsa_attn_kernel(q_ptr, q_sb, q_sh, lat_ptr, tables_ptr, t_stride, pos_ptr, 
             t = pool * KPOOL + (t0 + i) % KPOOL
             blk = tl.load(tables_ptr + b * t_stride + t // bs, mask=valid, other=0)
             lat = tl.load(lat_ptr + (blk * bs + t % bs)[:, None] * R + r[None, :], mask=valid[:, None], other=0.0)
-            s = tl.where(valid[None, :], _dot_pair(q_hi, q_lo, tl.trans(lat), TC) / scale, -float("inf"))
-            m_new = tl.maximum(m, tl.max(s, axis=1))
-            m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
-            p = tl.exp(s - m_safe[:, None])
-            alpha = tl.exp(m - m_safe)
-            l = l * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + _dot_f32(p, lat, TC)
-            m = m_new
+            m, l, acc = _online_softmax_step(q_hi, q_lo, lat, valid, scale, m, l, acc, TC)
     part = (b * tl.num_programs(2) + split) * H + h
     tl.store(m_ptr + part, m, mask=h < H)
     tl.store(l_ptr + part, l, mask=h < H)
@@ -2680,14 +2686,7 @@ def _dsa_prefill_kernel(q_ptr, q_sn, q_sh, lat_ptr, table_ptr, picks_ptr, picks_
         valid = (k < n_sel) & ((pick >= 0) | ~picked)
         lat_row = tl.where(picked, pick * KPOOL + k % KPOOL, blk * bs + t % bs)
         lat = tl.load(lat_ptr + lat_row[:, None] * R + r[None, :], mask=valid[:, None], other=0.0)
-        s = tl.where(valid[None, :], _dot_pair(q_hi, q_lo, tl.trans(lat), TC) / scale, -float("inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m - m_safe)
-        l = l * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + _dot_f32(p, lat, TC)
-        m = m_new
+        m, l, acc = _online_softmax_step(q_hi, q_lo, lat, valid, scale, m, l, acc, TC)
     if ONE:
         tl.store(o_ptr + row * o_sn + h[:, None] * o_sh + r[None, :], acc / l[:, None], mask=h[:, None] < H)
     else:  # partial sums for _dsa_combine_kernel
