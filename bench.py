@@ -203,16 +203,6 @@ def weight_sizes(cfg: GLMConfig, bits: dict[int, int], core: str, dtype: torch.d
             for name, spec in checkpoint.expected_tensors(cfg).items()}
 
 
-def cache_bytes(cfg: GLMConfig, num_blocks: int, num_slots: int, dtype: torch.dtype) -> dict[int, int]:
-    """Bytes of each layer's rows in a CachePool of num_blocks blocks and num_slots slots
-    (cache.layer_bytes): the cache the plan reserves, as engine.load reserves it."""
-    out = {}
-    for L in range(cfg.num_hidden_layers + cfg.num_nextn_predict_layers):
-        per_block, per_slot = cache_mod.layer_bytes(cfg, L, BLOCK_SIZE, dtype)
-        out[L] = num_blocks * per_block + num_slots * per_slot
-    return out
-
-
 @dataclass
 class Budget:
     """Bytes and FLOPs of the configuration, for the floors (performance.md §3, §4, §6)."""
@@ -464,7 +454,7 @@ def plan_model(cfg: GLMConfig, bits: dict[int, int], core: str, dtype: torch.dty
     bytes build_weights will allocate): raises PlacementError, with every device's numbers, when a
     device's weights and cache rows exceed its budget."""
     return placement.plan(cfg, weight_sizes(cfg, bits, core, dtype), devices, budgets=budgets,
-                          cache=cache_bytes(cfg, num_blocks, num_slots, dtype))
+                          cache=cache_mod.pool_bytes(cfg, num_blocks, num_slots, BLOCK_SIZE, dtype))
 
 
 def run_model(args) -> list[Row]:

@@ -82,6 +82,17 @@ def layer_bytes(config: "GLMConfig", layer: int, block_size: int, dtype: torch.d
     return 0, 4 * H * d * d + e * 3 * (config.linear_conv_kernel - 1) * H * d
 
 
+
+def pool_bytes(config: "GLMConfig", num_blocks: int, num_slots: int, block_size: int,
+               dtype: torch.dtype) -> dict[int, int]:
+    """Bytes of each layer's rows (trunk, then MTP) in a pool of num_blocks blocks and num_slots
+    slots: what a placement plan reserves for the cache (placement.plan's `cache`)."""
+    out = {}
+    for L in range(config.num_hidden_layers + config.num_nextn_predict_layers):
+        per_block, per_slot = layer_bytes(config, L, block_size, dtype)
+        out[L] = num_blocks * per_block + num_slots * per_slot
+    return out
+
 class CachePool:
     """Tensors (row = a DSA or KDA layer, see dsa_index / kda_index):
 

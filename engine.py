@@ -1029,10 +1029,7 @@ def load(path_or_hf_id: str | Path | None = None, device: str | torch.device | N
         num_blocks = CPU_CACHE_TOKENS // block_size  # what the engine would pick; planned for up front
     # The cache the plan reserves: as asked, else (CUDA, sized after loading) one full batch.
     tokens = num_blocks * block_size if num_blocks else max_cache_tokens or max(max_model_len or 0, max_batch_tokens)
-    reserve = {}
-    for L in range(config.num_hidden_layers + config.num_nextn_predict_layers):
-        b, s = cache_mod.layer_bytes(config, L, block_size, dtype)
-        reserve[L] = -(-tokens // block_size) * b + (max_num_seqs + 1) * s
+    reserve = cache_mod.pool_bytes(config, -(-tokens // block_size), max_num_seqs + 1, block_size, dtype)
     plan = placement.plan(config, checkpoint.weight_bytes(path, config, dtype), devs, split_experts=split_experts,
                           budgets=_budgets(devs, memory_per_device), cache=reserve)
     print(plan.describe(), flush=True)

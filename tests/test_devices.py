@@ -18,6 +18,7 @@ import fastprefill
 import placement
 import serve
 import tiny
+import cache as cache_mod
 from cache import CachePool, LayerRows
 from model_glm import GLMConfig, GLMModel, SeqChunk
 from test_engine import make_tokenizer
@@ -177,6 +178,17 @@ def test_layer_rows_read_and_write_across_runs():
     with pytest.raises(TypeError, match="an int or ':'"):
         kda[0:1]
     assert pool.bytes_per_sequence() == CachePool(cfg, 2, 3, block_size=BS, dtype=torch.float32).bytes_per_sequence()
+
+
+
+def test_pool_bytes_is_what_a_pool_allocates():
+    """What a plan reserves per layer (engine.load, bench.py) sums to the pool's tensors, MTP row included."""
+    cfg = GLMConfig.from_dict(tiny.tiny_config_dict())
+    for dtype in (torch.float32, torch.bfloat16):
+        pool = CachePool(cfg, 5, 3, block_size=BS, dtype=dtype)
+        tensors = (pool.latent, pool.index_k, pool.gate, pool.pooled, pool.kda_state, pool.conv_state)
+        assert sum(cache_mod.pool_bytes(cfg, 5, 3, BS, dtype).values()) == sum(t.numel() * t.element_size()
+                                                                            for t in tensors)
 
 
 # ---------------------------------------------------------------------------------------------
