@@ -394,7 +394,10 @@ class FastDecoder:
                 graph = torch.cuda.CUDAGraph()
                 if span.device not in self._pools:
                     self._pools[span.device] = torch.cuda.graph_pool_handle()
-                with torch.cuda.graph(graph, pool=self._pools[span.device]):
+                # the capture stream must be this device's: torch.cuda.graph's default is one stream
+                # made once on whichever device was current then, and capturing on it would record
+                # nothing of the kernels launched under this device (an empty graph, a skipped span)
+                with torch.cuda.graph(graph, pool=self._pools[span.device], stream=side):
                     out = self._run_span(span, x_in, *static)
             pieces.append(_Piece(span, graph, static, x_in, out))
         return pieces

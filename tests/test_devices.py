@@ -209,6 +209,20 @@ def test_split_matches_one_device(ckpt, one, split_experts):
         assert torch.equal(got, ref)
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_two_gpus_decode_in_span_graphs_as_one_gpu(ckpt):
+    """A layer split over two GPUs on the fast path: one CUDA graph per span (each captured on its
+    own device's stream; a span captured on another device's stream records nothing and is skipped
+    at replay), greedy tokens equal to one GPU's reference path, fp32."""
+    opts = OPTS | dict(max_num_seqs=2)
+    two = E.load(ckpt, devices=["cuda:0", "cuda:1"], **opts)
+    spans = two.fast.spans
+    assert len({s.device for s in spans}) == 2 and all(len(pieces) == len(spans) for pieces in two.fast.graphs.values())
+    ref = E.load(ckpt, device="cuda:0", use_kernels=False, **opts)
+    prompts = [prompt(1, 23), prompt(2, 9)]
+    assert [r.token_ids for r in two.generate(prompts, GREEDY)] == [r.token_ids for r in ref.generate(prompts, GREEDY)]
+
+
 def test_mtp_and_rollback_across_devices(ckpt, one):
     """MTP drafts (the MTP layer on the second device, embedding and head on the first) and the
     KDA rollback (inputs kept on the first device, replayed on each layer's) give the plain tokens."""
