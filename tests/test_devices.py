@@ -26,6 +26,7 @@ from test_engine import make_tokenizer
 BS = 16
 OPTS = dict(dtype=torch.float32, progress=False, num_blocks=16, block_size=BS, max_num_seqs=2)
 GREEDY = E.SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+PAIR = ["cuda:0", f"cuda:{min(1, torch.cuda.device_count() - 1)}"] if torch.cuda.is_available() else ["cpu", "cpu"]
 
 
 def prompt(seed: int, n: int) -> list[int]:
@@ -257,10 +258,11 @@ def test_model_rejects_weights_off_their_planned_device():
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")  # the interpreter's sigmoid
 def test_fast_path_runs_a_layer_split(ckpt):
-    """The kernels' prefill (FastPrefill) and decode step (FastDecoder, three spans) over a layer split
-    on two "cpu" devices, against the reference forward of the same split model on other blocks and
-    another slot; an expert split is refused by name."""
-    eng = E.load(ckpt, devices=["cpu", "cpu"], **OPTS)
+    """The kernels' prefill (FastPrefill) and decode step (FastDecoder, three spans, eager) over a layer
+    split on two "cpu" devices (the kernels interpreted), or on a GPU machine two CUDA devices (the
+    same one twice if it has one: Triton runs no cpu tensors there), against the reference forward
+    of the same split model on other blocks and another slot; an expert split is refused by name."""
+    eng = E.load(ckpt, devices=PAIR, **OPTS)
     assert len(set(eng.model.placement.layer_device)) == 2
     fast = fastdecode.FastDecoder(eng.model, eng.cache, max_context=64)
     assert len(fast.spans) == 3
@@ -274,7 +276,7 @@ def test_fast_path_runs_a_layer_split(ckpt):
         ref = eng.model.forward([SeqChunk(tokens, start, table + 4, 1)], eng.cache).logits
         # the EXL3 expert kernels take fp16 activations (tests/test_fastprefill.py: the same bound)
         torch.testing.assert_close(got, ref, rtol=0, atol=5e-3)
-    split = E.load(ckpt, devices=["cpu", "cpu"], split_experts=True, **OPTS)
+    split = E.load(ckpt, devices=PAIR, split_experts=True, **OPTS)
     with pytest.raises(fastdecode.Unsupported, match="split over devices"):
         fastdecode.FastDecoder(split.model, split.cache, max_context=64)
 
