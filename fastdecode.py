@@ -430,8 +430,11 @@ class FastDecoder:
                     y = self.dsa(layer, x, positions, tables)
                 X = kernels.hc_post(X, y, post, C)
                 h, post, C = self._hc_pre(X, layer.ffn_hc, layer.post_norm)
-                y = self.moe(layer, h) if layer.experts is not None else self.mlp(layer, h)
-                X = kernels.hc_post(X, y, post, C)
+                if layer.experts is not None:
+                    routed, shared = self.moe(layer, h)
+                    X = kernels.hc_post(X, routed, post, C, shared)
+                else:
+                    X = kernels.hc_post(X, self.mlp(layer, h), post, C)
             if not span.head:
                 return (X,)
             h = rms_norm(X.float().mean(1).to(X.dtype), self.norm, cfg.rms_norm_eps)
@@ -508,7 +511,9 @@ class FastDecoder:
         gate, up = layer.mlp(h)
         return linear(kernels.swiglu(gate, up, self.cfg.swiglu_limit), layer.down)
 
-    def moe(self, layer: Layer, h: torch.Tensor) -> torch.Tensor:
+    def moe(self, layer: Layer, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(routed [B, D] fp32, shared expert [B, D]): model_glm adds them in fp32 and rounds the sum to
+        h's dtype; here `kernels.hc_post` does, in its launch."""
         cfg = self.cfg
         ids, w = kernels.moe_route(h, *layer.router, cfg.num_experts_per_tok, cfg.norm_topk_prob,
                                    cfg.routed_scaling_factor)
@@ -518,7 +523,7 @@ class FastDecoder:
             routed = kernels.exl3_moe_decode(h, ids, w, gate, up, down, codebook, cfg.swiglu_limit)
         else:
             routed = _dense_experts(h, ids, w, ex.dense, cfg.swiglu_limit)
-        return routed.add_(self.mlp(layer, h)).to(h.dtype)  # the fp32 sum model_glm forms
+        return routed, self.mlp(layer, h)
 
 
 def fp32_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -99,8 +99,11 @@ class FastPrefill:
                     y = self.dsa(layer, x, c)
                 X = kernels.hc_post(X, y, post, C)
                 h, post, C = d._hc_pre(X, layer.ffn_hc, layer.post_norm)
-                y = self.moe(L, layer, h) if layer.experts is not None else d.mlp(layer, h)
-                X = kernels.hc_post(X, y, post, C)
+                if layer.experts is not None:
+                    routed, shared = self.moe(L, layer, h)
+                    X = kernels.hc_post(X, routed, post, C, shared)
+                else:
+                    X = kernels.hc_post(X, d.mlp(layer, h), post, C)
             if L in taps:  # DFlash2 §2.4: mean of the streams after the layer, fp32 in stream order
                 run.taps[L] = (X.float().sum(1) * (1 / cfg.hc_mult)).to(X.dtype).to(first)
         X = X.to(first)
@@ -168,7 +171,8 @@ class FastPrefill:
 
     # -- §4.5 routed experts ------------------------------------------------------------------------
 
-    def moe(self, L: int, layer: Layer, h: torch.Tensor) -> torch.Tensor:
+    def moe(self, L: int, layer: Layer, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(routed fp32, shared expert), summed by `kernels.hc_post` (see FastDecoder.moe)."""
         cfg = self.cfg
         gate_w, bias = layer.router
         ids, w = route_logits(fp32_linear(h, gate_w), bias, cfg)
@@ -179,4 +183,4 @@ class FastPrefill:
             routed = kernels.exl3_moe_prefill(x, ids, w, gate, up, down, codebook, cfg.swiglu_limit)
         else:
             routed = self.model.routed_experts(f"layers.{L}.mlp.", h, ids, w)
-        return routed.add_(self.decoder.mlp(layer, h)).to(h.dtype)  # the fp32 sum model_glm forms
+        return routed, self.decoder.mlp(layer, h)

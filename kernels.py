@@ -1899,7 +1899,8 @@ def _hc_norm_kernel(u_ptr, usq_ptr, norm_ptr, out_ptr, D, NB, rms_eps, NBP: tl.c
 
 
 @triton.jit
-def _hc_post_kernel(x_ptr, y_ptr, post_ptr, c_ptr, out_ptr, D, HC: tl.constexpr, BD: tl.constexpr):
+def _hc_post_kernel(x_ptr, y_ptr, y2_ptr, post_ptr, c_ptr, out_ptr, D, HC: tl.constexpr, BD: tl.constexpr,
+                    SUM: tl.constexpr):
     b = tl.program_id(0)
     d = tl.program_id(1) * BD + tl.arange(0, BD)
     inside = d < D
@@ -1908,6 +1909,9 @@ def _hc_post_kernel(x_ptr, y_ptr, post_ptr, c_ptr, out_ptr, D, HC: tl.constexpr,
     C = tl.load(c_ptr + b * HC * HC + i[:, None] * HC + i[None, :])  # [source i, destination j]
     mixed = tl.sum(C[:, :, None] * X[:, None, :], axis=0)
     y = tl.load(y_ptr + b * D + d, mask=inside, other=0.0).to(tl.float32)
+    if SUM:  # the MoE output: routed (fp32) + shared, rounded to the stream's dtype as model_glm's sum is
+        y2 = tl.load(y2_ptr + b * D + d, mask=inside, other=0.0).to(tl.float32)
+        y = _cast(y + y2, out_ptr.dtype.element_ty).to(tl.float32)
     out = tl.load(post_ptr + b * HC + i)[:, None] * y[None, :] + mixed
     tl.store(out_ptr + b * HC * D + i[:, None] * D + d[None, :], _cast(out, out_ptr.dtype.element_ty), mask=inside[None, :])
 
@@ -1961,15 +1965,21 @@ def hc_pre(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.T
     return x, post, C
 
 
-def hc_post(X: torch.Tensor, y: torch.Tensor, post: torch.Tensor, C: torch.Tensor) -> torch.Tensor:
-    """model_glm.hc_post: X [B, hc, D], y [B, D], post [B, hc], C [B, hc, hc] -> X' in X's dtype."""
+def hc_post(X: torch.Tensor, y: torch.Tensor, post: torch.Tensor, C: torch.Tensor,
+            y2: torch.Tensor | None = None) -> torch.Tensor:
+    """model_glm.hc_post: X [B, hc, D], y [B, D], post [B, hc], C [B, hc, hc] -> X' in X's dtype.
+    With y2 [B, D] the sub-layer output is (y + y2) in fp32 rounded to X's dtype: a MoE layer's routed
+    sum (fp32) and shared expert, added here instead of in two more launches."""
     B, hc, D = X.shape
-    if tuple(y.shape) != (B, D):
-        raise ValueError(f"hc_post: y must be ({B}, {D}), got {tuple(y.shape)}")
+    for name, t in (("y", y), ("y2", y2)):
+        if t is not None and tuple(t.shape) != (B, D):
+            raise ValueError(f"hc_post: {name} must be ({B}, {D}), got {tuple(t.shape)}")
     X, y = X.contiguous(), y.contiguous()
+    y2 = y if y2 is None else y2.contiguous()
     out = torch.empty_like(X)
     BD = min(512, triton.next_power_of_2(D))
-    _hc_post_kernel[(B, triton.cdiv(D, BD))](X, y, post.contiguous(), C.contiguous(), out, D, HC=hc, BD=BD)
+    _hc_post_kernel[(B, triton.cdiv(D, BD))](X, y, y2, post.contiguous(), C.contiguous(), out, D, HC=hc, BD=BD,
+                                             SUM=y2 is not y)
     return out
 
 

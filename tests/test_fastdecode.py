@@ -59,6 +59,13 @@ def test_hc_kernels_match_model_glm(dtype, B, D):
     torch.testing.assert_close(got_x, x, **tol)
     y = torch.randn(B, D, generator=g).to(dtype).to(DEVICE)
     torch.testing.assert_close(kernels.hc_post(X, y, post, C), hc_post(X, y, post, C), **tol)
+    # A MoE layer's two parts: the kernel's in-launch sum rounds as model_glm's (routed + shared).to(dtype).
+    routed = torch.randn(B, D, generator=g).to(DEVICE)
+    summed = (routed + y.float()).to(dtype)
+    assert (dtype == torch.float32) == torch.equal(summed.float(), routed + y.float())  # a rounding to get right
+    assert torch.equal(kernels.hc_post(X, routed, post, C, y), kernels.hc_post(X, summed, post, C))
+    with pytest.raises(ValueError, match=rf"y2 must be \({B}, {D}\), got \(1, {D}\)"):
+        kernels.hc_post(X, routed, post, C, y[:1])
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
