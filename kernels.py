@@ -491,12 +491,16 @@ def exl3_gemv(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: to
 
 
 @triton.jit
-def _moe_rotate_kernel(x_ptr, ids_ptr, suh_gate_ptr, suh_up_ptr, xh_ptr, k, top_k, pairs):
-    # xh[0 | 1, p, block] = (x[token] ⊙ suh_gate | suh_up [e]) · H128 / sqrt(128), in the gemv's row order.
+def _moe_rotate_kernel(x_ptr, ids_ptr, suh_gate_ptr, suh_up_ptr, xh_ptr, y_ptr, k, top_k, pairs):
+    # xh[0 | 1, p, block] = (x[token] ⊙ suh_gate | suh_up [e]) · H128 / sqrt(128), in the gemv's row order;
+    # a token's first pair also zeroes its block of the output y (k = D columns), which the down launch
+    # adds into, two launches later (a memset launch fewer).
     blk = tl.program_id(0)
     p = tl.program_id(1)
     e = tl.load(ids_ptr + p).to(tl.int64)
     i = tl.arange(0, 128)
+    if p % top_k == 0:
+        tl.store(y_ptr + (p // top_k) * k + blk * 128 + i, tl.zeros([128], tl.float32))
     x = tl.load(x_ptr + (p // top_k) * k + blk * 128 + i).to(tl.float32)
     r = i % 16
     slot = blk * 128 + i - r + 4 * ((r >> 1) & 3) + 2 * (r >> 3) + (r & 1)
@@ -644,7 +648,8 @@ def exl3_moe_decode(x: torch.Tensor, ids: torch.Tensor, route: torch.Tensor,
     cb = CODEBOOKS.index(codebook)
 
     xh = torch.empty((2, P, D), dtype=torch.float32, device=dev)
-    _moe_rotate_kernel[(D // 128, P)](x, ids, gate[1], up[1], xh, D, top_k, P)
+    y = torch.empty((m, D), dtype=torch.float32, device=dev)  # zeroed by the rotation
+    _moe_rotate_kernel[(D // 128, P)](x, ids, gate[1], up[1], xh, y, D, top_k, P)
 
     act_h = torch.empty((P, I), dtype=torch.float32, device=dev)
     steps = D // 16 // row_tiles
@@ -655,7 +660,6 @@ def exl3_moe_decode(x: torch.Tensor, ids: torch.Tensor, route: torch.Tensor,
         xh, words[0], words[1], ids, partial, counters, D, I, steps // split, 2 * split * 128 // block_n,
         (D // 16) * (I // 16) * NW, P, gate[2], up[2], down[1], route, act_h, top_k, limit, DOWN=False, **launch)
 
-    y = torch.zeros((m, D), dtype=torch.float32, device=dev)
     steps = I // 16 // row_tiles
     split = _moe_split(dev, D, P, steps, block_n)
     partial, counters = _moe_buffers(dev, P, D, 1)

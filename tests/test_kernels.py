@@ -398,8 +398,12 @@ def test_moe_decode_matches_expert_twins(m, top_k, k_words, codebook, block_n, r
     # Both sides stay in fp32 between projections; the kernel feeds tl.dot fp16 hi and lo parts of
     # each activation (a lo part lost to fp16 subnormals showed here as 2e-2 with scale 0.05).
     assert rel_err(y, ref) <= (1e-5 if DEVICE == "cpu" else 1e-4), f"relative error {rel_err(y, ref):.2e}"
+    # The output comes from torch.empty and is zeroed by the first launch: memory an earlier tensor of
+    # its size left full of NaN (the allocator hands it out again) must not show.
+    junk = torch.full((m, D), float("nan"), device=DEVICE)
+    del junk
     again = kernels.exl3_moe_decode(x, ids, route, *projections, codebook, limit, block_n=block_n, row_tiles=row_tiles)
-    assert rel_err(again, y) <= 1e-6, "the second call sees the first's partial sums"
+    assert rel_err(again, y) <= 1e-6, "the second call sees the first's partial sums, or unzeroed memory"
 
 
 # ---------------------------------------------------------------- EXL3 MoE prefill
