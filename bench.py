@@ -797,7 +797,7 @@ def fp8_sweep(line, gbps: float, n: int = 8192, k: int = 4096) -> None:
 
 
 def moe_line(line, gbps: float, bits: int, E: int = 288, top_k: int = 8, D: int = 4096, I: int = 2048) -> None:
-    """One MoE layer at batch 1: exl3_moe_decode (4 launches) vs the 3 * top_k exl3_gemv calls of the
+    """One MoE layer at batch 1: exl3_moe_decode (3 launches) vs the 3 * top_k exl3_gemv calls of the
     per-expert path (without its SwiGLU and sums), over 10 routings (80 experts, past the L2)."""
     import kernels
     from model_glm import swiglu

@@ -478,7 +478,7 @@ def exl3_gemv(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: to
 
 # ---------------------------------------------------------------- EXL3 MoE decode: all selected experts at once
 # For P = m * top_k (token, expert) pairs of one MoE layer, in three launches whatever P:
-#   1. rotate x for every pair with its expert's gate and up suh;
+#   1. rotate x for every pair with its expert's gate and up suh (and zero the output rows 3. adds into);
 #   2. gate and up GEMV over all pairs (program axis 2 = projection and pair, expert id read on the
 #      device); the last program to finish a 128-column block of a pair (counted over both
 #      projections) applies H128 and svh to gate and up, the clamped SwiGLU (spec glm53.md §4.5),
