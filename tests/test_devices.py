@@ -215,11 +215,10 @@ def test_two_gpus_decode_in_span_graphs_as_one_gpu(ckpt):
     """A layer split over two GPUs on the fast path: one CUDA graph per span (each captured on its
     own device's stream; a span captured on another device's stream records nothing and is skipped
     at replay), greedy tokens equal to one GPU's reference path, fp32."""
-    opts = OPTS | dict(max_num_seqs=2)
-    two = E.load(ckpt, devices=["cuda:0", "cuda:1"], **opts)
+    two = E.load(ckpt, devices=["cuda:0", "cuda:1"], **OPTS)
     spans = two.fast.spans
     assert len({s.device for s in spans}) == 2 and all(len(pieces) == len(spans) for pieces in two.fast.graphs.values())
-    ref = E.load(ckpt, device="cuda:0", use_kernels=False, **opts)
+    ref = E.load(ckpt, device="cuda:0", use_kernels=False, **OPTS)
     prompts = [prompt(1, 23), prompt(2, 9)]
     assert [r.token_ids for r in two.generate(prompts, GREEDY)] == [r.token_ids for r in ref.generate(prompts, GREEDY)]
 
