@@ -82,7 +82,6 @@ def layer_bytes(config: "GLMConfig", layer: int, block_size: int, dtype: torch.d
     return 0, 4 * H * d * d + e * 3 * (config.linear_conv_kernel - 1) * H * d
 
 
-
 def pool_bytes(config: "GLMConfig", num_blocks: int, num_slots: int, block_size: int,
                dtype: torch.dtype) -> dict[int, int]:
     """Bytes of each layer's rows (trunk, then MTP) in a pool of num_blocks blocks and num_slots
@@ -92,6 +91,7 @@ def pool_bytes(config: "GLMConfig", num_blocks: int, num_slots: int, block_size:
         per_block, per_slot = layer_bytes(config, L, block_size, dtype)
         out[L] = num_blocks * per_block + num_slots * per_slot
     return out
+
 
 class CachePool:
     """Tensors (row = a DSA or KDA layer, see dsa_index / kda_index):

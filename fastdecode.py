@@ -384,7 +384,7 @@ class FastDecoder:
         pieces, out = [], ()
         for span in self.spans:
             with torch.cuda.device(span.device):
-                static = tuple(t if t.device == span.device else t.to(span.device) for t in inputs)
+                static = tuple(t.to(span.device) for t in inputs)  # the same tensors on their own device
                 x_in = None if span.embed else out[0].to(span.device)
                 side = torch.cuda.Stream(span.device)
                 side.wait_stream(torch.cuda.current_stream(span.device))
@@ -430,11 +430,8 @@ class FastDecoder:
                     y = self.dsa(layer, x, positions, tables)
                 X = kernels.hc_post(X, y, post, C)
                 h, post, C = self._hc_pre(X, layer.ffn_hc, layer.post_norm)
-                if layer.experts is not None:
-                    routed, shared = self.moe(layer, h)
-                    X = kernels.hc_post(X, routed, post, C, shared)
-                else:
-                    X = kernels.hc_post(X, self.mlp(layer, h), post, C)
+                y, y2 = self.moe(layer, h) if layer.experts is not None else (self.mlp(layer, h), None)
+                X = kernels.hc_post(X, y, post, C, y2)
             if not span.head:
                 return (X,)
             h = rms_norm(X.float().mean(1).to(X.dtype), self.norm, cfg.rms_norm_eps)

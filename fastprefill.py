@@ -99,11 +99,8 @@ class FastPrefill:
                     y = self.dsa(layer, x, c)
                 X = kernels.hc_post(X, y, post, C)
                 h, post, C = d._hc_pre(X, layer.ffn_hc, layer.post_norm)
-                if layer.experts is not None:
-                    routed, shared = self.moe(L, layer, h)
-                    X = kernels.hc_post(X, routed, post, C, shared)
-                else:
-                    X = kernels.hc_post(X, d.mlp(layer, h), post, C)
+                y, y2 = self.moe(L, layer, h) if layer.experts is not None else (d.mlp(layer, h), None)
+                X = kernels.hc_post(X, y, post, C, y2)
             if L in taps:  # DFlash2 §2.4: mean of the streams after the layer, fp32 in stream order
                 run.taps[L] = (X.float().sum(1) * (1 / cfg.hc_mult)).to(X.dtype).to(first)
         X = X.to(first)

@@ -23,7 +23,7 @@ KDA recurrence (spec glm53.md §4.3.6-7). Twins in model_glm.py: `kda_recurrent_
 `kda_chunk_prefill` compute what `model_glm.kda_recurrent` computes token by token.
 
 FP8 block-128 linears (fp8.py holds the format and the twin): `fp8_gemv` for 1..16 rows,
-dequantizing in registers (fp32 FMAs up to 4 rows, tensor cores above); `fp8_dequantize` (twin
+dequantizing in registers (fp32 FMAs up to FP8_FMA_ROWS = 3 rows, tensor cores above); `fp8_dequantize` (twin
 `fp8.dequantize_fp8_block`) for more rows, whose product then runs in cuBLAS. `bf16_fp32_linear`: x · wᵀ of bf16 rows and an fp32 weight, near fp32
 accuracy on bf16 tensor cores (the prefill's router and indexer head weights; twin x.float() @ w.T).
 
@@ -1427,7 +1427,7 @@ def _cast(x, DT: tl.constexpr):
 # in tf32), so each product w * x is exact and the sums are fp32: the only rounding beyond the twin's
 # is the order of the fp32 sums. Each 128-wide k block's dot product is summed first, then multiplied
 # by its scale. Two kernels, picked by the number of rows m:
-#   m <= FP8_FMA_ROWS (decode at batch 1..4): `_fp8_gemv_fma_kernel`, no tensor cores. A program owns
+#   m <= FP8_FMA_ROWS (decode at batch 1..3): `_fp8_gemv_fma_kernel`, no tensor cores. A program owns
 #   BN output features (one thread holds all BN of them) and loops over chunks of KB = 4 * num_warps
 #   k blocks; each thread loads 16 consecutive weight bytes of each of its BN rows (128-bit loads),
 #   converts them (e4m3x2 -> f16x2 -> fp32) and multiplies them with the 16 activations of the same

@@ -181,7 +181,6 @@ def test_layer_rows_read_and_write_across_runs():
     assert pool.bytes_per_sequence() == CachePool(cfg, 2, 3, block_size=BS, dtype=torch.float32).bytes_per_sequence()
 
 
-
 def test_pool_bytes_is_what_a_pool_allocates():
     """What a plan reserves per layer (engine.load, bench.py) sums to the pool's tensors, MTP row included."""
     cfg = GLMConfig.from_dict(tiny.tiny_config_dict())
