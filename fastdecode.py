@@ -281,8 +281,9 @@ class FastDecoder:
                             i + "index_kpool_compress_gate"])
             proj2 = [fuse(m, [a + "q_b_proj.weight", i + "wq_b.weight"])]
             H, dn = cfg.num_attention_heads, cfg.qk_nope_head_dim
-            W = m.w(a + "kv_b_proj.weight").float().view(H, dn + cfg.v_head_dim, cfg.kv_lora_rank)
-            attn = {"W_UK": W[:, :dn].contiguous(), "W_UV": W[:, dn:].contiguous(),
+            # views of kv_b_proj in its own dtype (kernels.head_matmul takes 16-bit weights exactly)
+            W = m.w(a + "kv_b_proj.weight").view(H, dn + cfg.v_head_dim, cfg.kv_lora_rank)
+            attn = {"W_UK": W[:, :dn], "W_UV": W[:, dn:],
                     "q_norm": m.w(a + "q_a_layernorm.weight"), "kv_norm": m.w(a + "kv_a_layernorm.weight"),
                     "k_norm_w": m.w(i + "k_norm.weight"), "k_norm_b": m.w(i + "k_norm.bias"),
                     "w_idx": m.w(i + "weights_proj.weight").float(), "ape": m.w(i + "index_kpool_compress_ape").float()}

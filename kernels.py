@@ -2589,11 +2589,13 @@ def dsa_sparse_attention(q_hat: torch.Tensor, latent: torch.Tensor, tables: torc
 
 # ---------------------------------------------------------------- the absorbed MLA's per-head products
 # q̂ = q · W_UK and o · W_UVᵀ (model_glm.mla_attention's first and last einsum), per head h:
-# out[b, h] = a[b, h] · w[h] with fp32 weights. torch runs them as fp32 bmm's on the CUDA cores (a
-# decode row: two cuBLAS GEMVs of 11-14 us on the H200, reading 16.8 MB each; a prefill chunk: SIMT
-# SGEMMs of ~3 ms at 8192 rows). Here on tensor cores with tf32x3 operands (each fp32 operand as a
-# TF32 value plus a TF32 remainder: ~2^-21 relative per product; a 16-bit operand is exact), fp32
-# sums. One program: BM rows x BN columns of one head.
+# out[b, h] = a[b, h] · w[h]. torch runs them as fp32 bmm's on the CUDA cores (a decode row: two cuBLAS
+# GEMVs of 11-14 us on the H200, reading 16.8 MB each; a prefill chunk: SIMT SGEMMs of ~3 ms at 8192
+# rows). Here on tensor cores with tf32x3 operands (each fp32 operand as a TF32 value plus a TF32
+# remainder: ~2^-21 relative per product; a 16-bit operand is exact), fp32 sums. The weights may stay
+# in the checkpoint's 16 bits (kv_b_proj is BF16): converted in registers they are exact TF32 values
+# with a zero remainder, so the products are the fp32 weights' bit for bit, from half the bytes.
+# One program: BM rows x BN columns of one head.
 HEAD_MM_BLOCK_K = 32
 
 
@@ -2609,7 +2611,7 @@ def _head_matmul_kernel(a_ptr, a_sb, a_sh, a_sk, w_ptr, w_sh, w_sk, w_sn, o_ptr,
         a = tl.load(a_ptr + rows[:, None].to(tl.int64) * a_sb + h * a_sh + ks[None, :] * a_sk,
                     mask=(rows[:, None] < B) & (ks[None, :] < K), other=0.0).to(tl.float32)
         w = tl.load(w_ptr + h * w_sh + ks[:, None] * w_sk + cols[None, :] * w_sn,
-                    mask=(ks[:, None] < K) & (cols[None, :] < N), other=0.0)
+                    mask=(ks[:, None] < K) & (cols[None, :] < N), other=0.0).to(tl.float32)
         acc = tl.dot(a, w, acc, input_precision="tf32x3")
     tl.store(o_ptr + rows[:, None].to(tl.int64) * o_sb + h * o_sh + cols[None, :] * o_sn,
              _cast(acc, o_ptr.dtype.element_ty), mask=(rows[:, None] < B) & (cols[None, :] < N))
@@ -2617,13 +2619,14 @@ def _head_matmul_kernel(a_ptr, a_sb, a_sh, a_sk, w_ptr, w_sh, w_sk, w_sn, o_ptr,
 
 def head_matmul(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
                 out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """out[b, h] = a[b, h] · w[h] for a [B, H, K] (any float dtype, any strides), w [H, K, N] fp32 (any
-    strides, e.g. W_UV.transpose(1, 2)); out [B, H, N] (any strides, given or new in out_dtype).
-    Twin: torch.einsum("bhk,hkn->bhn", a.float(), w) (see the section comment for the precision)."""
+    """out[b, h] = a[b, h] · w[h] for a [B, H, K] (any float dtype, any strides), w [H, K, N] fp32, bf16
+    or fp16 (any strides, e.g. a slice of kv_b_proj's view or W_UV.transpose(1, 2)); out [B, H, N] (any
+    strides, given or new in out_dtype). Twin: torch.einsum("bhk,hkn->bhn", a.float(), w.float()) (see
+    the section comment for the precision)."""
     if a.dim() != 3 or w.dim() != 3 or a.shape[1] != w.shape[0] or a.shape[2] != w.shape[1]:
         raise ValueError(f"head_matmul: a must be [B, H, K] and w [H, K, N], got {tuple(a.shape)} and {tuple(w.shape)}")
-    if w.dtype != torch.float32:
-        raise ValueError(f"head_matmul: w must be fp32, got {w.dtype}")
+    if w.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"head_matmul: w must be fp32, bf16 or fp16, got {w.dtype}")
     B, H, K = a.shape
     N = w.shape[2]
     if out is None:

@@ -307,8 +307,13 @@ def test_head_matmul_matches_einsum(B):
     out = torch.empty(H, B, K, dtype=torch.bfloat16, device=DEVICE).transpose(0, 1)
     kernels.head_matmul(o, w_uv.transpose(1, 2), out=out)
     torch.testing.assert_close(out, torch.einsum("bhn,hkn->bhk", o, w_uv).to(torch.bfloat16), rtol=1e-2, atol=1e-2)
-    with pytest.raises(ValueError, match=r"w must be fp32"):
-        kernels.head_matmul(q, w.half())
+    # kv_b_proj's own bf16 slices, as the fast path passes them: the fp32 copies' results bit for bit
+    kv_b = torch.randn(H, 2 * K, N, generator=g).to(torch.bfloat16).to(DEVICE)
+    assert torch.equal(kernels.head_matmul(q, kv_b[:, K:]), kernels.head_matmul(q, kv_b[:, K:].float()))
+    assert torch.equal(kernels.head_matmul(o, kv_b[:, :K].transpose(1, 2)),
+                       kernels.head_matmul(o, kv_b[:, :K].float().transpose(1, 2)))
+    with pytest.raises(ValueError, match=r"w must be fp32, bf16 or fp16, got torch.float64"):
+        kernels.head_matmul(q, w.double())
     with pytest.raises(ValueError, match=r"a must be \[B, H, K\] and w \[H, K, N\], got \(%d, 3, 40\) and \(3, 41, 72\)" % B):
         kernels.head_matmul(q, torch.zeros(H, K + 1, N, device=DEVICE))
 
