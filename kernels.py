@@ -2237,7 +2237,7 @@ def _route_topk_kernel(part_ptr, bias_ptr, ids_ptr, wt_ptr, E, S, scaling,
         choice = tl.where(e == pick, -float("inf"), choice)
     if NORM:
         w = w / (tl.sum(w, axis=0) + 1e-20)
-    tl.store(ids_ptr + b * TOPK + j, ids.to(tl.int64), mask=j < TOPK)
+    tl.store(ids_ptr + b * TOPK + j, ids, mask=j < TOPK)
     tl.store(wt_ptr + b * TOPK + j, w * scaling, mask=j < TOPK)
 
 
@@ -2245,7 +2245,8 @@ def moe_route(h: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, top_k: 
               scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
     """model_glm.route for rows h [B, D]: s = sigmoid(h·gate_wᵀ) in fp32 (gate_w [E, D] fp32), the
     top_k experts of s + bias (bias [E] fp32), their s normalized (norm_topk_prob) and scaled.
-    Returns (ids int64 [B, top_k], weights fp32 [B, top_k]), in no particular order."""
+    Returns (ids int32 [B, top_k], weights fp32 [B, top_k]), in no particular order (int32: what
+    exl3_moe_decode reads, so no conversion launch between them)."""
     B, D = h.shape
     E = gate_w.shape[0]
     if tuple(gate_w.shape) != (E, D) or gate_w.dtype != torch.float32 or not gate_w.is_contiguous():
@@ -2260,7 +2261,7 @@ def moe_route(h: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, top_k: 
     part = torch.empty(B, S, E, dtype=torch.float32, device=h.device)
     _route_logits_kernel[(triton.cdiv(E, ROUTE_BLOCK_E), S)](h, h.stride(0), gate_w, part, B, E, D,
                                                              BE=ROUTE_BLOCK_E, BK=ROUTE_BLOCK_K)
-    ids = torch.empty(B, top_k, dtype=torch.int64, device=h.device)
+    ids = torch.empty(B, top_k, dtype=torch.int32, device=h.device)
     weights = torch.empty(B, top_k, dtype=torch.float32, device=h.device)
     _route_topk_kernel[(B,)](part, bias.float().contiguous(), ids, weights, E, S, float(scaling),
                              NORM=bool(norm_topk_prob), TOPK=top_k, KP=triton.next_power_of_2(top_k),
