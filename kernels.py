@@ -2595,7 +2595,8 @@ def dsa_sparse_attention(q_hat: torch.Tensor, latent: torch.Tensor, tables: torc
 # rows). Here on tensor cores with tf32x3 operands (each fp32 operand as a TF32 value plus a TF32
 # remainder: ~2^-21 relative per product; a 16-bit operand is exact), fp32 sums. The weights may stay
 # in the checkpoint's 16 bits (kv_b_proj is BF16): converted in registers they are exact TF32 values
-# with a zero remainder, so the products are the fp32 weights' bit for bit, from half the bytes.
+# with a zero remainder, so the products are those of their fp32 copies, from half the bytes (on the
+# H200 a sum may still differ from theirs in its last bits; the tests bound it).
 # One program: BM rows x BN columns of one head.
 HEAD_MM_BLOCK_K = 32
 
