@@ -260,8 +260,9 @@ def test_model_rejects_weights_off_their_planned_device():
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")  # the interpreter's sigmoid
 def test_fast_path_runs_a_layer_split(ckpt):
     """The kernels' prefill (FastPrefill) and decode step (FastDecoder, three spans, eager) over a layer
-    split on two "cpu" devices (the kernels interpreted), or on a GPU machine two CUDA devices, against the reference forward
-    of the same split model on other blocks and another slot; an expert split is refused by name."""
+    split on two "cpu" devices (the kernels interpreted), or on a GPU machine two CUDA devices, against
+    the reference forward of the same split model on other blocks and another slot; an expert split is
+    refused by name."""
     eng = E.load(ckpt, devices=PAIR, **OPTS)
     assert len(set(eng.model.placement.layer_device)) == 2
     fast = fastdecode.FastDecoder(eng.model, eng.cache, max_context=64)
