@@ -13,6 +13,7 @@ import torch.nn.functional as F
 import bench
 import checkpoint
 import fastdecode
+import fastprefill
 import kernels
 import fp8
 import tiny
@@ -527,9 +528,10 @@ def test_cuda_graph_replay_equals_eager():
 
 @needs_gpu
 def test_shared_expert_beside_the_routed_ones_changes_no_number():
-    """On a GPU the MoE layers' shared expert runs on a second stream (FastDecoder.moe): the step's
-    logits and cache rows are those of the same step with everything on one stream, eager and replayed
-    from a CUDA graph (dense experts: torch's kernels, the same numbers every run)."""
+    """On a GPU the MoE layers' shared expert runs on a second stream (FastDecoder.beside_shared): the
+    step's logits and cache rows are those of the same step with everything on one stream, eager and
+    replayed from a CUDA graph, and so are a prefill's (dense experts: torch's kernels, the same numbers
+    every run)."""
     model = _model(torch.bfloat16)
     caches, tables, tok = _prefilled(model, [37, 14])
     fast = fastdecode.FastDecoder(model, caches[1], max_context=128)
@@ -551,9 +553,16 @@ def test_shared_expert_beside_the_routed_ones_changes_no_number():
         restore()
         return out
 
-    beside = steps()
+    def prefill() -> list:  # the prefill's MoE layers share FastDecoder.beside_shared
+        chunk = SeqChunk(torch.arange(3, 22), 0, tables[1], 1)
+        out = [fastprefill.FastPrefill(fast).forward([chunk]).logits,
+               {n: getattr(caches[1], n).clone() for n in CACHE_TENSORS}]
+        restore()
+        return out
+
+    beside = steps() + prefill()
     streams, fast._beside = fast._beside, {}
-    one_stream = steps()
+    one_stream = steps() + prefill()
     fast._beside = streams
     for got, want in zip(beside, one_stream):
         if isinstance(got, dict):
