@@ -263,7 +263,7 @@ class FastDecoder:
         self.spans = _spans(list(placement.layer_device[:self.cfg.num_hidden_layers]), placement.devices)
         self.graphs: dict[tuple[int, int], list[_Piece]] = {}  # (batch size, table width in blocks)
         self._pools: dict[torch.device, tuple] = {}  # one graph memory pool per device
-        # a second stream per GPU for the shared experts (see moe); graphs capture its work as a branch
+        # a second stream per GPU for the shared experts (see beside_shared); graphs capture it as a branch
         self._beside = {d: torch.cuda.Stream(d) for d in placement.devices if d.type == "cuda"}
 
     def _prepare(self, L: int) -> Layer:
