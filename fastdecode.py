@@ -18,12 +18,15 @@ twin (tests/test_fastdecode.py holds them together). Only the way of computing d
   a fixed top-k (2051 positions at full size), masking what does not exist instead of slicing; the
   attention gathers the selected latent rows itself (`kernels.dsa_sparse_attention`); cache rows
   are addressed through device index tensors;
-- the router (§4.5): GEMV, sigmoid, top-k and weights in `kernels.moe_route` (two launches).
+- the router (§4.5): GEMV, sigmoid, top-k and weights in `kernels.moe_route` (two launches);
+- on a GPU a MoE layer's shared expert runs on a second stream beside the router and the routed experts
+  (`FastDecoder.beside_shared`; the prefill's MoE layers too).
 Chunks of several tokens (prefill, speculative verification) go to fastprefill.py; MTP stays in model_glm.
 """
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -260,6 +263,8 @@ class FastDecoder:
         self.spans = _spans(list(placement.layer_device[:self.cfg.num_hidden_layers]), placement.devices)
         self.graphs: dict[tuple[int, int], list[_Piece]] = {}  # (batch size, table width in blocks)
         self._pools: dict[torch.device, tuple] = {}  # one graph memory pool per device
+        # a second stream per GPU for the shared experts (see beside_shared); graphs capture it as a branch
+        self._beside = {d: torch.cuda.Stream(d) for d in placement.devices if d.type == "cuda"}
 
     def _prepare(self, L: int) -> Layer:
         m, cfg = self.model, self.cfg
@@ -512,16 +517,37 @@ class FastDecoder:
     def moe(self, layer: Layer, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(routed [B, D] fp32, shared expert [B, D]): model_glm adds them in fp32 and rounds the sum to
         h's dtype; here `kernels.hc_post` does, in its launch."""
+        return self.beside_shared(layer, h, lambda: self._routed(layer, h))
+
+    def _routed(self, layer: Layer, h: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
         ids, w = kernels.moe_route(h, *layer.router, cfg.num_experts_per_tok, cfg.norm_topk_prob,
                                    cfg.routed_scaling_factor)
         ex = layer.experts
         if ex.exl3 is not None:
             gate, up, down, codebook = ex.exl3
-            routed = kernels.exl3_moe_decode(h, ids, w, gate, up, down, codebook, cfg.swiglu_limit)
-        else:
-            routed = _dense_experts(h, ids, w, ex.dense, cfg.swiglu_limit)
-        return routed, self.mlp(layer, h)
+            return kernels.exl3_moe_decode(h, ids, w, gate, up, down, codebook, cfg.swiglu_limit)
+        return _dense_experts(h, ids, w, ex.dense, cfg.swiglu_limit)
+
+    def beside_shared(self, layer: Layer, h: torch.Tensor,
+                      routed: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(routed(), the shared expert of h). On a GPU the shared expert (three launches reading 25 MB
+        of FP8 at full size) runs on the device's second stream, forked after h and joined after
+        routed(): the router and the routed experts (their decode kernel ALU-bound, its memory bus
+        mostly idle) leave room beside them. The numbers do not change. The fork and join also keep the
+        GEMVs' shared scratch (kernels._fp8_arrivals, _split_buffers) to one stream at a time: routed()
+        runs none of those GEMVs."""
+        beside = self._beside.get(h.device)
+        if beside is None:
+            return routed(), self.mlp(layer, h)
+        main = torch.cuda.current_stream(h.device)
+        beside.wait_stream(main)
+        with torch.cuda.stream(beside):
+            shared = self.mlp(layer, h)
+        out = routed()
+        main.wait_stream(beside)
+        shared.record_stream(main)  # made on the second stream, read and freed on the main one
+        return out, shared
 
 
 def fp32_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -169,7 +169,11 @@ class FastPrefill:
     # -- §4.5 routed experts ------------------------------------------------------------------------
 
     def moe(self, L: int, layer: Layer, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(routed fp32, shared expert), summed by `kernels.hc_post` (see FastDecoder.moe)."""
+        """(routed fp32, shared expert), summed by `kernels.hc_post`; on a GPU the shared expert runs
+        beside the routed ones (FastDecoder.beside_shared)."""
+        return self.decoder.beside_shared(layer, h, lambda: self._routed(L, layer, h))
+
+    def _routed(self, L: int, layer: Layer, h: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
         gate_w, bias = layer.router
         ids, w = route_logits(fp32_linear(h, gate_w), bias, cfg)
@@ -177,7 +181,5 @@ class FastPrefill:
         if ex.exl3 is not None:
             gate, up, down, codebook = ex.exl3
             x = h if h.dtype != torch.float32 else h.half()  # the kernel's GEMMs take fp16 activations
-            routed = kernels.exl3_moe_prefill(x, ids, w, gate, up, down, codebook, cfg.swiglu_limit)
-        else:
-            routed = self.model.routed_experts(f"layers.{L}.mlp.", h, ids, w)
-        return routed, self.decoder.mlp(layer, h)
+            return kernels.exl3_moe_prefill(x, ids, w, gate, up, down, codebook, cfg.swiglu_limit)
+        return self.model.routed_experts(f"layers.{L}.mlp.", h, ids, w)

@@ -418,7 +418,8 @@ _SPLIT_BUFFERS: dict[tuple[torch.device, int], tuple[torch.Tensor, torch.Tensor]
 def _split_buffers(device: torch.device, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     # Zeroed fp32 partial sums [16, n] (the epilogue's row block) and per-128-column arrival
     # counters. Kernels leave them zeroed, so they are allocated once per (device, n) and never
-    # freed: CUDA graphs captured with them keep valid addresses. Users must share one stream.
+    # freed: CUDA graphs captured with them keep valid addresses. Two launches must not
+    # run at once (one stream, or streams joined in between).
     key = (device, n)
     if key not in _SPLIT_BUFFERS:
         _SPLIT_BUFFERS[key] = (torch.zeros(16 * n, dtype=torch.float32, device=device),
@@ -1566,8 +1567,8 @@ def _fp8_gemv_fma_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, arrivals_ptr, m
 
 def _fp8_arrivals(device: torch.device, n_tiles: int) -> torch.Tensor:
     # Per-column-block arrival counters. The kernel leaves them zeroed, so they are allocated once per
-    # (device, n_tiles) and never freed: CUDA graphs captured with them keep valid addresses. Users
-    # must share one stream.
+    # (device, n_tiles) and never freed: CUDA graphs captured with them keep valid addresses. Two
+    # launches must not run at once (one stream, or streams joined in between).
     key = (device, n_tiles)
     if key not in _FP8_ARRIVALS:
         _FP8_ARRIVALS[key] = torch.zeros(n_tiles, dtype=torch.int32, device=device)

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 import bench
 import checkpoint
 import fastdecode
+import fastprefill
 import kernels
 import fp8
 import tiny
@@ -523,6 +524,51 @@ def test_cuda_graph_replay_equals_eager():
     assert set(fast.graphs) == {(1, 4), (1, 8), (2, 4), (2, 8)}
     worst, kl = _decode_both(model, fast, caches, tables, tok, [37, 14], steps=4)
     assert worst < 0.1 and kl < 1e-4, (worst, kl)
+
+
+@needs_gpu
+def test_shared_expert_beside_the_routed_ones_changes_no_number():
+    """On a GPU the MoE layers' shared expert runs on a second stream (FastDecoder.beside_shared): the
+    step's logits and cache rows are those of the same step with everything on one stream, eager and
+    replayed from a CUDA graph, and so are a prefill's (dense experts: torch's kernels, the same numbers
+    every run)."""
+    model = _model(torch.bfloat16)
+    caches, tables, tok = _prefilled(model, [37, 14])
+    fast = fastdecode.FastDecoder(model, caches[1], max_context=128)
+    assert set(fast._beside) == {fast.embed.device}  # keyed as a tensor's device reads (cuda:0)
+    batch = [SeqChunk(tok[i:i + 1], n, tables[i], i) for i, n in enumerate([37, 14])]
+    saved = {n: getattr(caches[1], n).clone() for n in CACHE_TENSORS}
+
+    def restore() -> None:
+        for n, t in saved.items():
+            getattr(caches[1], n).copy_(t)
+
+    def steps() -> list:  # eager, then replayed (the capture writes scratch rows: restored)
+        fast.graphs.clear()
+        out = [fast.step(batch).logits, {n: getattr(caches[1], n).clone() for n in CACHE_TENSORS}]
+        restore()
+        fast.capture([2], contexts=[64])
+        restore()
+        out += [fast.step(batch).logits, {n: getattr(caches[1], n).clone() for n in CACHE_TENSORS}]
+        restore()
+        return out
+
+    def prefill() -> list:  # the prefill's MoE layers share FastDecoder.beside_shared
+        chunk = SeqChunk(torch.arange(3, 22), 0, tables[1], 1)
+        out = [fastprefill.FastPrefill(fast).forward([chunk]).logits,
+               {n: getattr(caches[1], n).clone() for n in CACHE_TENSORS}]
+        restore()
+        return out
+
+    beside = steps() + prefill()
+    streams, fast._beside = fast._beside, {}
+    one_stream = steps() + prefill()
+    fast._beside = streams
+    for got, want in zip(beside, one_stream):
+        if isinstance(got, dict):
+            assert all(torch.equal(got[n], want[n]) for n in CACHE_TENSORS)
+        else:
+            assert torch.equal(got, want)
 
 
 def test_engine_sends_decode_tokens_to_the_fast_step():
