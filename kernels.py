@@ -1905,27 +1905,36 @@ def _hc_norm_kernel(u_ptr, usq_ptr, norm_ptr, out_ptr, D, NB, rms_eps, NBP: tl.c
 
 
 @triton.jit
-def _hc_post_kernel(x_ptr, y_ptr, y2_ptr, post_ptr, c_ptr, out_ptr, D, HC: tl.constexpr, BD: tl.constexpr,
-                    SUM: tl.constexpr):
-    b = tl.program_id(0)
-    d = tl.program_id(1) * BD + tl.arange(0, BD)
+def _hc_post_block(x_ptr, y_ptr, y2_ptr, post_ptr, c_ptr, out_ptr, b, d, D, HC: tl.constexpr, SUM: tl.constexpr):
+    # X'_j = post_j y + Σ_i C[i, j] X_i for row b and columns d of every stream: stores X' and returns it
+    # [HC, len(d)] in out's dtype. SUM: y is a MoE output, routed (fp32) + shared, rounded to the
+    # stream's dtype as model_glm's sum is.
     inside = d < D
     i = tl.arange(0, HC)
-    X = tl.load(x_ptr + b * HC * D + i[:, None] * D + d[None, :], mask=inside[None, :], other=0.0).to(tl.float32)
+    at = b * HC * D + i[:, None] * D + d[None, :]
+    X = tl.load(x_ptr + at, mask=inside[None, :], other=0.0).to(tl.float32)
     C = tl.load(c_ptr + b * HC * HC + i[:, None] * HC + i[None, :])  # [source i, destination j]
-    mixed = tl.sum(C[:, :, None] * X[:, None, :], axis=0)
     y = tl.load(y_ptr + b * D + d, mask=inside, other=0.0).to(tl.float32)
-    if SUM:  # the MoE output: routed (fp32) + shared, rounded to the stream's dtype as model_glm's sum is
+    if SUM:
         y2 = tl.load(y2_ptr + b * D + d, mask=inside, other=0.0).to(tl.float32)
         y = _cast(y + y2, out_ptr.dtype.element_ty).to(tl.float32)
-    out = tl.load(post_ptr + b * HC + i)[:, None] * y[None, :] + mixed
-    tl.store(out_ptr + b * HC * D + i[:, None] * D + d[None, :], _cast(out, out_ptr.dtype.element_ty), mask=inside[None, :])
+    out = tl.load(post_ptr + b * HC + i)[:, None] * y[None, :] + tl.sum(C[:, :, None] * X[:, None, :], axis=0)
+    out = _cast(out, out_ptr.dtype.element_ty)
+    tl.store(out_ptr + at, out, mask=inside[None, :])
+    return out
+
+
+@triton.jit
+def _hc_post_kernel(x_ptr, y_ptr, y2_ptr, post_ptr, c_ptr, out_ptr, D, HC: tl.constexpr, BD: tl.constexpr,
+                    SUM: tl.constexpr):
+    d = tl.program_id(1) * BD + tl.arange(0, BD)
+    _hc_post_block(x_ptr, y_ptr, y2_ptr, post_ptr, c_ptr, out_ptr, tl.program_id(0), d, D, HC, SUM)
 
 
 @triton.jit
 def _hc_post_mix_kernel(x_ptr, y_ptr, y2_ptr, post_ptr, c_ptr, out_ptr, fn_ptr, part_ptr, sq_ptr, B, D, n_out, S,
                         HC: tl.constexpr, BD: tl.constexpr, NP: tl.constexpr, BR: tl.constexpr, SUM: tl.constexpr):
-    # `_hc_post_kernel` for BR rows and one block of BD columns of every stream, then `_hc_mix_kernel`'s
+    # `_hc_post_block` for BR rows and one block of BD columns of every stream, then `_hc_mix_kernel`'s
     # partial sums over those HC x BD elements of the flattened row (split s = the column block), from
     # X' as stored. They group the products by column block instead of by runs of the flattened row:
     # the same sums up to fp32 rounding.
@@ -1938,15 +1947,7 @@ def _hc_post_mix_kernel(x_ptr, y_ptr, y2_ptr, post_ptr, c_ptr, out_ptr, fn_ptr, 
     for r in tl.static_range(BR):
         b = tl.program_id(0) * BR + r
         if b < B:
-            X = tl.load(x_ptr + b * HC * D + flat).to(tl.float32)
-            C = tl.load(c_ptr + b * HC * HC + i[:, None] * HC + i[None, :])  # [source i, destination j]
-            y = tl.load(y_ptr + b * D + d).to(tl.float32)
-            if SUM:
-                y = _cast(y + tl.load(y2_ptr + b * D + d).to(tl.float32), out_ptr.dtype.element_ty).to(tl.float32)
-            new = tl.load(post_ptr + b * HC + i)[:, None] * y[None, :] + tl.sum(C[:, :, None] * X[:, None, :], axis=0)
-            new = _cast(new, out_ptr.dtype.element_ty)
-            tl.store(out_ptr + b * HC * D + flat, new)
-            v = new.to(tl.float32)
+            v = _hc_post_block(x_ptr, y_ptr, y2_ptr, post_ptr, c_ptr, out_ptr, b, d, D, HC, SUM).to(tl.float32)
             tl.store(part_ptr + (b * S + s) * NP + o, tl.sum(tl.sum(fn * v[None, :, :], axis=2), axis=1))
             tl.store(sq_ptr + b * S + s, tl.sum(tl.sum(v * v, axis=1), axis=0))
 
