@@ -69,6 +69,36 @@ def test_hc_kernels_match_model_glm(dtype, B, D):
         kernels.hc_post(X, routed, post, C, y[:1])
 
 
+@pytest.mark.parametrize("dtype,B,parts", [(torch.float32, 3, 1), (torch.bfloat16, 3, 2), (torch.bfloat16, 17, 1),
+                                           (torch.bfloat16, kernels.HC_DOT_MIN_ROWS, 2)],
+                         ids=["fp32", "bf16-moe", "bf16-two-row-blocks", "bf16-prefill-rows"])
+def test_hc_post_pre_is_hc_post_then_hc_pre(dtype, B, parts):
+    """The decode step's fused mHC boundary (one sub-layer's hc_post with the next one's hc_pre, the mix
+    in the post's launch; from HC_DOT_MIN_ROWS rows the two functions) against the two functions."""
+    cfg = GLMConfig.from_dict(tiny.tiny_config_dict())
+    g = torch.Generator().manual_seed(B)
+    hc, D = cfg.hc_mult, cfg.hidden_size
+    assert D % kernels.HC_POST_MIX_BLOCK == 0  # else the fused kernel would not run here
+    X = torch.randn(B, hc, D, generator=g).to(dtype).to(DEVICE)
+    rand = lambda *shape: torch.randn(*shape, generator=g).to(DEVICE)
+    fn, base, scale = 0.02 * rand(2 * hc + hc * hc, hc * D), rand(2 * hc + hc * hc), rand(3).abs() + 0.5
+    norm = (1 + 0.1 * rand(D)).to(dtype)
+    _, post, C = kernels.hc_pre(X, fn, base, scale, norm, cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
+    y, y2 = (rand(B, D), rand(B, D).to(dtype)) if parts == 2 else (rand(B, D).to(dtype), None)
+    fn2, base2 = 0.02 * rand(2 * hc + hc * hc, hc * D), rand(2 * hc + hc * hc)
+    args = (base2, scale, norm, cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
+    X_want = kernels.hc_post(X, y, post, C, y2)
+    want = kernels.hc_pre(X_want, fn2, *args)
+    X_got, *got = kernels.hc_post_pre(X, y, post, C, fn2, *args, y2=y2)
+    assert torch.equal(X_got, X_want)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-6)  # post
+    torch.testing.assert_close(got[2], want[2], rtol=1e-5, atol=1e-6)  # C
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-2)
+    torch.testing.assert_close(got[0], want[0], **tol)  # x: a 1-ulp rounding of u may differ
+    with pytest.raises(ValueError, match=r"hc_post_pre: fn must be contiguous fp32"):
+        kernels.hc_post_pre(X, y, post, C, fn2[:, :-1], *args, y2=y2)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_hc_mix_tensor_core_sums_are_fp32_exact(dtype):
     # The sums against fp64, scaled by Σ |x·fn| (fp32 summation's error bound is n·2^-24 times it):
