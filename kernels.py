@@ -1910,18 +1910,21 @@ def _hc_post_block(x_ptr, y_ptr, y2_ptr, post_ptr, c_ptr, out_ptr, b, d, D, HC: 
     # X'_j = post_j y + Σ_i C[i, j] X_i for row b and columns d of every stream: stores X' and returns it
     # [HC, len(d)] in out's dtype. SUM: y is a MoE output, routed (fp32) + shared, rounded to the
     # stream's dtype as model_glm's sum is.
+    # The sum over i runs in a fixed order (source streams one by one, then post_j y added, as
+    # model_glm.hc_post orders it), not as a tl.sum whose order follows the block's layout: X' is then
+    # bit for bit the same whatever block size the caller takes (hc_post and hc_post_pre differ in it).
     inside = d < D
-    i = tl.arange(0, HC)
-    at = b * HC * D + i[:, None] * D + d[None, :]
-    X = tl.load(x_ptr + at, mask=inside[None, :], other=0.0).to(tl.float32)
-    C = tl.load(c_ptr + b * HC * HC + i[:, None] * HC + i[None, :])  # [source i, destination j]
+    j = tl.arange(0, HC)
     y = tl.load(y_ptr + b * D + d, mask=inside, other=0.0).to(tl.float32)
     if SUM:
         y2 = tl.load(y2_ptr + b * D + d, mask=inside, other=0.0).to(tl.float32)
         y = _cast(y + y2, out_ptr.dtype.element_ty).to(tl.float32)
-    out = tl.load(post_ptr + b * HC + i)[:, None] * y[None, :] + tl.sum(C[:, :, None] * X[:, None, :], axis=0)
-    out = _cast(out, out_ptr.dtype.element_ty)
-    tl.store(out_ptr + at, out, mask=inside[None, :])
+    mixed = tl.zeros([HC, d.shape[0]], tl.float32)
+    for i in tl.static_range(HC):
+        X_i = tl.load(x_ptr + b * HC * D + i * D + d, mask=inside, other=0.0).to(tl.float32)
+        mixed += tl.load(c_ptr + b * HC * HC + i * HC + j)[:, None] * X_i[None, :]  # C[source i, destination j]
+    out = _cast(tl.load(post_ptr + b * HC + j)[:, None] * y[None, :] + mixed, out_ptr.dtype.element_ty)
+    tl.store(out_ptr + b * HC * D + j[:, None] * D + d[None, :], out, mask=inside[None, :])
     return out
 
 
