@@ -22,7 +22,8 @@ the 24 mixing dot products, Sinkhorn, the collapse and the sub-layer's RMSNorm; 
 gathered from the paged cache: `mla_attention` between W_UK and W_UV); the prefill's
 `dsa_prefill_attention` is the latter for the query rows of one sequence's chunk (fastprefill.py).
 
-This file imports neither exl3.py nor model_glm.py (they sit above it).
+This file imports neither exl3.py nor model_glm.py (they sit above it); exl3_kernels.py imports two
+of its helpers.
 """
 from __future__ import annotations
 
@@ -1352,7 +1353,7 @@ def moe_route(h: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, top_k: 
     """model_glm.route for rows h [B, D]: s = sigmoid(h·gate_wᵀ) in fp32 (gate_w [E, D] fp32), the
     top_k experts of s + bias (bias [E] fp32), their s normalized (norm_topk_prob) and scaled.
     Returns (ids int32 [B, top_k], weights fp32 [B, top_k]), in no particular order (int32: what
-    exl3_moe_decode reads, so no conversion launch between them)."""
+    exl3_kernels.exl3_moe_decode reads, so no conversion launch between them)."""
     B, D = h.shape
     E = gate_w.shape[0]
     if tuple(gate_w.shape) != (E, D) or gate_w.dtype != torch.float32 or not gate_w.is_contiguous():
