@@ -2,7 +2,7 @@
 
 Reading order: bitrates (§1.1), codebooks (§2.3), the tail-biting ring and its packing (§2.1-2.2),
 the tile order (§3), Hadamard + channel factors (§4), `EXL3Linear`, the quantizer (§8), files (§1).
-Everything here is plain torch and runs on CPU or GPU; `kernels.py` holds the fast CUDA twins of
+Everything here is plain torch and runs on CPU or GPU; `exl3_kernels.py` holds the fast CUDA twins of
 `unpack` and `x @ dequantize(...)`.
 """
 from __future__ import annotations
@@ -355,12 +355,12 @@ class EXL3Linear:
         return had_right(x_rot @ self.inner().float()) * self.svh.float()
 
     def _forward_cuda(self, x: Tensor) -> Tensor:
-        import kernels  # the Triton twins exist only where there is a GPU
+        import exl3_kernels  # the Triton twins exist only where there is a GPU
 
         if x.shape[0] <= GEMV_MAX_ROWS:
-            return kernels.exl3_gemv(x.half(), self.trellis, self.suh, self.svh, self.codebook).float()
+            return exl3_kernels.exl3_gemv(x.half(), self.trellis, self.suh, self.svh, self.codebook).float()
         x_rot = had_right(x.float() * self.suh.float()).half()
-        y = x_rot @ kernels.exl3_decode(self.trellis, self.codebook)
+        y = x_rot @ exl3_kernels.exl3_decode(self.trellis, self.codebook)
         return had_right(y) * self.svh.float()
 
 

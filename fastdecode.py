@@ -9,7 +9,7 @@ twin (tests/test_fastdecode.py holds them together). Only the way of computing d
   the 20 Sinkhorn iterations on 4x4 matrices;
 - projections that read the same input run as one GEMV: their weights are concatenated once and
   the model's own entries become views of the concatenation (same values, no extra memory);
-- the routed experts of a layer are stacked the same way, so `kernels.exl3_moe_decode` runs all
+- the routed experts of a layer are stacked the same way, so `exl3_kernels.exl3_moe_decode` runs all
   selected experts in three launches with the expert ids read on the device;
 - KDA (§4.3): conv window, SiLU, L2 norms, gate and β in one kernel (`kernels.kda_decode_inputs`),
   the recurrence in `kernels.kda_recurrent_step`, the output norm and gate in one more;
@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 import exl3
+import exl3_kernels
 import fp8
 import kernels
 from cache import CachePool
@@ -110,7 +111,7 @@ def fuse(model: GLMModel, names: list[str]) -> Fused:
 @dataclass
 class Experts:
     """One MoE layer's routed experts stacked [E, ...]: EXL3 (gate, up, down) = (trellis, suh, svh)
-    for kernels.exl3_moe_decode, or dense gate / up / down weights [E, out, in]."""
+    for exl3_kernels.exl3_moe_decode, or dense gate / up / down weights [E, out, in]."""
     exl3: tuple | None = None  # (gate, up, down, codebook)
     dense: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
@@ -544,7 +545,7 @@ class FastDecoder:
         ex = layer.experts
         if ex.exl3 is not None:
             gate, up, down, codebook = ex.exl3
-            return kernels.exl3_moe_decode(h, ids, w, gate, up, down, codebook, cfg.swiglu_limit)
+            return exl3_kernels.exl3_moe_decode(h, ids, w, gate, up, down, codebook, cfg.swiglu_limit)
         return _dense_experts(h, ids, w, ex.dense, cfg.swiglu_limit)
 
     def beside_shared(self, layer: Layer, h: torch.Tensor,

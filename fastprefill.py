@@ -11,7 +11,7 @@ stacked experts that `fastdecode.FastDecoder` prepared; model_glm.forward is thi
 - DSA (§4.4): the decode step's indexer kernel with the chunk's rows as the batch, then
   `kernels.dsa_prefill_attention` (one program per query row and 32 heads), so each query reads
   its 2051 selected positions instead of a mask over the whole context;
-- routed experts (§4.5): `kernels.exl3_moe_prefill` runs every selected expert of the layer in a few
+- routed experts (§4.5): `exl3_kernels.exl3_moe_prefill` runs every selected expert of the layer in a few
   launches instead of a Python loop over up to 288 experts.
 Decode steps go to FastDecoder; speculative verify passes come here too (dflash.target_forward);
 MTP drafting and the KDA rollback after a partial accept stay in model_glm.
@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+import exl3_kernels
 import kernels
 from fastdecode import FastDecoder, Layer, Unsupported, fp32_linear
 from model_glm import KDA_CHUNK, ForwardOutput, SeqChunk, linear, on_device, rms_norm, route_logits, write_dsa_rows
@@ -181,5 +182,5 @@ class FastPrefill:
         if ex.exl3 is not None:
             gate, up, down, codebook = ex.exl3
             x = h if h.dtype != torch.float32 else h.half()  # the kernel's GEMMs take fp16 activations
-            return kernels.exl3_moe_prefill(x, ids, w, gate, up, down, codebook, cfg.swiglu_limit)
+            return exl3_kernels.exl3_moe_prefill(x, ids, w, gate, up, down, codebook, cfg.swiglu_limit)
         return self.model.routed_experts(f"layers.{L}.mlp.", h, ids, w)

@@ -4,8 +4,6 @@
 On CPU the Triton kernels run under the interpreter (tests/conftest.py); on a GPU the same tests
 run the compiled kernels, and the CUDA-graph test runs too.
 """
-import warnings
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -279,8 +277,8 @@ def test_dsa_kernels_match_select_tokens_and_mla_attention(dtype, width):
     pools; a table of 2 blocks holds 4 pools, so every pool is taken and no indexer runs."""
     cfg = GLMConfig.from_dict(tiny.tiny_config_dict())
     g = torch.Generator().manual_seed(5)
-    H, dn, R, Hi, d, kpool, bs = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank,
-                                  cfg.index_n_heads, cfg.index_head_dim, cfg.index_kpool, 8)
+    H, dn, R, Hi, d, kpool = (cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank,
+                              cfg.index_n_heads, cfg.index_head_dim, cfg.index_kpool)
     latent, _, _, pooled = _dsa_cache(dtype, g, R=R, d=d)
     if width == 3:  # 6, 3 and 0 candidate pools: more than the top-k, fewer (a -inf pick), only the tail
         tables, positions = torch.tensor([[5, 2, 0], [1, 3, 4], [4, 0, 1]]), torch.tensor([23, 14, 2])

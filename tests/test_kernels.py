@@ -1,4 +1,4 @@
-"""Triton kernels against their torch twins: EXL3 (exllamav3's golden outputs and exl3.py), KDA
+"""Triton kernels against their torch twins: EXL3 (exl3_kernels.py; exllamav3's golden outputs and exl3.py), KDA
 (model_glm.kda_recurrent), FP8 block-128 (fp8.py).
 
 On CPU the kernels run under TRITON_INTERPRET=1 (tests/conftest.py), so shapes stay tiny there;
@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 import exl3
+import exl3_kernels
 import fp8
 import kernels
 from bench import kda_twin, rel_err
@@ -19,7 +20,7 @@ from model_glm import kda_recurrent
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="large shapes only on a GPU")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-CONFIGS = [f"K{k}_{cb}" for k in range(1, 9) for cb in kernels.CODEBOOKS] + [
+CONFIGS = [f"K{k}_{cb}" for k in range(1, 9) for cb in exl3_kernels.CODEBOOKS] + [
     "K1p5_mul1", "K2p5_mul1", "K3p5_mul1"]
 # Every K and every codebook at least once. Launch shapes (block_n, row_tiles, split_k) vary to cover
 # one and several programs per 128-column block; large row_tiles keep the interpreter's loop short.
@@ -56,7 +57,7 @@ def _random_x(m: int, k: int, seed: int) -> torch.Tensor:
 def test_decode_is_bit_exact_against_exllamav3(golden, config):
     trellis = _golden(golden, config, "trellis")
     out = torch.full((256, 256), float("nan"), dtype=torch.float16, device=DEVICE)
-    kernels.exl3_decode(trellis, config.split("_")[1], out=out)
+    exl3_kernels.exl3_decode(trellis, config.split("_")[1], out=out)
     inner = _golden(golden, config, "inner")
     mismatches = (out.view(torch.int16) != inner.view(torch.int16)).sum().item()
     assert mismatches == 0, f"{config}: {mismatches} of 65536 values differ from exllamav3's reconstruct"
@@ -68,7 +69,7 @@ def _identity_times_tiles_kernel(words_ptr, eye_ptr, out_ptr, k, n, K2: tl.const
     # out[BM rows, 128-column block] = (I · Ŵ)[those rows] through the decode that feeds tl.dot in the
     # MoE prefill (_lane_words, _load_step, _decoded_tiles): each sum has one nonzero product, w · 1.
     rows = tl.program_id(1) * BM + tl.arange(0, BM)
-    acc = kernels._prefill_products(words_ptr, eye_ptr + tl.program_id(1) * BM * k, (rows < k)[None, :], k, n,
+    acc = exl3_kernels._prefill_products(words_ptr, eye_ptr + tl.program_id(1) * BM * k, (rows < k)[None, :], k, n,
                                     tl.program_id(0), K2, CB, RT, BM)
     cols = tl.program_id(0) * 128 + tl.arange(0, 128)
     tl.store(out_ptr + rows[None, :] * n + cols[:, None], acc)
@@ -80,11 +81,11 @@ def _identity_times_tiles_kernel(words_ptr, eye_ptr, out_ptr, k, n, K2: tl.const
 def test_decoded_tiles_are_bit_exact_against_exllamav3(golden, config):
     trellis = _golden(golden, config, "trellis")
     codebook = config.split("_")[1]
-    k2 = kernels.trellis_k2(trellis, codebook)
+    k2 = exl3_kernels.trellis_k2(trellis, codebook)
     eye = torch.eye(256, dtype=torch.float16, device=DEVICE)
     out = torch.full((256, 256), float("nan"), dtype=torch.float32, device=DEVICE)
     _identity_times_tiles_kernel[(2, 2)](trellis.contiguous().view(torch.int32), eye, out, 256, 256, K2=k2,
-                                         CB=kernels.CODEBOOKS.index(codebook), RT=2, BM=128, num_warps=8)
+                                         CB=exl3_kernels.CODEBOOKS.index(codebook), RT=2, BM=128, num_warps=8)
     inner = _golden(golden, config, "inner").float()
     mismatches = (out != inner).sum().item()  # values, not bits: a zero weight may come out as +0 or -0
     assert mismatches == 0, f"{config}: {mismatches} of 65536 decoded weights differ from exllamav3's reconstruct"
@@ -94,7 +95,7 @@ def test_decoded_tiles_are_bit_exact_against_exllamav3(golden, config):
 def test_gemv_matches_exllamav3_batch4(golden, config, block_n, row_tiles, split_k):
     x = _golden(golden, config, "x4")
     out = torch.full((4, 256), float("nan"), dtype=torch.float16, device=DEVICE)
-    kernels.exl3_gemv(x, _golden(golden, config, "trellis"), _golden(golden, config, "suh"),
+    exl3_kernels.exl3_gemv(x, _golden(golden, config, "trellis"), _golden(golden, config, "suh"),
                       _golden(golden, config, "svh"), config.split("_")[1], out=out,
                       block_n=block_n, row_tiles=row_tiles, split_k=split_k)
     assert torch.isfinite(out).all(), "some outputs were not written"
@@ -107,8 +108,8 @@ def test_gemv_split_buffers_are_left_clean(golden):
     config = "K3_mcg"
     args = [_golden(golden, config, name) for name in ("trellis", "suh", "svh")]
     x = _random_x(2, 256, seed=1)
-    first = kernels.exl3_gemv(x, *args, "mcg", block_n=64, row_tiles=8, split_k=2)
-    second = kernels.exl3_gemv(x, *args, "mcg", block_n=64, row_tiles=8, split_k=2)
+    first = exl3_kernels.exl3_gemv(x, *args, "mcg", block_n=64, row_tiles=8, split_k=2)
+    second = exl3_kernels.exl3_gemv(x, *args, "mcg", block_n=64, row_tiles=8, split_k=2)
     assert rel_err(second, first) <= 1e-6
 
 
@@ -116,7 +117,7 @@ def test_gemv_split_buffers_are_left_clean(golden):
 def test_decode_matches_torch_twin(width, codebook):
     trellis, _, _ = _random_linear(256, 384, width, seed=width)
     out = torch.full((256, 384), float("nan"), dtype=torch.float16, device=DEVICE)
-    kernels.exl3_decode(trellis, codebook, out=out)
+    exl3_kernels.exl3_decode(trellis, codebook, out=out)
     assert torch.equal(out.view(torch.int16), exl3.unpack(trellis, codebook).view(torch.int16))
 
 
@@ -126,7 +127,7 @@ def test_gemv_matches_torch_twin(m, width, codebook, split_k):
     trellis, suh, svh = _random_linear(128, 256, width, seed=m)
     x = _random_x(m, 128, seed=m + 10)
     out = torch.full((m, 256), float("nan"), dtype=torch.float16, device=DEVICE)
-    kernels.exl3_gemv(x, trellis, suh, svh, codebook, out=out, row_tiles=8 // split_k, split_k=split_k)
+    exl3_kernels.exl3_gemv(x, trellis, suh, svh, codebook, out=out, row_tiles=8 // split_k, split_k=split_k)
     assert torch.isfinite(out).all(), "some outputs were not written"
     ref = x.float() @ exl3.dequantize(trellis, suh, svh, codebook).float()
     err = rel_err(out, ref)
@@ -135,8 +136,8 @@ def test_gemv_matches_torch_twin(m, width, codebook, split_k):
 
 def test_gemv_more_rows_than_one_launch_takes():
     trellis, suh, svh = _random_linear(128, 128, 32, seed=5)
-    x = _random_x(2 * kernels.GEMV_ROWS + 1, 128, seed=6)
-    y = kernels.exl3_gemv(x, trellis, suh, svh, "mul1", row_tiles=8)
+    x = _random_x(2 * exl3_kernels.GEMV_ROWS + 1, 128, seed=6)
+    y = exl3_kernels.exl3_gemv(x, trellis, suh, svh, "mul1", row_tiles=8)
     ref = x.float() @ exl3.dequantize(trellis, suh, svh, "mul1").float()
     assert rel_err(y, ref) <= 1e-3
 
@@ -147,14 +148,14 @@ def test_gemv_more_rows_than_one_launch_takes():
 def test_large_shapes_on_gpu(k, n, width, codebook):
     trellis, suh, svh = _random_linear(k, n, width, seed=k + n)
     inner = exl3.unpack(trellis, codebook)
-    assert torch.equal(kernels.exl3_decode(trellis, codebook).view(torch.int16), inner.view(torch.int16))
+    assert torch.equal(exl3_kernels.exl3_decode(trellis, codebook).view(torch.int16), inner.view(torch.int16))
     w = exl3.dequantize(trellis, suh, svh, codebook).float()
     for m in (1, 8):
         x = _random_x(m, k, seed=m)
         ref = x.float() @ w
         for _ in range(3):  # repeated calls: a moving error would mean a split-k race
             out = torch.full((m, n), float("nan"), dtype=torch.float16, device=DEVICE)
-            kernels.exl3_gemv(x, trellis, suh, svh, codebook, out=out)
+            exl3_kernels.exl3_gemv(x, trellis, suh, svh, codebook, out=out)
             err = rel_err(out, ref)
             assert err <= 1e-3, f"m={m}: relative error {err:.2e}"
 
@@ -162,15 +163,15 @@ def test_large_shapes_on_gpu(k, n, width, codebook):
 def test_bad_input_is_named():
     trellis = torch.zeros(8, 8, 48, dtype=torch.int16, device=DEVICE)
     with pytest.raises(ValueError, match="codebook"):
-        kernels.exl3_decode(trellis, "qtip")
+        exl3_kernels.exl3_decode(trellis, "qtip")
     with pytest.raises(ValueError, match="last dim 20"):
-        kernels.exl3_decode(torch.zeros(8, 8, 20, dtype=torch.int16), "mcg")
+        exl3_kernels.exl3_decode(torch.zeros(8, 8, 20, dtype=torch.int16), "mcg")
     with pytest.raises(ValueError, match="half-integer"):
-        kernels.exl3_decode(torch.zeros(8, 8, 40, dtype=torch.int16), "mcg")
+        exl3_kernels.exl3_decode(torch.zeros(8, 8, 40, dtype=torch.int16), "mcg")
     x = torch.zeros(1, 64, dtype=torch.float16, device=DEVICE)
     suh = torch.ones(128, dtype=torch.float16, device=DEVICE)
     with pytest.raises(ValueError, match=r"\[m, 128\].*\(1, 64\)"):
-        kernels.exl3_gemv(x, trellis, suh, suh, "3inst")
+        exl3_kernels.exl3_gemv(x, trellis, suh, suh, "3inst")
 
 
 # ---------------------------------------------------------------- KDA recurrence
@@ -384,7 +385,7 @@ def test_moe_decode_matches_expert_twins(m, top_k, k_words, codebook, block_n, r
     x = (scale * torch.randn(m, D, generator=g)).half().to(DEVICE)
     ids = torch.tensor([[0, 2, 3][:top_k], [2, 1, 0][:top_k]][:m], device=DEVICE)
     route = torch.rand(m, top_k, generator=g).to(DEVICE)
-    y = kernels.exl3_moe_decode(x, ids, route, *projections, codebook, limit, block_n=block_n, row_tiles=row_tiles)
+    y = exl3_kernels.exl3_moe_decode(x, ids, route, *projections, codebook, limit, block_n=block_n, row_tiles=row_tiles)
     ref = torch.zeros(m, D, device=DEVICE)
     for t in range(m):
         for j in range(top_k):
@@ -402,7 +403,8 @@ def test_moe_decode_matches_expert_twins(m, top_k, k_words, codebook, block_n, r
     # its size left full of NaN (the allocator hands it out again) must not show.
     junk = torch.full((m, D), float("nan"), device=DEVICE)
     del junk
-    again = kernels.exl3_moe_decode(x, ids, route, *projections, codebook, limit, block_n=block_n, row_tiles=row_tiles)
+    again = exl3_kernels.exl3_moe_decode(x, ids, route, *projections, codebook, limit, block_n=block_n,
+                                         row_tiles=row_tiles)
     assert rel_err(again, y) <= 1e-6, "the second call sees the first's partial sums, or unzeroed memory"
 
 
@@ -454,7 +456,8 @@ def test_moe_prefill_matches_expert_twins(width, codebook, block_m, row_tiles, s
     projections = _stacked_experts(E, D, I, width, seed=width)
     ids, route = _skewed_routing(m, top_k, E, seed=width)
     x = (scale * torch.randn(m, D, generator=torch.Generator().manual_seed(width))).to(dtype).to(DEVICE)
-    y = kernels.exl3_moe_prefill(x, ids, route, *projections, codebook, limit, block_m=block_m, row_tiles=row_tiles)
+    y = exl3_kernels.exl3_moe_prefill(x, ids, route, *projections, codebook, limit, block_m=block_m,
+                                      row_tiles=row_tiles)
     ref = _moe_twin(x, ids, route, projections, codebook, limit)
     assert (ids == E - 1).sum() == 0 and y.dtype == torch.float32
     err = rel_err(y, ref)
@@ -466,8 +469,8 @@ def test_moe_prefill_equals_moe_decode():
     projections = _stacked_experts(E, D, I, 48, seed=3)
     ids, route = _skewed_routing(m, top_k, E, seed=3)
     x = torch.randn(m, D, generator=torch.Generator().manual_seed(3)).half().to(DEVICE)
-    y = kernels.exl3_moe_prefill(x, ids, route, *projections, codebook, limit, row_tiles=8)
-    ref = kernels.exl3_moe_decode(x, ids, route, *projections, codebook, limit, row_tiles=8)
+    y = exl3_kernels.exl3_moe_prefill(x, ids, route, *projections, codebook, limit, row_tiles=8)
+    ref = exl3_kernels.exl3_moe_decode(x, ids, route, *projections, codebook, limit, row_tiles=8)
     err = rel_err(y, ref)
     assert err <= PREFILL_MOE_REL, f"relative error {err:.2e} against exl3_moe_decode"
 
@@ -482,7 +485,7 @@ def test_moe_prefill_large_on_gpu(width, codebook, block_m, num_warps):
     x = torch.randn(m, D, generator=torch.Generator().manual_seed(width)).bfloat16().to(DEVICE)
     ref = _moe_twin(x, ids, route, projections, codebook, limit)
     for _ in range(2):  # a second call must not see the first's buffers
-        y = kernels.exl3_moe_prefill(x, ids, route, *projections, codebook, limit, block_m=block_m,
+        y = exl3_kernels.exl3_moe_prefill(x, ids, route, *projections, codebook, limit, block_m=block_m,
                                      num_warps=num_warps)
         err = rel_err(y, ref)
         assert err <= PREFILL_MOE_REL, f"relative error {err:.2e} against the per-expert twin"
@@ -493,11 +496,11 @@ def test_moe_prefill_bad_input_is_named():
     x = torch.zeros(3, 128, dtype=torch.float16, device=DEVICE)
     ids = torch.zeros(3, 2, dtype=torch.int64, device=DEVICE)
     with pytest.raises(ValueError, match=r"ids and route must both be \[3, top_k\]"):
-        kernels.exl3_moe_prefill(x, ids, torch.ones(3, 1, device=DEVICE), *projections, "mcg", 1.0)
+        exl3_kernels.exl3_moe_prefill(x, ids, torch.ones(3, 1, device=DEVICE), *projections, "mcg", 1.0)
     with pytest.raises(ValueError, match="block_m must be"):
-        kernels.exl3_moe_prefill(x, ids, torch.ones(3, 2, device=DEVICE), *projections, "mcg", 1.0, block_m=48)
+        exl3_kernels.exl3_moe_prefill(x, ids, torch.ones(3, 2, device=DEVICE), *projections, "mcg", 1.0, block_m=48)
     with pytest.raises(ValueError, match=r"x must be fp16 or bf16 \[m, 128\]"):
-        kernels.exl3_moe_prefill(x.float(), ids, torch.ones(3, 2, device=DEVICE), *projections, "mcg", 1.0)
+        exl3_kernels.exl3_moe_prefill(x.float(), ids, torch.ones(3, 2, device=DEVICE), *projections, "mcg", 1.0)
 
 
 # ---------------------------------------------------------------- bf16 rows x fp32 weight, fp32-accurate

@@ -1,0 +1,909 @@
+"""EXL3 linears in Triton (spec exl3.md), each kernel with its pure-torch twin in exl3.py.
+
+Twins: `exl3_decode` is `exl3.unpack`, `exl3_gemv`
+is `x @ exl3.dequantize(...)`. Decoding one weight, for a tile whose packed words are read as
+little-endian uint32:
+  position t -> its 16-bit state = ring bits [E(t) - 16, E(t)), E(t) = ((t + 1) * K2) >> 1 with
+  K2 = 2K (also for the half rates 1.5 / 2.5 / 3.5), the ring being 128 * K2 bits, MSB first;
+  state -> fp16 value through the codebook (one round-to-nearest-even);
+  position t <-> tile row/column by the mma B-fragment layout (§3).
+exl3_gemv never materializes W: a small kernel rotates the input ((x ⊙ suh) · H128, fp32), then
+every thread element of the main kernel is one mma lane of one 16x16 tile, whose 8 positions
+come from 2-4 ring words loaded once (every bit offset a compile-time constant); the decoded
+tiles feed tl.dot as they are, as its A operand (y^T = Ŵ^T x^T; the activations are B: fp16 hi and
+lo parts of each fp32 row, N padded to 16), so the ALU only decodes. k is split over programs;
+partial sums meet in a zeroed fp32 buffer and the last program to arrive at a 128-column block
+applies H128 and svh (stream-K style fixup, one launch).
+exl3_moe_decode runs the same loop for all selected experts of a MoE layer at once (expert ids
+read on the device), with SwiGLU and the routed sum in the block fixups.
+exl3_moe_prefill is the MoE layer for many rows: pairs sorted by expert, grouped GEMMs that decode
+each trellis tile in registers once per tile of up to 128 rows of that expert.
+
+Like kernels.py, this file imports neither exl3.py nor model_glm.py (they sit above it); it takes
+two small helpers from kernels.py (the result buffer and the block_n check the FP8 GEMV shares).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import _check_block_n, _out_buffer
+
+CODEBOOKS = ("3inst", "mcg", "mul1")
+
+
+@triton.jit
+def _stream_position(r, c):
+    # Inverse of spec §3: tile row r, column c -> stream position t = 8 * lane + j.
+    lane = 4 * (c & 7) + ((r & 7) >> 1)
+    j = (r & 1) + 2 * (r >> 3) + 4 * (c >> 3)
+    return 8 * lane + j
+
+
+@triton.jit
+def _window(t, K2: tl.constexpr):
+    # First ring bit of position t's state (word index, bit offset), wrapped onto the ring.
+    RING: tl.constexpr = 128 * K2
+    start = (((t + 1) * K2) >> 1) + (RING - 16)
+    start = tl.where(start >= RING, start - RING, start)
+    return start >> 5, start & 31
+
+
+@triton.jit
+def _state(words_ptr, tile_word0, w, o, K2: tl.constexpr):
+    # 16 bits starting at bit o of word w, continuing into the next word of the same tile (tail-biting).
+    NW: tl.constexpr = 4 * K2
+    w_next = tl.where(w == NW - 1, 0, w + 1)
+    hi = tl.load(words_ptr + tile_word0 + w).to(tl.uint32, bitcast=True)
+    lo = tl.load(words_ptr + tile_word0 + w_next).to(tl.uint32, bitcast=True)
+    o = o.to(tl.uint32)
+    # (lo >> 1) >> (31 - o) is lo >> (32 - o) without a 32-bit shift when o == 0.
+    window = (hi << o) | ((lo >> 1) >> (31 - o))
+    return window >> 16
+
+
+@triton.jit
+def _codebook(state, CB: tl.constexpr, zero=0):
+    # spec §2.3; CB 0 = 3INST, 1 = MCG, 2 = MUL1. All products are mod 2^32 (uint32).
+    if CB == 2:
+        x = state * 0x83DCD12D
+        s = (x & 0xFF) + ((x >> 8) & 0xFF) + ((x >> 16) & 0xFF) + (x >> 24)
+        # Exact in fp32 (s * 1773 * 2^-18 - 221 * 2^-6 fits 24 bits), then the single RNE to fp16.
+        value = (s.to(tl.float32) * 0.00676727294921875 - 3.453125).to(tl.float16)
+    else:
+        if CB == 0:
+            x = state * 89226354 + 64248484
+        else:
+            x = state * 0xCBAC1FED
+        x = (x & 0x8FFF8FFF) ^ (zero | 0x3B603B60)
+        lo = (x & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True)
+        hi = (x >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
+        value = lo + hi  # fp16 add: the exact sum rounded once (both halves lie in ±[0.125, 2))
+    return value
+
+
+@triton.jit
+def _decode_kernel(words_ptr, out_ptr, tiles_k, tiles_n,
+                   K2: tl.constexpr, CB: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+    NW: tl.constexpr = 4 * K2
+    tile_row0 = tl.program_id(0) * (BR // 16)
+    tile_col0 = tl.program_id(1) * (BC // 16)
+    i = tl.arange(0, BR)[:, None]
+    j = tl.arange(0, BC)[None, :]
+    inside = (tile_row0 + i // 16 < tiles_k) & (tile_col0 + j // 16 < tiles_n)
+    w, o = _window(_stream_position(i % 16, j % 16), K2)
+    tile = tl.where(inside, (tile_row0 + i // 16) * tiles_n + tile_col0 + j // 16, 0)
+    value = _codebook(_state(words_ptr, tile.to(tl.int64) * NW, w, o, K2), CB)
+    rows = (tile_row0 * 16 + i).to(tl.int64)
+    tl.store(out_ptr + rows * (tiles_n * 16) + tile_col0 * 16 + j, value, mask=inside)
+
+
+@triton.jit
+def _times_hadamard(z, ROWS: tl.constexpr):
+    # z [ROWS, 128] times sqrt(128) * H128 (Sylvester order, spec §4): 7 butterfly stages
+    # (a, b) -> (a + b, a - b) over index bit s, in fp32.
+    for s in tl.static_range(7):
+        z = tl.reshape(z, [ROWS, 64 >> s, 2, 1 << s])
+        a, b = tl.split(tl.permute(z, (0, 1, 3, 2)))
+        z = tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2))
+    return tl.reshape(z, [ROWS, 128])
+
+
+@triton.jit
+def _rotate_input_kernel(x_ptr, suh_ptr, xh_ptr, m, k):
+    # xh = (x ⊙ suh) · H128 for one 128-block of k, in fp32, stored in the gemv's row order:
+    # inside every 16-row tile, row r = 8 * j1 + 2 * ll + j0 goes to slot 4 * ll + 2 * j1 + j0, so
+    # that the rows one mma lane needs (spec §3) are 4 neighbours.
+    rows = tl.arange(0, 16)[:, None]
+    i = tl.arange(0, 128)
+    x = tl.load(x_ptr + rows * k + tl.program_id(0) * 128 + i[None, :], mask=rows < m, other=0.0)
+    suh = tl.load(suh_ptr + tl.program_id(0) * 128 + i)
+    xh = _times_hadamard(x.to(tl.float32) * suh.to(tl.float32)[None, :], 16) * 0.08838834764831845  # /sqrt(128)
+    r = i % 16
+    slot = i - r + 4 * ((r >> 1) & 3) + 2 * (r >> 3) + (r & 1)
+    tl.store(xh_ptr + rows * k + tl.program_id(0) * 128 + slot[None, :], xh, mask=rows < m)
+
+
+@triton.jit
+def _pick(v0, v1, v2, v3, q: tl.constexpr):
+    if q == 0:
+        v = v0
+    elif q == 1:
+        v = v1
+    elif q == 2:
+        v = v2
+    else:
+        v = v3
+    return v
+
+
+@triton.jit
+def _funnel(hi, lo, o):
+    # The 32 bits from bit o (0..31, MSB first) of the 64-bit stream hi lo.
+    return ((((hi.to(tl.uint64) << 32) | lo.to(tl.uint64)) << o.to(tl.uint64)) >> 32).to(tl.uint32)
+
+
+@triton.jit
+def _bits16(r0, r1, r2, r3, p: tl.constexpr):
+    # The 16 bits from bit p (compile-time, MSB first) of the stream r0 r1 r2 r3, as a state.
+    hi = _pick(r0, r1, r2, r3, p // 32)
+    s: tl.constexpr = p % 32
+    if s == 0:
+        state = hi >> 16
+    elif s <= 16:
+        state = (hi >> (16 - s)) & 0xFFFF
+    else:
+        state = ((hi << s) | (_pick(r0, r1, r2, r3, p // 32 + 1) >> (32 - s))) >> 16
+    return state
+
+
+@triton.jit
+def _load_step(p0, p1, p2, p3, delta, x_ptrs, x_delta, x_ok, NL: tl.constexpr):
+    # One step's NL ring words of every lane of RT x CT tiles (word pointers p0..p3 plus delta), and
+    # its activations (x_ptrs plus x_delta). The callers form the pointers once, outside their loop,
+    # and pass the step as a scalar delta: each load's address is then one IMAD.WIDE on sm_90 (a
+    # per-step base plus a per-lane offset took a 64-bit add, two instructions, per load).
+    w0 = tl.load(p0 + delta).to(tl.uint32, bitcast=True)
+    w1 = w0
+    w2 = w0
+    w3 = w0
+    if NL > 1:
+        w1 = tl.load(p1 + delta).to(tl.uint32, bitcast=True)
+    if NL > 2:
+        w2 = tl.load(p2 + delta).to(tl.uint32, bitcast=True)
+    if NL > 3:
+        w3 = tl.load(p3 + delta).to(tl.uint32, bitcast=True)
+    x = tl.load(x_ptrs + x_delta, mask=x_ok, other=0.0)
+    return w0, w1, w2, w3, x
+
+
+@triton.jit
+def _lane_words(tiles_n, pid_n, K2: tl.constexpr, RT: tl.constexpr, CT: tl.constexpr):
+    # For each mma lane L of each of the RT x CT tiles of a step (column block pid_n of tiles_n
+    # tiles): the bit offset o of b_L, the start of its first state, in its word, and the offsets of
+    # the 4 ring words from that one on (the ring wraps) relative to the step's first word.
+    NW: tl.constexpr = 4 * K2
+    RING: tl.constexpr = 128 * K2
+    lane = tl.arange(0, 32)[:, None, None]
+    b = (((8 * lane + 1) * K2) >> 1) + RING - 16
+    b = tl.where(b >= RING, b - RING, b)
+    first = b >> 5
+    tile_word0 = (tl.arange(0, RT)[None, None, :] * tiles_n + pid_n * CT + tl.arange(0, CT)[None, :, None]) * NW
+    return ((b & 31).to(tl.uint32), tile_word0 + first, tile_word0 + (first + 1) % NW,
+            tile_word0 + (first + 2) % NW, tile_word0 + (first + 3) % NW)
+
+
+@triton.jit
+def _lane_state(w0, w1, r0, r1, r2, r3, o, p: tl.constexpr, DIRECT: tl.constexpr):
+    # The state p bits after b_L: a 64-bit shift of the lane's first two words when DIRECT, else a
+    # constant shift of the realigned words.
+    if DIRECT:
+        state = _funnel(w0, w1, o + p) >> 16
+    else:
+        state = _bits16(r0, r1, r2, r3, p)
+    return state
+
+
+@triton.jit
+def _decoded_tiles(w0, w1, w2, w3, o, zero, K2: tl.constexpr, CB: tl.constexpr, RT: tl.constexpr,
+                   CT: tl.constexpr, STATIC: tl.constexpr, BASE: tl.constexpr, NR: tl.constexpr,
+                   DIRECT: tl.constexpr):
+    # Ŵ^T [CT * 16, RT * 16] fp16 of one step from every lane's ring words, in the mma A-operand
+    # layout (rows: output columns, columns: k, both natural).
+    r0 = w0
+    r1 = w1
+    r2 = w2
+    r3 = w3
+    if not STATIC and not DIRECT:
+        r0 = _funnel(w0, w1, o)
+        r1 = r0
+        r2 = r0
+        if NR > 1:
+            r1 = _funnel(w1, w2, o)
+        if NR > 2:
+            r2 = _funnel(w2, w3, o)
+        r3 = r0
+    v0 = _codebook(_lane_state(w0, w1, r0, r1, r2, r3, o, BASE, DIRECT), CB, zero)
+    v1 = _codebook(_lane_state(w0, w1, r0, r1, r2, r3, o, BASE + ((2 * K2) >> 1) - (K2 >> 1), DIRECT), CB, zero)
+    v2 = _codebook(_lane_state(w0, w1, r0, r1, r2, r3, o, BASE + ((3 * K2) >> 1) - (K2 >> 1), DIRECT), CB, zero)
+    v3 = _codebook(_lane_state(w0, w1, r0, r1, r2, r3, o, BASE + ((4 * K2) >> 1) - (K2 >> 1), DIRECT), CB, zero)
+    v4 = _codebook(_lane_state(w0, w1, r0, r1, r2, r3, o, BASE + ((5 * K2) >> 1) - (K2 >> 1), DIRECT), CB, zero)
+    v5 = _codebook(_lane_state(w0, w1, r0, r1, r2, r3, o, BASE + ((6 * K2) >> 1) - (K2 >> 1), DIRECT), CB, zero)
+    v6 = _codebook(_lane_state(w0, w1, r0, r1, r2, r3, o, BASE + ((7 * K2) >> 1) - (K2 >> 1), DIRECT), CB, zero)
+    v7 = _codebook(_lane_state(w0, w1, r0, r1, r2, r3, o, BASE + ((8 * K2) >> 1) - (K2 >> 1), DIRECT), CB, zero)
+    # w[L, ct, rt, j0, j1, j2] = v_(4 j2 + 2 j1 + j0): Ŵ row 8 j1 + 2 (L % 4) + j0, column 8 j2 + L / 4.
+    w = tl.join(tl.join(tl.join(v0, v1), tl.join(v2, v3)), tl.join(tl.join(v4, v5), tl.join(v6, v7)))
+    w = tl.reshape(w, [8, 4, CT, RT, 2, 2, 2])                                  # c, g, ct, rt, j0, j1, j2
+    return tl.reshape(tl.permute(w, (2, 6, 0, 3, 5, 1, 4)), [CT * 16, RT * 16])  # Ŵ^T: ct j2 c | rt j1 g j0
+
+
+@triton.jit
+def _step_dot(w0, w1, w2, w3, x, o, zero, acc, K2: tl.constexpr, CB: tl.constexpr, MP: tl.constexpr,
+              RT: tl.constexpr, CT: tl.constexpr, STATIC: tl.constexpr, BASE: tl.constexpr, NR: tl.constexpr,
+              DIRECT: tl.constexpr):
+    # acc [CT * 16, 16] += Ŵ^T · B for one step of RT x CT tiles: y^T = Ŵ^T x^T, so that the decoded
+    # weights are the mma A operand, whose fragment is exactly a lane's 8 states (spec §3: rows
+    # 2(L%4) + {0, 1, 8, 9} of Ŵ, columns L/4 and L/4 + 8) and never leave the registers (on sm_90
+    # triton 3.6 makes this a wgmma with A in registers). B holds each fp32 activation row as fp16
+    # hi (column i) and lo * 2^11 (column MP + i) parts, so the fp16 products summed in fp32 lose
+    # nothing that matters: the 2^11 keeps lo out of fp16's subnormals for |x| >= 2^-14 (without it
+    # a MoE layer with ~1e-4 activations was 6.5e-3 off on the H200); |x| must stay below 65504, as
+    # in exllamav3's fp16 path.
+    # Columns from 2 MP on are zero.
+    w = _decoded_tiles(w0, w1, w2, w3, o, zero, K2, CB, RT, CT, STATIC, BASE, NR, DIRECT)
+    hi = x.to(tl.float16)
+    b = tl.where(tl.arange(0, 16)[None, :] < MP, hi, ((x - hi.to(tl.float32)) * 2048.0).to(tl.float16))
+    return tl.dot(w, b, acc)
+
+
+@triton.jit
+def _gemv_products(xh_ptr, words_ptr, m, k, n, steps, pid_n, pid_k,
+                   K2: tl.constexpr, CB: tl.constexpr, MP: tl.constexpr, RT: tl.constexpr, CT: tl.constexpr):
+    # Program (pid_n, pid_k): output tiles [CT * pid_n, CT * (pid_n + 1)), `steps` steps of RT row
+    # tiles from row tile RT * steps * pid_k, MP <= 8 rows. One thread element = one mma lane L of
+    # one tile, which owns stream positions 8L .. 8L + 7 (spec §3); the decoded tiles go straight
+    # into tl.dot (see _step_dot), so the multiply-adds leave the ALU. The lane axis comes first in
+    # the decode tensors: that is the order in which triton lays them out like the mma operand.
+    # Returns this program's partial sums z [MP, CT * 16]; the callers add them up across programs
+    # and let the last program of each 128-column block apply H128 and svh.
+    NW: tl.constexpr = 4 * K2
+    # Position 8L + j of a tile ends at ring bit 4 L K2 + (((j + 1) K2) >> 1), so relative to the
+    # start b_L of lane L's first state, state j starts at the compile-time bit
+    # ((j + 1) K2 >> 1) - (K2 >> 1), and all 8 end SPAN bits after b_L. Only b_L's offset in its word
+    # depends on the lane, unless 4 K2 is a multiple of 32 (STATIC: then it is BASE for every lane).
+    # Otherwise that offset o = (4 L K2 + (K2 >> 1) + 16) mod 32 steps by G = gcd(4 K2, 32) from lane
+    # to lane, so it is at most O_MAX. When every state of every lane then lies in the lane's first
+    # two words (DIRECT: K <= 3), each state is one 64-bit shift of those by o plus a constant (on
+    # sm_90 one SHF.L.U64.HI and the shift down: K3 467 loop instructions against 476 with the
+    # realignment); other rates shift the lane's words once per step so that they start at b_L (NR
+    # realigned words from NL loaded ones), and every state is then a shift by a constant.
+    SPAN: tl.constexpr = ((8 * K2) >> 1) - (K2 >> 1) + 16
+    STATIC: tl.constexpr = (4 * K2) % 32 == 0
+    BASE: tl.constexpr = ((K2 >> 1) + 16) % 32 if STATIC else 0
+    NR: tl.constexpr = (SPAN + 31) // 32
+    G: tl.constexpr = 32 if K2 % 8 == 0 else (16 if K2 % 4 == 0 else (8 if K2 % 2 == 0 else 4))
+    O_MAX: tl.constexpr = (((K2 >> 1) + 16) % G) + 32 - G
+    DIRECT: tl.constexpr = not STATIC and SPAN + O_MAX <= 64
+    NL: tl.constexpr = (BASE + SPAN + 31) // 32 if STATIC else (2 if DIRECT else NR + 1)
+    tiles_n = n // 16
+    # A zero the compiler cannot see through: with it, the codebook's two LOP3 constants are one
+    # immediate and one loop-invariant register, instead of a constant re-materialized per weight.
+    zero = (k >> 31).to(tl.uint32)
+    o, off0, off1, off2, off3 = _lane_words(tiles_n, pid_n, K2, RT, CT)
+    # B's columns i and MP + i both read activation row i; tile row r sits at the rotation's slot for it.
+    b_col = tl.arange(0, 16)[None, :]
+    x_row = tl.where(b_col < MP, b_col, b_col - MP)
+    x_ok = (x_row < m) & (b_col < 2 * MP)
+    r = tl.arange(0, RT * 16)[:, None]
+    t = r % 16
+    x_off = x_row * k + r - t + 4 * ((t >> 1) & 3) + 2 * (t >> 3) + (t & 1)
+
+    acc = tl.zeros([CT * 16, 16], tl.float32)
+    tile0 = pid_k * steps * RT
+    words_ptr += tile0 * tiles_n * NW
+    xh_ptr += tile0 * 16
+    step_words = RT * tiles_n * NW
+    # Each step prefetches the next step's words and activations (the loop is otherwise
+    # latency-bound); the last step re-reads its own instead of reading past the split. Two steps
+    # per iteration, so that the prefetched registers need no copying.
+    p0, p1, p2, p3, xp = words_ptr + off0, words_ptr + off1, words_ptr + off2, words_ptr + off3, xh_ptr + x_off
+    w0, w1, w2, w3, x = _load_step(p0, p1, p2, p3, 0, xp, 0, x_ok, NL)
+    for step_index in range(0, steps, 2):
+        ahead = tl.minimum(step_index + 1, steps - 1)
+        n0, n1, n2, n3, nx = _load_step(p0, p1, p2, p3, ahead * step_words, xp, ahead * (RT * 16), x_ok, NL)
+        if 2 * MP < 16:
+            # x is already zero outside x_ok; saying so again after the loop-carried copy lets the
+            # compiler drop the B elements that are zero by their place (columns from 2 MP on), whose
+            # conversions otherwise ran every other step (sm_90 MoE loop, K3: 467 -> 443 instructions).
+            x = tl.where(x_ok, x, 0.0)
+        acc = _step_dot(w0, w1, w2, w3, x, o, zero, acc, K2, CB, MP, RT, CT, STATIC, BASE, NR, DIRECT)
+        ahead = tl.minimum(step_index + 2, steps - 1)
+        w0, w1, w2, w3, x = _load_step(p0, p1, p2, p3, ahead * step_words, xp, ahead * (RT * 16), x_ok, NL)
+        if step_index + 1 < steps:
+            acc = _step_dot(n0, n1, n2, n3, nx, o, zero, acc, K2, CB, MP, RT, CT, STATIC, BASE, NR, DIRECT)
+
+    # Columns i and MP + i (hi and lo * 2^11 parts) make row i; columns from 2 MP on are zero.
+    part = tl.where(tl.arange(0, 2)[None, :, None, None] == 0, 1.0, 1.0 / 2048.0)
+    z = tl.sum(tl.sum(tl.reshape(tl.trans(acc), [16 // (2 * MP), 2, MP, CT * 16]) * part, axis=1), axis=0)
+    return z
+
+
+@triton.jit
+def _gemv_kernel(xh_ptr, svh_ptr, words_ptr, partial_ptr, arrivals_ptr, y_ptr,
+                 m, k, n, steps, arrivals,
+                 K2: tl.constexpr, CB: tl.constexpr, MP: tl.constexpr, RT: tl.constexpr, CT: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    z = _gemv_products(xh_ptr, words_ptr, m, k, n, steps, pid_n, pid_k, K2, CB, MP, RT, CT)
+    cols = pid_n * CT * 16 + tl.arange(0, CT * 16)[None, :]
+    tl.atomic_add(partial_ptr + tl.arange(0, MP)[:, None] * n + cols, z,
+                  mask=tl.arange(0, MP)[:, None] < m, sem="relaxed")
+    tl.debug_barrier()
+    block = pid_n * CT * 16 // 128
+    arrived = tl.atomic_add(arrivals_ptr + block, 1, sem="acq_rel")
+    if arrived == arrivals - 1:
+        _gemv_output(partial_ptr, arrivals_ptr, svh_ptr, y_ptr, m, n, block)
+
+
+@triton.jit
+def _gemv_output(partial_ptr, arrivals_ptr, svh_ptr, y_ptr, m, n, block):
+    # y[:, block] = (z · H128) ⊙ svh in fp32, rounded once to fp16; z is read at L2 and zeroed.
+    rows = tl.arange(0, 16)[:, None]
+    i = tl.arange(0, 128)
+    cols = block * 128 + i
+    z_ptr = partial_ptr + rows * n + cols[None, :]
+    z = tl.atomic_add(z_ptr, tl.zeros([16, 128], tl.float32), mask=rows < m, sem="acq_rel")
+    z = tl.where(rows < m, z, 0.0)
+    tl.store(z_ptr, tl.zeros([16, 128], tl.float32), mask=rows < m)
+    tl.store(arrivals_ptr + block, 0)
+    y = _times_hadamard(z, 16)
+    svh = tl.load(svh_ptr + cols).to(tl.float32)
+    y = (y * (0.08838834764831845 * svh)[None, :]).to(tl.float16)  # 1/sqrt(128) ⊙ svh
+    tl.store(y_ptr + rows * n + cols[None, :], y, mask=rows < m)
+
+
+def trellis_k2(trellis: torch.Tensor, codebook: str) -> int:
+    """2K for a trellis tensor (K from its last dim, spec §1.1), after checking trellis and codebook."""
+    if codebook not in CODEBOOKS:
+        raise ValueError(f"codebook must be one of {CODEBOOKS}, got {codebook!r}")
+    if trellis.dtype != torch.int16 or trellis.dim() != 3:
+        raise ValueError(f"trellis must be int16 (k/16, n/16, 16K), got {trellis.dtype} {tuple(trellis.shape)}")
+    width = trellis.shape[-1]
+    k2 = width // 8
+    if width % 8 or not 2 <= k2 <= 16:
+        raise ValueError(f"trellis last dim {width} is not 16K (K 1..8) or 16K+8 (K 1.5, 2.5, 3.5)")
+    if k2 % 2 and (k2 > 7 or codebook != "mul1"):
+        raise ValueError(f"half-integer K = {k2 / 2} needs the mul1 codebook and K < 4, got {codebook!r}")
+    return k2
+
+
+def exl3_decode(trellis: torch.Tensor, codebook: str, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Ŵ (k, n) fp16, bit-exact (spec §0 steps 1-5). Twin: exl3.unpack."""
+    k2 = trellis_k2(trellis, codebook)
+    tiles_k, tiles_n, _ = trellis.shape
+    shape = (tiles_k * 16, tiles_n * 16)
+    out = _out_buffer(out, shape, torch.float16, trellis.device)
+    words = trellis.contiguous().view(torch.int32)
+    block_rows, block_cols = 64, 128
+    grid = (triton.cdiv(tiles_k * 16, block_rows), triton.cdiv(tiles_n * 16, block_cols))
+    _decode_kernel[grid](words, out, tiles_k, tiles_n, K2=k2, CB=CODEBOOKS.index(codebook),
+                         BR=block_rows, BC=block_cols)
+    return out
+
+
+GEMV_ROWS = 8  # rows per launch: tl.dot's 16 rows hold each row twice (fp16 hi and lo parts)
+_SPLIT_BUFFERS: dict[tuple[torch.device, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _split_buffers(device: torch.device, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    # Zeroed fp32 partial sums [16, n] (the epilogue's row block) and per-128-column arrival
+    # counters. Kernels leave them zeroed, so they are allocated once per (device, n) and never
+    # freed: CUDA graphs captured with them keep valid addresses. Two launches must not
+    # run at once (one stream, or streams joined in between).
+    key = (device, n)
+    if key not in _SPLIT_BUFFERS:
+        _SPLIT_BUFFERS[key] = (torch.zeros(16 * n, dtype=torch.float32, device=device),
+                               torch.zeros(n // 128, dtype=torch.int32, device=device))
+    return _SPLIT_BUFFERS[key]
+
+
+def _default_split(device: torch.device, n: int, steps: int, block_n: int) -> int:
+    # Enough programs to cover every SM a few times; the split must divide the loop steps.
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    split = 1
+    while steps % (2 * split) == 0 and (n // block_n) * split * 2 <= 4 * sms:
+        split *= 2
+    return split
+
+
+def exl3_gemv(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor,
+              codebook: str, out: torch.Tensor | None = None, *, block_n: int = 128, row_tiles: int = 2,
+              split_k: int | None = None, num_warps: int = 4, num_stages: int = 1) -> torch.Tensor:
+    """y = x · diag(suh) · H · Ŵ · H · diag(svh) for small m, decoding Ŵ in registers.
+
+    x [m, k] fp16 -> y [m, n] fp16. Twin: x @ exl3.dequantize(trellis, suh, svh, codebook).
+    block_n (output columns per program), row_tiles (16-row tiles per loop step), split_k,
+    num_warps and num_stages are launch tuning; split_k None picks one by SM count.
+    """
+    k2 = trellis_k2(trellis, codebook)
+    tiles_k, tiles_n, _ = trellis.shape
+    k, n = tiles_k * 16, tiles_n * 16
+    if k % 128 or n % 128:
+        raise ValueError(f"EXL3 linear dims must be multiples of 128, got trellis {tuple(trellis.shape)} = {k}x{n}")
+    if x.dim() != 2 or x.shape[1] != k or x.dtype != torch.float16:
+        raise ValueError(f"x must be fp16 [m, {k}], got {x.dtype} {tuple(x.shape)}")
+    if suh.shape != (k,) or suh.dtype != torch.float16:
+        raise ValueError(f"suh must be fp16 ({k},), got {suh.dtype} {tuple(suh.shape)}")
+    if svh.shape != (n,) or svh.dtype != torch.float16:
+        raise ValueError(f"svh must be fp16 ({n},), got {svh.dtype} {tuple(svh.shape)}")
+    _check_block_n(block_n)
+    m = x.shape[0]
+    out = _out_buffer(out, (m, n), torch.float16, x.device)
+    split = split_k or _default_split(x.device, n, tiles_k // row_tiles, block_n)
+    if tiles_k % (split * row_tiles):
+        raise ValueError(f"split_k {split} x row_tiles {row_tiles} must divide the {tiles_k} row tiles of 16")
+    x = x.contiguous()
+    words = trellis.contiguous().view(torch.int32)
+    partial, counters = _split_buffers(x.device, n)
+    for row in range(0, m, GEMV_ROWS):
+        rows = min(GEMV_ROWS, m - row)
+        xh = torch.empty((rows, k), dtype=torch.float32, device=x.device)
+        _rotate_input_kernel[(k // 128,)](x[row:], suh, xh, rows, k)
+        _gemv_kernel[(n // block_n, split)](
+            xh, svh, words, partial, counters, out[row:], rows, k, n, tiles_k // (split * row_tiles),
+            split * 128 // block_n, K2=k2, CB=CODEBOOKS.index(codebook), MP=triton.next_power_of_2(rows),
+            RT=row_tiles, CT=block_n // 16, num_warps=num_warps, num_stages=num_stages)
+    return out
+
+
+
+# ---------------------------------------------------------------- EXL3 MoE decode: all selected experts at once
+# For P = m * top_k (token, expert) pairs of one MoE layer, in three launches whatever P:
+#   1. rotate x for every pair with its expert's gate and up suh (and zero the output rows 3. adds into);
+#   2. gate and up GEMV over all pairs (program axis 2 = projection and pair, expert id read on the
+#      device); the last program to finish a 128-column block of a pair (counted over both
+#      projections) applies H128 and svh to gate and up, the clamped SwiGLU (spec glm53.md §4.5),
+#      and the down projection's input rotation (⊙ suh_down, H128): the block is ready for 3.;
+#   3. down GEMV over all pairs; the last program of a block applies H128, svh and the routing
+#      weight and adds the block into the token's fp32 output row.
+# Twin: Σ_j w_j · down_e(swiglu(gate_e(x), up_e(x))) with exl3.EXL3Linear experts and model_glm.swiglu
+# (tests/test_kernels.py); the kernel keeps the intermediates in fp32 where the twin rounds each
+# linear's output to the activation dtype.
+
+
+@triton.jit
+def _moe_rotate_kernel(x_ptr, ids_ptr, suh_gate_ptr, suh_up_ptr, xh_ptr, y_ptr, k, top_k, pairs):
+    # xh[0 | 1, p, block] = (x[token] ⊙ suh_gate | suh_up [e]) · H128 / sqrt(128), in the gemv's row order;
+    # a token's first pair also zeroes its block of the output y (k = D columns), which the down launch
+    # adds into, two launches later (a memset launch fewer).
+    blk = tl.program_id(0)
+    p = tl.program_id(1)
+    e = tl.load(ids_ptr + p).to(tl.int64)
+    i = tl.arange(0, 128)
+    if p % top_k == 0:
+        tl.store(y_ptr + (p // top_k) * k + blk * 128 + i, tl.zeros([128], tl.float32))
+    x = tl.load(x_ptr + (p // top_k) * k + blk * 128 + i).to(tl.float32)
+    r = i % 16
+    slot = blk * 128 + i - r + 4 * ((r >> 1) & 3) + 2 * (r >> 3) + (r & 1)
+    suh = tl.load(suh_gate_ptr + e * k + blk * 128 + i).to(tl.float32)
+    tl.store(xh_ptr + p * k + slot[None, :], _times_hadamard((x * suh)[None, :], 1) * 0.08838834764831845)
+    suh = tl.load(suh_up_ptr + e * k + blk * 128 + i).to(tl.float32)
+    tl.store(xh_ptr + (pairs + p) * k + slot[None, :], _times_hadamard((x * suh)[None, :], 1) * 0.08838834764831845)
+
+
+@triton.jit
+def _moe_gemv_kernel(xh_ptr, words_ptr, words_up_ptr, ids_ptr, partial_ptr, arrivals_ptr, k, n, steps, arrivals,
+                     expert_words, pairs, svh_a_ptr, svh_b_ptr, suh_next_ptr, route_ptr, out_ptr, top_k, limit,
+                     K2: tl.constexpr, CB: tl.constexpr, RT: tl.constexpr, CT: tl.constexpr, DOWN: tl.constexpr):
+    # Program (pid_n, pid_k, q): one row, its expert's trellis. Gate and up share a launch: q is
+    # half * pairs + p with half 0 for gate (words_ptr) and 1 for up (words_up_ptr); down has q = p.
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    q = tl.program_id(2)
+    half = q // pairs
+    p = q - half * pairs
+    e = tl.load(ids_ptr + p).to(tl.int64)
+    if half == 0:
+        words = words_ptr + e * expert_words
+    else:
+        words = words_up_ptr + e * expert_words
+    z = _gemv_products(xh_ptr + q.to(tl.int64) * k, words, 1, k, n, steps, pid_n, pid_k, K2, CB, 1, RT, CT)
+    parts: tl.constexpr = 1 if DOWN else 2
+    cols = pid_n * CT * 16 + tl.arange(0, CT * 16)[None, :]
+    tl.atomic_add(partial_ptr + (p * parts + half) * n + cols, z, sem="relaxed")
+    tl.debug_barrier()
+    block = pid_n * CT * 16 // 128
+    counter = arrivals_ptr + p * (n // 128) + block
+    arrived = tl.atomic_add(counter, 1, sem="acq_rel")
+    if arrived == arrivals - 1:
+        i = tl.arange(0, 128)
+        c = block * 128 + i
+        zero = tl.zeros([1, 128], tl.float32)
+        if DOWN:
+            z_ptr = partial_ptr + p * n + c[None, :]
+            y = _times_hadamard(tl.atomic_add(z_ptr, zero, sem="acq_rel"), 1)
+            tl.store(z_ptr, zero)
+            scale = 0.08838834764831845 * tl.load(svh_a_ptr + e * n + c).to(tl.float32) * tl.load(route_ptr + p)
+            tl.atomic_add(out_ptr + (p // top_k) * n + c[None, :], y * scale[None, :], sem="relaxed")
+        else:
+            g_ptr = partial_ptr + (2 * p) * n + c[None, :]
+            u_ptr = partial_ptr + (2 * p + 1) * n + c[None, :]
+            gate = _times_hadamard(tl.atomic_add(g_ptr, zero, sem="acq_rel"), 1)
+            up = _times_hadamard(tl.atomic_add(u_ptr, zero, sem="acq_rel"), 1)
+            tl.store(g_ptr, zero)
+            tl.store(u_ptr, zero)
+            gate = gate * (0.08838834764831845 * tl.load(svh_a_ptr + e * n + c).to(tl.float32))[None, :]
+            up = up * (0.08838834764831845 * tl.load(svh_b_ptr + e * n + c).to(tl.float32))[None, :]
+            gate = tl.minimum(gate, limit)
+            up = tl.minimum(tl.maximum(up, -limit), limit)
+            act = gate * tl.sigmoid(gate) * up
+            suh = tl.load(suh_next_ptr + e * n + c).to(tl.float32)
+            act_h = _times_hadamard(act * suh[None, :], 1) * 0.08838834764831845
+            r = i % 16
+            slot = i - r + 4 * ((r >> 1) & 3) + 2 * (r >> 3) + (r & 1)
+            tl.store(out_ptr + p * n + block * 128 + slot[None, :], act_h)
+        tl.store(counter, 0)
+
+
+_MOE_BUFFERS: dict[tuple[torch.device, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _moe_buffers(device: torch.device, pairs: int, n: int, parts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    # Zeroed partial sums [pairs, parts, n] and arrival counters [pairs, n / 128]; the kernels leave
+    # them zeroed, so they are allocated once and never freed (graph-safe, one stream).
+    key = (device, pairs, n, parts)
+    if key not in _MOE_BUFFERS:
+        _MOE_BUFFERS[key] = (torch.zeros(pairs * parts * n, dtype=torch.float32, device=device),
+                             torch.zeros(pairs * (n // 128), dtype=torch.int32, device=device))
+    return _MOE_BUFFERS[key]
+
+
+def _moe_split(device: torch.device, n: int, pairs: int, steps: int, block_n: int) -> int:
+    # Up to 8 programs per SM: on the H200 that was 2-3% faster than 4 at batch 1 (twice measured).
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    split = 1
+    while steps % (2 * split) == 0 and (n // block_n) * pairs * split * 2 <= 8 * sms:
+        split *= 2
+    return split
+
+
+def _check_experts(name: str, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor,
+                   codebook: str, experts: int | None) -> int:
+    if trellis.dim() != 4:
+        raise ValueError(f"{name} trellis must be stacked (experts, k/16, n/16, 16K), got {tuple(trellis.shape)}")
+    k2 = trellis_k2(trellis[0], codebook)
+    E, tk, tn, _ = trellis.shape
+    if experts is not None and E != experts:
+        raise ValueError(f"{name} has {E} experts, gate has {experts}")
+    for what, t, size in (("suh", suh, tk * 16), ("svh", svh, tn * 16)):
+        if tuple(t.shape) != (E, size) or t.dtype != torch.float16:
+            raise ValueError(f"{name} {what} must be fp16 ({E}, {size}), got {t.dtype} {tuple(t.shape)}")
+    return k2
+
+
+def _check_moe(x: torch.Tensor, ids: torch.Tensor, route: torch.Tensor, gate: tuple, up: tuple, down: tuple,
+               codebook: str, x_form: str) -> tuple[int, int, int, int]:
+    # The MoE kernels' shared contract (x_form names what x must be, with {D}): returns (k2, E, D, I).
+    k2 = _check_experts("gate", *gate, codebook, None)
+    E = gate[0].shape[0]
+    if _check_experts("up", *up, codebook, E) != k2 or _check_experts("down", *down, codebook, E) != k2:
+        raise ValueError("gate, up and down must share one K (trellis last dim)")
+    D, I = gate[0].shape[1] * 16, gate[0].shape[2] * 16
+    if up[0].shape != gate[0].shape or tuple(down[0].shape[1:3]) != (I // 16, D // 16):
+        raise ValueError(f"expert shapes disagree: gate {tuple(gate[0].shape)}, up {tuple(up[0].shape)}, "
+                         f"down {tuple(down[0].shape)}")
+    if D % 128 or I % 128:
+        raise ValueError(f"expert dims must be multiples of 128, got {D} x {I}")
+    if x.dim() != 2 or x.shape[1] != D:
+        raise ValueError(f"x must be {x_form.format(D=D)}, got {x.dtype} {tuple(x.shape)}")
+    m = x.shape[0]
+    if ids.dim() != 2 or ids.shape[0] != m or tuple(route.shape) != tuple(ids.shape):
+        raise ValueError(f"ids and route must both be [{m}, top_k], got {tuple(ids.shape)} and {tuple(route.shape)}")
+    return k2, E, D, I
+
+
+def exl3_moe_decode(x: torch.Tensor, ids: torch.Tensor, route: torch.Tensor,
+                    gate: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                    up: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                    down: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                    codebook: str, limit: float, *, block_n: int = 128, row_tiles: int = 2,
+                    num_warps: int = 4) -> torch.Tensor:
+    """Σ_j route[t, j] · down_e(swiglu(gate_e(x_t), up_e(x_t))) for e = ids[t, j], all pairs at once.
+
+    x [m, D] fp16 / bf16; ids [m, top_k] integer expert ids and route [m, top_k] fp32 weights, on the
+    device (no host synchronization: CUDA-graph safe); gate, up = (trellis [E, D/16, I/16, 16K],
+    suh [E, D], svh [E, I]) and down = (trellis [E, I/16, D/16, 16K], suh [E, I], svh [E, D]), each
+    stacked over the layer's experts (one K per layer). Returns fp32 [m, D].
+    """
+    k2, E, D, I = _check_moe(x, ids, route, gate, up, down, codebook, "[m, {D}]")
+    m = x.shape[0]
+    _check_block_n(block_n)
+    top_k = ids.shape[1]
+    P = m * top_k
+    dev = x.device
+    ids = ids.reshape(-1).to(torch.int32).contiguous()
+    route = route.reshape(-1).float().contiguous()
+    x = x.contiguous()
+    words = [t[0].contiguous().view(torch.int32) for t in (gate, up, down)]
+    NW = 4 * k2
+    cb = CODEBOOKS.index(codebook)
+
+    xh = torch.empty((2, P, D), dtype=torch.float32, device=dev)
+    y = torch.empty((m, D), dtype=torch.float32, device=dev)  # zeroed by the rotation
+    _moe_rotate_kernel[(D // 128, P)](x, ids, gate[1], up[1], xh, y, D, top_k, P)
+
+    act_h = torch.empty((P, I), dtype=torch.float32, device=dev)
+    steps = D // 16 // row_tiles
+    split = _moe_split(dev, I, 2 * P, steps, block_n)
+    partial, counters = _moe_buffers(dev, P, I, 2)
+    launch = dict(K2=k2, CB=cb, RT=row_tiles, CT=block_n // 16, num_warps=num_warps)
+    _moe_gemv_kernel[(I // block_n, split, 2 * P)](
+        xh, words[0], words[1], ids, partial, counters, D, I, steps // split, 2 * split * 128 // block_n,
+        (D // 16) * (I // 16) * NW, P, gate[2], up[2], down[1], route, act_h, top_k, limit, DOWN=False, **launch)
+
+    steps = I // 16 // row_tiles
+    split = _moe_split(dev, D, P, steps, block_n)
+    partial, counters = _moe_buffers(dev, P, D, 1)
+    _moe_gemv_kernel[(D // block_n, split, P)](
+        act_h, words[2], words[2], ids, partial, counters, I, D, steps // split, split * 128 // block_n,
+        (I // 16) * (D // 16) * NW, P, down[2], down[2], down[1], route, y, top_k, limit, DOWN=True, **launch)
+    return y
+
+
+# ---------------------------------------------------------------- EXL3 MoE prefill: many rows per expert
+# For P = m * top_k (row, expert) pairs of one MoE layer, sorted by expert (argsort on the device; no
+# host synchronization), in four launches whatever P:
+#   1. rotate every sorted pair's row for gate and for up ((x ⊙ suh_e) · H128, fp32) and store it
+#      in fp16 times a per-row power of two that puts the row's largest value in [2^13, 2^14): exact,
+#      and it keeps small activations out of fp16's subnormals (spec §4 allows any fp16 suh);
+#   2. gate and up as one grouped GEMM: a program owns a tile of BM sorted pairs of one expert and
+#      one 128-column block, runs over all of k for gate and then for up, decoding each 16x16 trellis
+#      tile in registers straight into tl.dot's A operand (Ŵ^T, as exl3_gemv does; the activations
+#      are B, [32, BM] fp16), so a weight is decoded once per BM rows, the ALU only decodes and the
+#      tensor cores multiply; its epilogue owns a whole 128-column block of both projections: H128,
+#      svh, the clamped SwiGLU (glm53.md §4.5), ⊙ suh_down and H128 again: fp32 down inputs;
+#   3. the down inputs to fp16 with per-row powers of two, as in 1.;
+#   4. down as the same grouped GEMM; its epilogue applies H128, svh, the routing weight and the
+#      row scale and adds the block into the token's fp32 output row (atomic adds);
+# plus the small torch ops that sort and build the tile table [tiles, 3] = (expert, first sorted
+# pair, rows). The grid covers cdiv(P, BM) + E tiles, an upper bound; programs past the real tiles
+# do nothing. BM follows the mean rows per expert (16..128): at 8K tokens (228 pairs per expert)
+# most experts take two tiles, so each weight is decoded about twice per layer instead of once per
+# row as in the per-expert path, and no decoded weight is written to memory.
+# Transient memory: at most 4 P (D + I) bytes (1.6 GB at 8K tokens of the full model).
+# Twin: the per-expert fp32 sum Σ_j w_j · down_e(swiglu(gate_e(x), up_e(x))) with exl3.EXL3Linear
+# (tests/test_kernels.py); activations enter the tensor cores as fp16 (11 significant bits), which
+# sets the precision (~5e-4 relative), as in EXL3Linear's GEMM path.
+
+PREFILL_ROWS = 16  # sorted pairs per program of the rotation and scaling kernels
+
+
+@triton.jit
+def _fp16_scale(peak):
+    # Powers of two s = 2^(13 - e) and 1 / s for a row whose largest |value| is peak in [2^e, 2^(e+1)),
+    # built from the exponent bits (exact; no exp2). Zero rows get a finite scale.
+    expo = (tl.maximum(peak, 7.888609052210118e-31).to(tl.int32, bitcast=True) >> 23) & 0xFF
+    scale = ((267 - expo) << 23).to(tl.float32, bitcast=True)
+    inv = ((expo - 13) << 23).to(tl.float32, bitcast=True)
+    return scale, inv
+
+
+@triton.jit
+def _prefill_rotate(x_ptr, suh_ptr, tok, e, ok, D, out_ptr, inv_ptr, s, RB: tl.constexpr):
+    # out[s] = fp16((x[tok] ⊙ suh[e]) · H128 · scale), inv[s] = 1 / scale, for RB sorted pairs.
+    i = tl.arange(0, 128)[None, :]
+    peak = tl.zeros([RB], tl.float32)
+    for b in range(0, D // 128):
+        x = tl.load(x_ptr + tok[:, None] * D + b * 128 + i, mask=ok[:, None], other=0.0).to(tl.float32)
+        suh = tl.load(suh_ptr + e[:, None] * D + b * 128 + i, mask=ok[:, None], other=0.0).to(tl.float32)
+        xh = _times_hadamard(x * suh, RB)
+        peak = tl.maximum(peak, tl.max(tl.abs(xh), axis=1) * 0.08838834764831845)
+    scale, inv = _fp16_scale(peak)
+    tl.store(inv_ptr + s, inv, mask=ok)
+    scale = scale * 0.08838834764831845  # 1/sqrt(128) of the normalized H128, times the row's scale
+    for b in range(0, D // 128):
+        x = tl.load(x_ptr + tok[:, None] * D + b * 128 + i, mask=ok[:, None], other=0.0).to(tl.float32)
+        suh = tl.load(suh_ptr + e[:, None] * D + b * 128 + i, mask=ok[:, None], other=0.0).to(tl.float32)
+        xh = _times_hadamard(x * suh, RB) * scale[:, None]
+        tl.store(out_ptr + s[:, None] * D + b * 128 + i, xh.to(tl.float16), mask=ok[:, None])
+
+
+@triton.jit
+def _prefill_rotate_kernel(x_ptr, order_ptr, ids_ptr, suh_gate_ptr, suh_up_ptr, xs_gate_ptr, xs_up_ptr,
+                           inv_gate_ptr, inv_up_ptr, P, D, top_k, RB: tl.constexpr):
+    # Rows s of xs_gate and xs_up for the sorted pairs s of this program: rotated, scaled rows.
+    s = tl.program_id(0) * RB + tl.arange(0, RB)
+    ok = s < P
+    pair = tl.load(order_ptr + s, mask=ok, other=0)
+    e = tl.load(ids_ptr + pair, mask=ok, other=0).to(tl.int64)
+    tok = (pair // top_k).to(tl.int64)
+    s = s.to(tl.int64)
+    _prefill_rotate(x_ptr, suh_gate_ptr, tok, e, ok, D, xs_gate_ptr, inv_gate_ptr, s, RB)
+    _prefill_rotate(x_ptr, suh_up_ptr, tok, e, ok, D, xs_up_ptr, inv_up_ptr, s, RB)
+
+
+@triton.jit
+def _prefill_scale_kernel(a_ptr, out_ptr, inv_ptr, P, n, RB: tl.constexpr):
+    # out[s] = fp16(a[s] · scale), inv[s] = 1 / scale, for RB rows of a [P, n] fp32.
+    s = (tl.program_id(0) * RB + tl.arange(0, RB)).to(tl.int64)
+    ok = s < P
+    i = tl.arange(0, 128)[None, :]
+    peak = tl.zeros([RB], tl.float32)
+    for b in range(0, n // 128):
+        a = tl.load(a_ptr + s[:, None] * n + b * 128 + i, mask=ok[:, None], other=0.0)
+        peak = tl.maximum(peak, tl.max(tl.abs(a), axis=1))
+    scale, inv = _fp16_scale(peak)
+    tl.store(inv_ptr + s, inv, mask=ok)
+    for b in range(0, n // 128):
+        a = tl.load(a_ptr + s[:, None] * n + b * 128 + i, mask=ok[:, None], other=0.0)
+        tl.store(out_ptr + s[:, None] * n + b * 128 + i, (a * scale[:, None]).to(tl.float16), mask=ok[:, None])
+
+
+@triton.jit
+def _prefill_products(words_ptr, xs_ptr, rows_ok, k, n, pid_n,
+                      K2: tl.constexpr, CB: tl.constexpr, RT: tl.constexpr, BM: tl.constexpr):
+    # acc [128, BM] fp32 = (xs[:BM] · Ŵ[:, 128 pid_n : 128 (pid_n + 1)])^T for one expert's trellis
+    # words (k x n) and BM fp16 rows at xs_ptr (row stride k; rows_ok [1, BM] masks the tile's end).
+    # Lane geometry as in _gemv_products: one thread element = one mma lane of one 16x16 tile.
+    CT: tl.constexpr = 8
+    NW: tl.constexpr = 4 * K2
+    SPAN: tl.constexpr = ((8 * K2) >> 1) - (K2 >> 1) + 16
+    STATIC: tl.constexpr = (4 * K2) % 32 == 0
+    BASE: tl.constexpr = ((K2 >> 1) + 16) % 32 if STATIC else 0
+    NR: tl.constexpr = (SPAN + 31) // 32
+    G: tl.constexpr = 32 if K2 % 8 == 0 else (16 if K2 % 4 == 0 else (8 if K2 % 2 == 0 else 4))
+    O_MAX: tl.constexpr = (((K2 >> 1) + 16) % G) + 32 - G
+    DIRECT: tl.constexpr = not STATIC and SPAN + O_MAX <= 64
+    NL: tl.constexpr = (BASE + SPAN + 31) // 32 if STATIC else (2 if DIRECT else NR + 1)
+    tiles_n = n // 16
+    zero = (k >> 31).to(tl.uint32)
+    o, off0, off1, off2, off3 = _lane_words(tiles_n, pid_n, K2, RT, CT)
+    x_off = tl.arange(0, BM)[None, :] * k + tl.arange(0, RT * 16)[:, None]  # B [RT * 16, BM] = xs^T
+    steps = k // (RT * 16)
+    step_words = RT * tiles_n * NW
+    acc = tl.zeros([CT * 16, BM], tl.float32)
+    # Each step loads the next step's words and activations before decoding its own (the last step
+    # re-reads its own).
+    p0, p1, p2, p3, xp = words_ptr + off0, words_ptr + off1, words_ptr + off2, words_ptr + off3, xs_ptr + x_off
+    w0, w1, w2, w3, x = _load_step(p0, p1, p2, p3, 0, xp, 0, rows_ok, NL)
+    for step in range(0, steps):
+        ahead = tl.minimum(step + 1, steps - 1)
+        n0, n1, n2, n3, nx = _load_step(p0, p1, p2, p3, ahead * step_words, xp, ahead * (RT * 16), rows_ok, NL)
+        acc = tl.dot(_decoded_tiles(w0, w1, w2, w3, o, zero, K2, CB, RT, CT, STATIC, BASE, NR, DIRECT), x, acc)
+        w0, w1, w2, w3, x = n0, n1, n2, n3, nx
+    return acc
+
+
+@triton.jit
+def _prefill_tile(tiles_ptr, tile, rows, BM: tl.constexpr):
+    # A tile of the table (see _prefill_tiles): its expert, first sorted pair, the BM pair slots
+    # from there and which of them hold pairs.
+    e = tl.load(tiles_ptr + 3 * tile).to(tl.int64)
+    first = tl.load(tiles_ptr + 3 * tile + 1).to(tl.int64)
+    i = tl.arange(0, BM)
+    return e, first, first + i, i < rows
+
+
+@triton.jit
+def _prefill_gate_up_kernel(xs_gate_ptr, xs_up_ptr, inv_gate_ptr, inv_up_ptr, gate_words_ptr, up_words_ptr,
+                            tiles_ptr, svh_gate_ptr, svh_up_ptr, suh_down_ptr, act_ptr, D, I, expert_words, limit,
+                            K2: tl.constexpr, CB: tl.constexpr, RT: tl.constexpr, BM: tl.constexpr):
+    # Program (128-column block, tile): act[pairs of the tile, block] = (swiglu(gate, up) ⊙ suh_down) · H128.
+    pid_n = tl.program_id(0)
+    tile = tl.program_id(1)
+    rows = tl.load(tiles_ptr + 3 * tile + 2)
+    if rows > 0:
+        e, first, s, ok = _prefill_tile(tiles_ptr, tile, rows, BM)
+        gate = _prefill_products(gate_words_ptr + e * expert_words, xs_gate_ptr + first * D, ok[None, :], D, I,
+                                 pid_n, K2, CB, RT, BM)
+        up = _prefill_products(up_words_ptr + e * expert_words, xs_up_ptr + first * D, ok[None, :], D, I, pid_n,
+                               K2, CB, RT, BM)
+        c = pid_n * 128 + tl.arange(0, 128)
+        inv_gate = tl.load(inv_gate_ptr + s, mask=ok, other=0.0)
+        inv_up = tl.load(inv_up_ptr + s, mask=ok, other=0.0)
+        svh_gate = 0.08838834764831845 * tl.load(svh_gate_ptr + e * I + c).to(tl.float32)
+        svh_up = 0.08838834764831845 * tl.load(svh_up_ptr + e * I + c).to(tl.float32)
+        gate = _times_hadamard(tl.trans(gate) * inv_gate[:, None], BM) * svh_gate[None, :]
+        up = _times_hadamard(tl.trans(up) * inv_up[:, None], BM) * svh_up[None, :]
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+        act = gate * tl.sigmoid(gate) * up
+        suh = tl.load(suh_down_ptr + e * I + c).to(tl.float32)
+        act = _times_hadamard(act * suh[None, :], BM) * 0.08838834764831845
+        tl.store(act_ptr + s[:, None] * I + c[None, :], act, mask=ok[:, None])
+
+
+@triton.jit
+def _prefill_down_kernel(acts_ptr, inv_ptr, words_ptr, tiles_ptr, order_ptr, route_ptr, svh_ptr, out_ptr,
+                         I, D, top_k, expert_words,
+                         K2: tl.constexpr, CB: tl.constexpr, RT: tl.constexpr, BM: tl.constexpr):
+    # Program (128-column block, tile): out[token, block] += route · (down products · H128) ⊙ svh.
+    pid_n = tl.program_id(0)
+    tile = tl.program_id(1)
+    rows = tl.load(tiles_ptr + 3 * tile + 2)
+    if rows > 0:
+        e, first, s, ok = _prefill_tile(tiles_ptr, tile, rows, BM)
+        z = _prefill_products(words_ptr + e * expert_words, acts_ptr + first * I, ok[None, :], I, D, pid_n,
+                              K2, CB, RT, BM)
+        pair = tl.load(order_ptr + s, mask=ok, other=0)
+        weight = tl.load(route_ptr + pair, mask=ok, other=0.0) * tl.load(inv_ptr + s, mask=ok, other=0.0)
+        c = pid_n * 128 + tl.arange(0, 128)
+        svh = 0.08838834764831845 * tl.load(svh_ptr + e * D + c).to(tl.float32)
+        y = _times_hadamard(tl.trans(z) * weight[:, None], BM) * svh[None, :]
+        token = (pair // top_k).to(tl.int64)
+        tl.atomic_add(out_ptr + token[:, None] * D + c[None, :], y, mask=ok[:, None], sem="relaxed")
+
+
+def _prefill_tiles(ids: torch.Tensor, experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    # The pairs sorted by expert (stable) and the tile table [cdiv(P, BM) + E, 3] int32 of
+    # (expert, first sorted pair, rows), rows 0 past the last real tile; all on the device.
+    P = ids.numel()
+    order = torch.argsort(ids, stable=True)
+    counts = torch.zeros(experts, dtype=torch.int64, device=ids.device).scatter_add_(0, ids, torch.ones_like(ids))
+    per_expert = (counts + block_m - 1) // block_m
+    tile_end = torch.cumsum(per_expert, 0)
+    t = torch.arange(triton.cdiv(P, block_m) + min(experts, P), device=ids.device)
+    e = torch.searchsorted(tile_end, t, right=True).clamp_(max=experts - 1)
+    j = t - (tile_end[e] - per_expert[e])
+    first = torch.cumsum(counts, 0)[e] - counts[e] + j * block_m
+    rows = (counts[e] - j * block_m).clamp(0, block_m)
+    return order.to(torch.int32), torch.stack([e, first, rows], 1).to(torch.int32).contiguous()
+
+
+def exl3_moe_prefill(x: torch.Tensor, ids: torch.Tensor, route: torch.Tensor,
+                     gate: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                     up: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                     down: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                     codebook: str, limit: float, *, block_m: int | None = None, row_tiles: int | None = None,
+                     num_warps: int | None = None) -> torch.Tensor:
+    """exl3_moe_decode's contract for many rows: Σ_j route[t, j] · down_e(swiglu(gate_e(x_t), up_e(x_t))),
+    e = ids[t, j], as grouped GEMMs over the pairs sorted by expert (see the section comment).
+
+    x [m, D] fp16 / bf16; ids [m, top_k] integer expert ids, route [m, top_k] fp32; gate, up, down
+    stacked as for exl3_moe_decode. Returns fp32 [m, D]. block_m (sorted pairs per GEMM tile, 16..128;
+    None picks by the mean pairs per expert), row_tiles (16-row trellis tiles per loop step; None: 4 at
+    128-row tiles, else 2; H200, 8K rows: 20.7 vs 23.4 ms at K3) and num_warps (None: 8 from 64 rows on)
+    are launch tuning.
+    """
+    k2, E, D, I = _check_moe(x, ids, route, gate, up, down, codebook, "fp16 or bf16 [m, {D}]")
+    if x.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"x must be fp16 or bf16 [m, {D}], got {x.dtype} {tuple(x.shape)}")
+    m = x.shape[0]
+    if row_tiles is not None and row_tiles not in (1, 2, 4, 8):
+        raise ValueError(f"row_tiles must be 1, 2, 4 or 8, got {row_tiles}")
+    top_k = ids.shape[1]
+    P = m * top_k
+    dev = x.device
+    y = torch.zeros((m, D), dtype=torch.float32, device=dev)
+    if P == 0:
+        return y
+    BM = block_m or min(128, max(16, triton.next_power_of_2(triton.cdiv(P, E))))
+    if BM not in (16, 32, 64, 128):
+        raise ValueError(f"block_m must be 16, 32, 64 or 128, got {BM}")
+    warps = num_warps or (8 if BM >= 64 else 4)
+    row_tiles = row_tiles or (4 if BM == 128 else 2)
+    ids = ids.reshape(-1).to(torch.int64)
+    order, tiles = _prefill_tiles(ids, E, BM)
+    ids = ids.to(torch.int32)
+    route = route.reshape(-1).float().contiguous()
+    words = [t[0].contiguous().view(torch.int32) for t in (gate, up, down)]
+    launch = dict(K2=k2, CB=CODEBOOKS.index(codebook), RT=row_tiles, BM=BM, num_warps=warps)
+    rows_grid = (triton.cdiv(P, PREFILL_ROWS),)
+
+    xs = torch.empty((2, P, D), dtype=torch.float16, device=dev)
+    inv = torch.empty((2, P), dtype=torch.float32, device=dev)
+    _prefill_rotate_kernel[rows_grid](x.contiguous(), order, ids, gate[1], up[1], xs[0], xs[1], inv[0], inv[1],
+                                      P, D, top_k, RB=PREFILL_ROWS)
+    act = torch.empty((P, I), dtype=torch.float32, device=dev)
+    _prefill_gate_up_kernel[(I // 128, tiles.shape[0])](
+        xs[0], xs[1], inv[0], inv[1], words[0], words[1], tiles, gate[2], up[2], down[1], act, D, I,
+        (D // 16) * (I // 16) * 4 * k2, limit, **launch)
+    del xs
+    acts = torch.empty((P, I), dtype=torch.float16, device=dev)
+    inv = torch.empty((P,), dtype=torch.float32, device=dev)
+    _prefill_scale_kernel[rows_grid](act, acts, inv, P, I, RB=PREFILL_ROWS)
+    del act
+    _prefill_down_kernel[(D // 128, tiles.shape[0])](
+        acts, inv, words[2], tiles, order, route, down[2], y, I, D, top_k, (I // 16) * (D // 16) * 4 * k2, **launch)
+    return y
