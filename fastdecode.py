@@ -4,8 +4,9 @@ captured once per batch size in a CUDA graph and replayed (spec performance.md �
 
 The math is model_glm's, in the same order (spec glm53.md §4), and model_glm.forward is this file's
 twin (tests/test_fastdecode.py holds them together). Only the way of computing differs:
-- mHC (§4.2): three small kernels per sub-layer (`kernels.hc_pre` (two launches), `hc_post`) instead of
-  ~70 torch ops, most of them the 20 Sinkhorn iterations on 4x4 matrices;
+- mHC (§4.2): three small kernels per sub-layer (`kernels.hc_post_pre`: a sub-layer's hc_post with the
+  next one's mix, then hc_pre's Sinkhorn and RMSNorm launches) instead of ~70 torch ops, most of them
+  the 20 Sinkhorn iterations on 4x4 matrices;
 - projections that read the same input run as one GEMV: their weights are concatenated once and
   the model's own entries become views of the concatenation (same values, no extra memory);
 - the routed experts of a layer are stacked the same way, so `exl3_kernels.exl3_moe_decode` runs all
@@ -429,15 +430,22 @@ class FastDecoder:
         with on_device(span.device):  # Triton launches on the current device
             if span.embed:
                 X = self.embed[tokens][:, None, :].repeat(1, cfg.hc_mult, 1).contiguous()
+            # A sub-layer's hc_post shares a launch with the next one's hc_pre (`_mhc`): `done`
+            # holds the sub-layer's output (y, y2) and its post, C until then.
+            done = None
             for layer in self.layers[span.start:span.end]:
-                x, post, C = self._hc_pre(X, layer.attn_hc, layer.input_norm)
+                X, x, post, C = self._mhc(X, done, layer.attn_hc, layer.input_norm)
                 if layer.kind == "kda":
                     y = self.kda(layer, x, slots)
                 else:
                     y = self.dsa(layer, x, positions, tables)
-                X = kernels.hc_post(X, y, post, C)
-                h, post, C = self._hc_pre(X, layer.ffn_hc, layer.post_norm)
-                y, y2 = self.moe(layer, h) if layer.experts is not None else (self.mlp(layer, h), None)
+                X, h, post, C = self._mhc(X, (y, None, post, C), layer.ffn_hc, layer.post_norm)
+                if layer.experts is not None:
+                    done = (*self.moe(layer, h), post, C)
+                else:
+                    done = (self.mlp(layer, h), None, post, C)
+            if done is not None:
+                y, y2, post, C = done
                 X = kernels.hc_post(X, y, post, C, y2)
             if not span.head:
                 return (X,)
@@ -447,6 +455,16 @@ class FastDecoder:
     def _hc_pre(self, X: torch.Tensor, hc: tuple, norm: torch.Tensor) -> tuple[torch.Tensor, ...]:
         cfg = self.cfg
         return kernels.hc_pre(X, *hc, norm, cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
+
+    def _mhc(self, X: torch.Tensor, done: tuple | None, hc: tuple, norm: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """§4.2 between two sub-layers: hc_post of the one before (done = (y, y2, post, C); None before
+        the first) and hc_pre of the next: (X', x, post', C')."""
+        cfg = self.cfg
+        if done is None:
+            return X, *self._hc_pre(X, hc, norm)
+        y, y2, post, C = done
+        return kernels.hc_post_pre(X, y, post, C, *hc, norm, cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters,
+                                   y2=y2)
 
     # -- §4.3 KDA ------------------------------------------------------------------------------
 
@@ -517,7 +535,7 @@ class FastDecoder:
 
     def moe(self, layer: Layer, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(routed [B, D] fp32, shared expert [B, D]): model_glm adds them in fp32 and rounds the sum to
-        h's dtype; here `kernels.hc_post` does, in its launch."""
+        h's dtype; here the next mHC launch does (`kernels.hc_post` / `hc_post_pre`'s y2)."""
         return self.beside_shared(layer, h, lambda: self._routed(layer, h))
 
     def _routed(self, layer: Layer, h: torch.Tensor) -> torch.Tensor:

@@ -890,10 +890,12 @@ def bf16_fp32_linear(x: torch.Tensor, w: torch.Tensor, *, block_m: int = 64, blo
 # runs one warp per program: the 39 normalizations of the 4x4 Sinkhorn matrix are a serial chain of
 # reductions, which with 4 warps cross warps through shared memory (H200, one decode row: 7.4 us a
 # call with 4 warps, 4.7 with one; 4.3 with 4 warps and a single Sinkhorn iteration).
-# `_hc_post_kernel`: X'_j = post_j y + Σ_i C[i, j] X_i.
+# `_hc_post_kernel`: X'_j = post_j y + Σ_i C[i, j] X_i. `hc_post_pre`: a sub-layer's hc_post and the
+# next one's hc_pre (the decode step's order), the post and the mix in one launch.
 
 HC_MIX_BLOCK = 256
 HC_MIX_ROWS = 16
+HC_POST_MIX_BLOCK = 64  # columns of each of the hc streams a program of `_hc_post_mix_kernel` takes
 HC_DOT_MIN_ROWS = 64
 HC_DOT_ROWS = 64
 HC_DOT_BLOCK = 64
@@ -1010,21 +1012,54 @@ def _hc_norm_kernel(u_ptr, usq_ptr, norm_ptr, out_ptr, D, NB, rms_eps, NBP: tl.c
 
 
 @triton.jit
-def _hc_post_kernel(x_ptr, y_ptr, y2_ptr, post_ptr, c_ptr, out_ptr, D, HC: tl.constexpr, BD: tl.constexpr,
-                    SUM: tl.constexpr):
-    b = tl.program_id(0)
-    d = tl.program_id(1) * BD + tl.arange(0, BD)
+def _hc_post_block(x_ptr, y_ptr, y2_ptr, post_ptr, c_ptr, out_ptr, b, d, D, HC: tl.constexpr, SUM: tl.constexpr):
+    # X'_j = post_j y + Σ_i C[i, j] X_i for row b and columns d of every stream: stores X' and returns it
+    # [HC, len(d)] in out's dtype. SUM: y is a MoE output, routed (fp32) + shared, rounded to the
+    # stream's dtype as model_glm's sum is.
+    # The sum over i runs in a fixed order (source streams one by one, then post_j y added, as
+    # model_glm.hc_post orders it), not as a tl.sum whose order follows the block's layout: X' is then
+    # bit for bit the same whatever block size the caller takes (hc_post and hc_post_pre differ in it).
     inside = d < D
-    i = tl.arange(0, HC)
-    X = tl.load(x_ptr + b * HC * D + i[:, None] * D + d[None, :], mask=inside[None, :], other=0.0).to(tl.float32)
-    C = tl.load(c_ptr + b * HC * HC + i[:, None] * HC + i[None, :])  # [source i, destination j]
-    mixed = tl.sum(C[:, :, None] * X[:, None, :], axis=0)
+    j = tl.arange(0, HC)
     y = tl.load(y_ptr + b * D + d, mask=inside, other=0.0).to(tl.float32)
-    if SUM:  # the MoE output: routed (fp32) + shared, rounded to the stream's dtype as model_glm's sum is
+    if SUM:
         y2 = tl.load(y2_ptr + b * D + d, mask=inside, other=0.0).to(tl.float32)
         y = _cast(y + y2, out_ptr.dtype.element_ty).to(tl.float32)
-    out = tl.load(post_ptr + b * HC + i)[:, None] * y[None, :] + mixed
-    tl.store(out_ptr + b * HC * D + i[:, None] * D + d[None, :], _cast(out, out_ptr.dtype.element_ty), mask=inside[None, :])
+    mixed = tl.zeros([HC, d.shape[0]], tl.float32)
+    for i in tl.static_range(HC):
+        X_i = tl.load(x_ptr + b * HC * D + i * D + d, mask=inside, other=0.0).to(tl.float32)
+        mixed += tl.load(c_ptr + b * HC * HC + i * HC + j)[:, None] * X_i[None, :]  # C[source i, destination j]
+    out = _cast(tl.load(post_ptr + b * HC + j)[:, None] * y[None, :] + mixed, out_ptr.dtype.element_ty)
+    tl.store(out_ptr + b * HC * D + j[:, None] * D + d[None, :], out, mask=inside[None, :])
+    return out
+
+
+@triton.jit
+def _hc_post_kernel(x_ptr, y_ptr, y2_ptr, post_ptr, c_ptr, out_ptr, D, HC: tl.constexpr, BD: tl.constexpr,
+                    SUM: tl.constexpr):
+    d = tl.program_id(1) * BD + tl.arange(0, BD)
+    _hc_post_block(x_ptr, y_ptr, y2_ptr, post_ptr, c_ptr, out_ptr, tl.program_id(0), d, D, HC, SUM)
+
+
+@triton.jit
+def _hc_post_mix_kernel(x_ptr, y_ptr, y2_ptr, post_ptr, c_ptr, out_ptr, fn_ptr, part_ptr, sq_ptr, B, D, n_out, S,
+                        HC: tl.constexpr, BD: tl.constexpr, NP: tl.constexpr, BR: tl.constexpr, SUM: tl.constexpr):
+    # `_hc_post_block` for BR rows and one block of BD columns of every stream, then `_hc_mix_kernel`'s
+    # partial sums over those HC x BD elements of the flattened row (split s = the column block), from
+    # X' as stored. They group the products by column block instead of by runs of the flattened row:
+    # the same sums up to fp32 rounding.
+    s = tl.program_id(1)
+    d = s * BD + tl.arange(0, BD)
+    i = tl.arange(0, HC)
+    o = tl.arange(0, NP)
+    flat = i[:, None] * D + d[None, :]  # [HC, BD]: the block's places in a flattened row
+    fn = tl.load(fn_ptr + o[:, None, None] * (HC * D) + flat[None, :, :], mask=(o < n_out)[:, None, None], other=0.0)
+    for r in tl.static_range(BR):
+        b = tl.program_id(0) * BR + r
+        if b < B:
+            v = _hc_post_block(x_ptr, y_ptr, y2_ptr, post_ptr, c_ptr, out_ptr, b, d, D, HC, SUM).to(tl.float32)
+            tl.store(part_ptr + (b * S + s) * NP + o, tl.sum(tl.sum(fn * v[None, :, :], axis=2), axis=1))
+            tl.store(sq_ptr + b * S + s, tl.sum(tl.sum(v * v, axis=1), axis=0))
 
 
 def _hc_mix(x: torch.Tensor, fn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1054,13 +1089,24 @@ def hc_pre(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.T
     """model_glm.hc_pre followed by rms_norm(u, norm): X [B, hc, D] -> (x [B, D], post [B, hc] fp32,
     C [B, hc, hc] fp32). fn [3hc + hc², hc·D] fp32, base [3hc + hc²] and scale [3] fp32."""
     B, hc, D = X.shape
+    _hc_check("hc_pre", X, fn)
+    X = X.contiguous()
+    return _hc_finish(X, *_hc_mix(X.view(B, hc * D), fn), base, scale, norm, rms_eps, hc_eps, iters)
+
+
+def _hc_check(name: str, X: torch.Tensor, fn: torch.Tensor) -> None:
+    B, hc, D = X.shape
     n_in, n_out = hc * D, 2 * hc + hc * hc
     if tuple(fn.shape) != (n_out, n_in) or fn.dtype != torch.float32 or not fn.is_contiguous():
-        raise ValueError(f"hc_pre: fn must be contiguous fp32 ({n_out}, {n_in}), got {fn.dtype} {tuple(fn.shape)}")
+        raise ValueError(f"{name}: fn must be contiguous fp32 ({n_out}, {n_in}), got {fn.dtype} {tuple(fn.shape)}")
     if hc & (hc - 1):
-        raise ValueError(f"hc_pre: hc_mult {hc} must be a power of two")
-    X = X.contiguous()
-    part, sq = _hc_mix(X.view(B, n_in), fn)
+        raise ValueError(f"{name}: hc_mult {hc} must be a power of two")
+
+
+def _hc_finish(X: torch.Tensor, part: torch.Tensor, sq: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+               norm: torch.Tensor, rms_eps: float, hc_eps: float, iters: int) -> tuple[torch.Tensor, ...]:
+    """hc_pre after the mix: (x, post, C) from its partial sums part [B, S, NP] and sq [B, S]."""
+    B, hc, D = X.shape
     S, NP = part.shape[1:]
     BD = min(HC_BLOCK, triton.next_power_of_2(D))
     NB = triton.cdiv(D, BD)
@@ -1082,16 +1128,45 @@ def hc_post(X: torch.Tensor, y: torch.Tensor, post: torch.Tensor, C: torch.Tenso
     With y2 [B, D] the sub-layer output is (y + y2) in fp32 rounded to X's dtype: a MoE layer's routed
     sum (fp32) and shared expert, added here instead of in two more launches."""
     B, hc, D = X.shape
-    for name, t in (("y", y), ("y2", y2)):
-        if t is not None and tuple(t.shape) != (B, D):
-            raise ValueError(f"hc_post: {name} must be ({B}, {D}), got {tuple(t.shape)}")
-    X, y = X.contiguous(), y.contiguous()
-    y2 = y if y2 is None else y2.contiguous()
+    X, y, y2, post, C = _hc_post_operands("hc_post", X, y, y2, post, C)
     out = torch.empty_like(X)
     BD = min(512, triton.next_power_of_2(D))
-    _hc_post_kernel[(B, triton.cdiv(D, BD))](X, y, y2, post.contiguous(), C.contiguous(), out, D, HC=hc, BD=BD,
-                                             SUM=y2 is not y)
+    _hc_post_kernel[(B, triton.cdiv(D, BD))](X, y, y2, post, C, out, D, HC=hc, BD=BD, SUM=y2 is not y)
     return out
+
+
+def _hc_post_operands(name: str, X: torch.Tensor, y: torch.Tensor, y2: torch.Tensor | None, post: torch.Tensor,
+                      C: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    # Contiguous operands; y2 is y itself when there is no second part (the kernels' SUM switch).
+    B, hc, D = X.shape
+    for name_t, t in (("y", y), ("y2", y2)):
+        if t is not None and tuple(t.shape) != (B, D):
+            raise ValueError(f"{name}: {name_t} must be ({B}, {D}), got {tuple(t.shape)}")
+    y = y.contiguous()
+    return X.contiguous(), y, y if y2 is None else y2.contiguous(), post.contiguous(), C.contiguous()
+
+
+def hc_post_pre(X: torch.Tensor, y: torch.Tensor, post: torch.Tensor, C: torch.Tensor, fn: torch.Tensor,
+                base: torch.Tensor, scale: torch.Tensor, norm: torch.Tensor, rms_eps: float, hc_eps: float,
+                iters: int, y2: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    """hc_post(X, y, post, C, y2) followed by the next sub-layer's hc_pre(X', fn, base, scale, norm, ...):
+    (X', x, post', C'). Below HC_DOT_MIN_ROWS rows (the decode step's) hc_post and hc_pre's mix share
+    one launch (`_hc_post_mix_kernel`); more rows run the two functions."""
+    B, hc, D = X.shape
+    _hc_check("hc_post_pre", X, fn)
+    if B >= HC_DOT_MIN_ROWS or D % HC_POST_MIX_BLOCK:
+        X = hc_post(X, y, post, C, y2)
+        return X, *hc_pre(X, fn, base, scale, norm, rms_eps, hc_eps, iters)
+    X, y, y2, post, C = _hc_post_operands("hc_post_pre", X, y, y2, post, C)
+    out = torch.empty_like(X)
+    S = D // HC_POST_MIX_BLOCK
+    NP = max(16, triton.next_power_of_2(fn.shape[0]))
+    part = torch.empty(B, S, NP, dtype=torch.float32, device=X.device)
+    sq = torch.empty(B, S, dtype=torch.float32, device=X.device)
+    _hc_post_mix_kernel[(triton.cdiv(B, HC_MIX_ROWS), S)](X, y, y2, post, C, out, fn, part, sq, B, D, fn.shape[0], S,
+                                                         HC=hc, BD=HC_POST_MIX_BLOCK, NP=NP, BR=HC_MIX_ROWS,
+                                                         SUM=y2 is not y)
+    return out, *_hc_finish(out, part, sq, base, scale, norm, rms_eps, hc_eps, iters)
 
 
 # ================================================================ the clamped SwiGLU (§4.5)
