@@ -158,12 +158,37 @@ def _bits16(r0, r1, r2, r3, p: tl.constexpr):
     return state
 
 
+@triton.constexpr_function
+def _lane(k2: int, name: str) -> int | bool:
+    # The lane geometry of rate k2 (K2 = 2K) that the decode loops specialize on, computed once here at
+    # compile time: _lane(K2, "NL") and so on inside the kernels. Position 8L + j of a tile ends at ring
+    # bit 4 L K2 + (((j + 1) K2) >> 1), so relative to the start b_L of lane L's first state, state j
+    # starts at the compile-time bit ((j + 1) K2 >> 1) - (K2 >> 1), and all 8 end span bits after b_L.
+    # Only b_L's offset in its word depends on the lane, unless 4 K2 is a multiple of 32 (STATIC: then
+    # it is BASE for every lane). Otherwise that offset o = (4 L K2 + (K2 >> 1) + 16) mod 32 steps by
+    # g = gcd(4 K2, 32) from lane to lane, so it is at most o_max. When every state of every lane then
+    # lies in the lane's first two words (DIRECT: K <= 3), each state is one 64-bit shift of those by o
+    # plus a constant (on sm_90 one SHF.L.U64.HI and the shift down: K3 467 loop instructions against
+    # 476 with the realignment); other rates shift the lane's words once per step so that they start
+    # at b_L (NR realigned words from NL loaded ones), and every state is then a shift by a constant.
+    span = ((8 * k2) >> 1) - (k2 >> 1) + 16
+    static = (4 * k2) % 32 == 0
+    base = ((k2 >> 1) + 16) % 32 if static else 0
+    nr = (span + 31) // 32
+    g = 32 if k2 % 8 == 0 else (16 if k2 % 4 == 0 else (8 if k2 % 2 == 0 else 4))
+    o_max = (((k2 >> 1) + 16) % g) + 32 - g
+    direct = not static and span + o_max <= 64
+    nl = (base + span + 31) // 32 if static else (2 if direct else nr + 1)
+    return {"STATIC": static, "BASE": base, "NR": nr, "DIRECT": direct, "NL": nl}[name]
+
+
 @triton.jit
-def _load_step(p0, p1, p2, p3, delta, x_ptrs, x_delta, x_ok, NL: tl.constexpr):
+def _load_step(p0, p1, p2, p3, delta, x_ptrs, x_delta, x_ok, K2: tl.constexpr):
     # One step's NL ring words of every lane of RT x CT tiles (word pointers p0..p3 plus delta), and
     # its activations (x_ptrs plus x_delta). The callers form the pointers once, outside their loop,
     # and pass the step as a scalar delta: each load's address is then one IMAD.WIDE on sm_90 (a
     # per-step base plus a per-lane offset took a 64-bit add, two instructions, per load).
+    NL: tl.constexpr = _lane(K2, "NL")
     w0 = tl.load(p0 + delta).to(tl.uint32, bitcast=True)
     w1 = w0
     w2 = w0
@@ -207,10 +232,13 @@ def _lane_state(w0, w1, r0, r1, r2, r3, o, p: tl.constexpr, DIRECT: tl.constexpr
 
 @triton.jit
 def _decoded_tiles(w0, w1, w2, w3, o, zero, K2: tl.constexpr, CB: tl.constexpr, RT: tl.constexpr,
-                   CT: tl.constexpr, STATIC: tl.constexpr, BASE: tl.constexpr, NR: tl.constexpr,
-                   DIRECT: tl.constexpr):
+                   CT: tl.constexpr):
     # Ŵ^T [CT * 16, RT * 16] fp16 of one step from every lane's ring words, in the mma A-operand
     # layout (rows: output columns, columns: k, both natural).
+    STATIC: tl.constexpr = _lane(K2, "STATIC")
+    BASE: tl.constexpr = _lane(K2, "BASE")
+    NR: tl.constexpr = _lane(K2, "NR")
+    DIRECT: tl.constexpr = _lane(K2, "DIRECT")
     r0 = w0
     r1 = w1
     r2 = w2
@@ -240,8 +268,7 @@ def _decoded_tiles(w0, w1, w2, w3, o, zero, K2: tl.constexpr, CB: tl.constexpr, 
 
 @triton.jit
 def _step_dot(w0, w1, w2, w3, x, o, zero, acc, K2: tl.constexpr, CB: tl.constexpr, MP: tl.constexpr,
-              RT: tl.constexpr, CT: tl.constexpr, STATIC: tl.constexpr, BASE: tl.constexpr, NR: tl.constexpr,
-              DIRECT: tl.constexpr):
+              RT: tl.constexpr, CT: tl.constexpr):
     # acc [CT * 16, 16] += Ŵ^T · B for one step of RT x CT tiles: y^T = Ŵ^T x^T, so that the decoded
     # weights are the mma A operand, whose fragment is exactly a lane's 8 states (spec §3: rows
     # 2(L%4) + {0, 1, 8, 9} of Ŵ, columns L/4 and L/4 + 8) and never leave the registers (on sm_90
@@ -251,7 +278,7 @@ def _step_dot(w0, w1, w2, w3, x, o, zero, acc, K2: tl.constexpr, CB: tl.constexp
     # a MoE layer with ~1e-4 activations was 6.5e-3 off on the H200); |x| must stay below 65504, as
     # in exllamav3's fp16 path.
     # Columns from 2 MP on are zero.
-    w = _decoded_tiles(w0, w1, w2, w3, o, zero, K2, CB, RT, CT, STATIC, BASE, NR, DIRECT)
+    w = _decoded_tiles(w0, w1, w2, w3, o, zero, K2, CB, RT, CT)
     hi = x.to(tl.float16)
     b = tl.where(tl.arange(0, 16)[None, :] < MP, hi, ((x - hi.to(tl.float32)) * 2048.0).to(tl.float16))
     return tl.dot(w, b, acc)
@@ -268,24 +295,6 @@ def _gemv_products(xh_ptr, words_ptr, m, k, n, steps, pid_n, pid_k,
     # Returns this program's partial sums z [MP, CT * 16]; the callers add them up across programs
     # and let the last program of each 128-column block apply H128 and svh.
     NW: tl.constexpr = 4 * K2
-    # Position 8L + j of a tile ends at ring bit 4 L K2 + (((j + 1) K2) >> 1), so relative to the
-    # start b_L of lane L's first state, state j starts at the compile-time bit
-    # ((j + 1) K2 >> 1) - (K2 >> 1), and all 8 end SPAN bits after b_L. Only b_L's offset in its word
-    # depends on the lane, unless 4 K2 is a multiple of 32 (STATIC: then it is BASE for every lane).
-    # Otherwise that offset o = (4 L K2 + (K2 >> 1) + 16) mod 32 steps by G = gcd(4 K2, 32) from lane
-    # to lane, so it is at most O_MAX. When every state of every lane then lies in the lane's first
-    # two words (DIRECT: K <= 3), each state is one 64-bit shift of those by o plus a constant (on
-    # sm_90 one SHF.L.U64.HI and the shift down: K3 467 loop instructions against 476 with the
-    # realignment); other rates shift the lane's words once per step so that they start at b_L (NR
-    # realigned words from NL loaded ones), and every state is then a shift by a constant.
-    SPAN: tl.constexpr = ((8 * K2) >> 1) - (K2 >> 1) + 16
-    STATIC: tl.constexpr = (4 * K2) % 32 == 0
-    BASE: tl.constexpr = ((K2 >> 1) + 16) % 32 if STATIC else 0
-    NR: tl.constexpr = (SPAN + 31) // 32
-    G: tl.constexpr = 32 if K2 % 8 == 0 else (16 if K2 % 4 == 0 else (8 if K2 % 2 == 0 else 4))
-    O_MAX: tl.constexpr = (((K2 >> 1) + 16) % G) + 32 - G
-    DIRECT: tl.constexpr = not STATIC and SPAN + O_MAX <= 64
-    NL: tl.constexpr = (BASE + SPAN + 31) // 32 if STATIC else (2 if DIRECT else NR + 1)
     tiles_n = n // 16
     # A zero the compiler cannot see through: with it, the codebook's two LOP3 constants are one
     # immediate and one loop-invariant register, instead of a constant re-materialized per weight.
@@ -308,20 +317,20 @@ def _gemv_products(xh_ptr, words_ptr, m, k, n, steps, pid_n, pid_k,
     # latency-bound); the last step re-reads its own instead of reading past the split. Two steps
     # per iteration, so that the prefetched registers need no copying.
     p0, p1, p2, p3, xp = words_ptr + off0, words_ptr + off1, words_ptr + off2, words_ptr + off3, xh_ptr + x_off
-    w0, w1, w2, w3, x = _load_step(p0, p1, p2, p3, 0, xp, 0, x_ok, NL)
+    w0, w1, w2, w3, x = _load_step(p0, p1, p2, p3, 0, xp, 0, x_ok, K2)
     for step_index in range(0, steps, 2):
         ahead = tl.minimum(step_index + 1, steps - 1)
-        n0, n1, n2, n3, nx = _load_step(p0, p1, p2, p3, ahead * step_words, xp, ahead * (RT * 16), x_ok, NL)
+        n0, n1, n2, n3, nx = _load_step(p0, p1, p2, p3, ahead * step_words, xp, ahead * (RT * 16), x_ok, K2)
         if 2 * MP < 16:
             # x is already zero outside x_ok; saying so again after the loop-carried copy lets the
             # compiler drop the B elements that are zero by their place (columns from 2 MP on), whose
             # conversions otherwise ran every other step (sm_90 MoE loop, K3: 467 -> 443 instructions).
             x = tl.where(x_ok, x, 0.0)
-        acc = _step_dot(w0, w1, w2, w3, x, o, zero, acc, K2, CB, MP, RT, CT, STATIC, BASE, NR, DIRECT)
+        acc = _step_dot(w0, w1, w2, w3, x, o, zero, acc, K2, CB, MP, RT, CT)
         ahead = tl.minimum(step_index + 2, steps - 1)
-        w0, w1, w2, w3, x = _load_step(p0, p1, p2, p3, ahead * step_words, xp, ahead * (RT * 16), x_ok, NL)
+        w0, w1, w2, w3, x = _load_step(p0, p1, p2, p3, ahead * step_words, xp, ahead * (RT * 16), x_ok, K2)
         if step_index + 1 < steps:
-            acc = _step_dot(n0, n1, n2, n3, nx, o, zero, acc, K2, CB, MP, RT, CT, STATIC, BASE, NR, DIRECT)
+            acc = _step_dot(n0, n1, n2, n3, nx, o, zero, acc, K2, CB, MP, RT, CT)
 
     # Columns i and MP + i (hi and lo * 2^11 parts) make row i; columns from 2 MP on are zero.
     part = tl.where(tl.arange(0, 2)[None, :, None, None] == 0, 1.0, 1.0 / 2048.0)
@@ -745,17 +754,9 @@ def _prefill_products(words_ptr, xs_ptr, rows_ok, k, n, pid_n,
                       K2: tl.constexpr, CB: tl.constexpr, RT: tl.constexpr, BM: tl.constexpr):
     # acc [128, BM] fp32 = (xs[:BM] · Ŵ[:, 128 pid_n : 128 (pid_n + 1)])^T for one expert's trellis
     # words (k x n) and BM fp16 rows at xs_ptr (row stride k; rows_ok [1, BM] masks the tile's end).
-    # Lane geometry as in _gemv_products: one thread element = one mma lane of one 16x16 tile.
+    # Lanes as in _gemv_products (geometry: _lane): one thread element = one mma lane of one 16x16 tile.
     CT: tl.constexpr = 8
     NW: tl.constexpr = 4 * K2
-    SPAN: tl.constexpr = ((8 * K2) >> 1) - (K2 >> 1) + 16
-    STATIC: tl.constexpr = (4 * K2) % 32 == 0
-    BASE: tl.constexpr = ((K2 >> 1) + 16) % 32 if STATIC else 0
-    NR: tl.constexpr = (SPAN + 31) // 32
-    G: tl.constexpr = 32 if K2 % 8 == 0 else (16 if K2 % 4 == 0 else (8 if K2 % 2 == 0 else 4))
-    O_MAX: tl.constexpr = (((K2 >> 1) + 16) % G) + 32 - G
-    DIRECT: tl.constexpr = not STATIC and SPAN + O_MAX <= 64
-    NL: tl.constexpr = (BASE + SPAN + 31) // 32 if STATIC else (2 if DIRECT else NR + 1)
     tiles_n = n // 16
     zero = (k >> 31).to(tl.uint32)
     o, off0, off1, off2, off3 = _lane_words(tiles_n, pid_n, K2, RT, CT)
@@ -766,11 +767,11 @@ def _prefill_products(words_ptr, xs_ptr, rows_ok, k, n, pid_n,
     # Each step loads the next step's words and activations before decoding its own (the last step
     # re-reads its own).
     p0, p1, p2, p3, xp = words_ptr + off0, words_ptr + off1, words_ptr + off2, words_ptr + off3, xs_ptr + x_off
-    w0, w1, w2, w3, x = _load_step(p0, p1, p2, p3, 0, xp, 0, rows_ok, NL)
+    w0, w1, w2, w3, x = _load_step(p0, p1, p2, p3, 0, xp, 0, rows_ok, K2)
     for step in range(0, steps):
         ahead = tl.minimum(step + 1, steps - 1)
-        n0, n1, n2, n3, nx = _load_step(p0, p1, p2, p3, ahead * step_words, xp, ahead * (RT * 16), rows_ok, NL)
-        acc = tl.dot(_decoded_tiles(w0, w1, w2, w3, o, zero, K2, CB, RT, CT, STATIC, BASE, NR, DIRECT), x, acc)
+        n0, n1, n2, n3, nx = _load_step(p0, p1, p2, p3, ahead * step_words, xp, ahead * (RT * 16), rows_ok, K2)
+        acc = tl.dot(_decoded_tiles(w0, w1, w2, w3, o, zero, K2, CB, RT, CT), x, acc)
         w0, w1, w2, w3, x = n0, n1, n2, n3, nx
     return acc
 
