@@ -778,15 +778,17 @@ def _prefill_products(words_ptr, xs_ptr, rows_ok, k, n, pid_n,
     steps = k // (RT * 16)
     step_words = RT * tiles_n * NW
     acc = tl.zeros([CT * 16, BM], tl.float32)
-    # Each step loads the next step's words and activations before decoding its own (the last step
-    # re-reads its own).
+    # Each step loads the next step's words before decoding its own (the last step re-reads its own);
+    # the activations, a plain load into the dot, are left to triton's pipeliner (async copies into
+    # shared memory, num_stages deep).
     p0, p1, p2, p3, xp = words_ptr + off0, words_ptr + off1, words_ptr + off2, words_ptr + off3, xs_ptr + x_off
-    w0, w1, w2, w3, x = _load_step(p0, p1, p2, p3, 0, xp, 0, rows_ok, K2)
+    w0, w1, w2, w3, _ = _load_step(p0, p1, p2, p3, 0, xp, 0, rows_ok, K2)
     for step in range(0, steps):
         ahead = tl.minimum(step + 1, steps - 1)
-        n0, n1, n2, n3, nx = _load_step(p0, p1, p2, p3, ahead * step_words, xp, ahead * (RT * 16), rows_ok, K2)
+        n0, n1, n2, n3, _ = _load_step(p0, p1, p2, p3, ahead * step_words, xp, ahead * (RT * 16), rows_ok, K2)
+        x = tl.load(xp + step * (RT * 16), mask=rows_ok, other=0.0)
         acc = tl.dot(_decoded_tiles(w0, w1, w2, w3, o, zero, K2, CB, RT, CT), x, acc)
-        w0, w1, w2, w3, x = n0, n1, n2, n3, nx
+        w0, w1, w2, w3 = n0, n1, n2, n3
     return acc
 
 
