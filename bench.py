@@ -735,6 +735,7 @@ def run_kernels(args) -> None:
         except Exception as error:
             say(f"| {kernel} | {shape} | failed: {type(error).__name__}: {error} |")
 
+    import kda_kernels
     import kernels
     for (k, n), bits in itertools.product(EXL3_SHAPES, (3, 4)):
         sets = exl3_data_sets(k, n, bits)
@@ -754,12 +755,12 @@ def run_kernels(args) -> None:
         n_calls = 20
         pool = torch.zeros(n_calls * B, H, D, D, device="cuda")
         slots = [torch.arange(i * B, (i + 1) * B, device="cuda") for i in range(n_calls)]
-        calls = [lambda s=s: kernels.kda_recurrent_step(q, k, v, g, beta, pool, s) for s in slots]
+        calls = [lambda s=s: kda_kernels.kda_recurrent_step(q, k, v, g, beta, pool, s) for s in slots]
         line("kda_recurrent_step", f"B={B} H={H} d={D}", calls, 2 * B * H * D * D * 4 / gbps / 1e3)
     T = 8192
     q, k, v, g, beta = kda_inputs(T, seed=3)
     try:
-        ms = median_us(lambda: kernels.kda_chunk_prefill(q, k, v, g, beta)) / 1e3
+        ms = median_us(lambda: kda_kernels.kda_chunk_prefill(q, k, v, g, beta)) / 1e3
         say(f"kda_chunk_prefill T={T}: {ms:.3f} ms per layer (fla chunk_kda: 1.85 ms, spec §9.3 [meas], not measured here)")
     except Exception as error:
         say(f"kda_chunk_prefill T={T}: failed: {type(error).__name__}: {error}")
@@ -1080,7 +1081,7 @@ def max_rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 def kda_decode(gbps: float) -> None:
-    import kernels
+    import kda_kernels
     say("\n== decode: kda_recurrent_step, one token per sequence ==")
     B, slots_total = 16, 40
     q, k, v, g, beta = kda_inputs(B, seed=1)
@@ -1088,7 +1089,7 @@ def kda_decode(gbps: float) -> None:
     pool_ref = pool.clone()
     slots = torch.randperm(slots_total, device="cuda")[:B]
     for _ in range(3):
-        o = kernels.kda_recurrent_step(q, k, v, g, beta, pool, slots)
+        o = kda_kernels.kda_recurrent_step(q, k, v, g, beta, pool, slots)
         outs = []
         for b, s in enumerate(slots.tolist()):
             o_b, pool_ref[s] = kda_recurrent(*(x[b:b + 1] for x in (q, k, v, g, beta)), pool_ref[s])
@@ -1104,7 +1105,7 @@ def kda_decode(gbps: float) -> None:
         pool = torch.zeros(calls * B, KDA_H, KDA_D, KDA_D, device="cuda")
         slots = [torch.arange(i * B, (i + 1) * B, device="cuda") for i in range(calls)]
         for bv, warps in ((16, 2), (16, 4), (32, 4), (32, 8), (64, 8)):
-            step = [lambda s=s: kernels.kda_recurrent_step(q, k, v, g, beta, pool, s, block_v=bv, num_warps=warps)
+            step = [lambda s=s: kda_kernels.kda_recurrent_step(q, k, v, g, beta, pool, s, block_v=bv, num_warps=warps)
                     for s in slots]
             e, t = median_us(step[0]), graph_us(step)
             rate = 2 * B * STATE_BYTES / t / 1e3
@@ -1113,19 +1114,19 @@ def kda_decode(gbps: float) -> None:
 
 
 def kda_prefill(gbps: float) -> None:
-    import kernels
+    import kda_kernels
     say("\n== prefill: kda_chunk_prefill (chunk 64) vs the per-token recurrence ==")
     for T, block in ((1024, 256), (8192, None)):
         q, k, v, g, beta = kda_inputs(T, seed=T)
         S0 = 0.1 * torch.randn(KDA_H, KDA_D, KDA_D, device="cuda")
-        o, final, states = kernels.kda_chunk_prefill(q, k, v, g, beta, S0, block=block)
+        o, final, states = kda_kernels.kda_chunk_prefill(q, k, v, g, beta, S0, block=block)
         o_ref, final_ref, states_ref = kda_twin(q, k, v, g, beta, S0, block=block)
         line = f"T={T}: rel err o {max_rel_err(o, o_ref):.2e}, final state {max_rel_err(final, final_ref):.2e}"
         if block:
             line += f", {states.shape[0]} boundary states {max_rel_err(states, states_ref):.2e}"
         say(line)
     q, k, v, g, beta = kda_inputs(1024, seed=5, dtype=torch.bfloat16)
-    o, final, _ = kernels.kda_chunk_prefill(q, k, v, g, beta)
+    o, final, _ = kda_kernels.kda_chunk_prefill(q, k, v, g, beta)
     o_ref, final_ref, _ = kda_twin(q, k, v, g, beta)
     say(f"T=1024 bf16 q/k/v (o in bf16): rel err o {max_rel_err(o, o_ref):.2e}, final state "
         f"{max_rel_err(final, final_ref):.2e}")
@@ -1133,14 +1134,14 @@ def kda_prefill(gbps: float) -> None:
     for T in (1024, 8192):
         q, k, v, g, beta = kda_inputs(T, seed=T)
         S0 = torch.zeros(KDA_H, KDA_D, KDA_D, device="cuda")
-        f = kernels.chunk_factors(q, k, v, g, beta, 64)
-        factors_ms = median_us(lambda: kernels.chunk_factors(q, k, v, g, beta, 64)) / 1e3
+        f = kda_kernels.chunk_factors(q, k, v, g, beta, 64)
+        factors_ms = median_us(lambda: kda_kernels.chunk_factors(q, k, v, g, beta, 64)) / 1e3
         for bv, warps, stages in ((32, 4, 1), (32, 4, 2), (64, 8, 2), (16, 4, 1)):
             try:
-                states = kernels.chunk_states(f, S0, bv, warps, stages)  # overwrites f.u: timing only from here
-                states_ms = median_us(lambda: kernels.chunk_states(f, S0, bv, warps, stages)) / 1e3
-                output_ms = median_us(lambda: kernels.chunk_output(f, states, torch.float32)) / 1e3
-                total_ms = median_us(lambda: kernels.kda_chunk_prefill(q, k, v, g, beta, S0, block_v=bv,
+                states = kda_kernels.chunk_states(f, S0, bv, warps, stages)  # overwrites f.u: timing only from here
+                states_ms = median_us(lambda: kda_kernels.chunk_states(f, S0, bv, warps, stages)) / 1e3
+                output_ms = median_us(lambda: kda_kernels.chunk_output(f, states, torch.float32)) / 1e3
+                total_ms = median_us(lambda: kda_kernels.kda_chunk_prefill(q, k, v, g, beta, S0, block_v=bv,
                                                                        num_warps=warps, num_stages=stages)) / 1e3
             except Exception as e:  # e.g. out of shared memory for deep pipelines
                 say(f"{T:>5} {bv:>3} {warps:>5} {stages:>6} failed: {type(e).__name__}: {str(e)[:80]}")
@@ -1150,15 +1151,15 @@ def kda_prefill(gbps: float) -> None:
 
 
 def kda_precision(gbps: float) -> None:
-    import kernels
-    say("\n== tl.dot input precision (prefill T=8192, default tiles; kernels.DOT_PRECISION is the default) ==")
+    import kda_kernels
+    say("\n== tl.dot input precision (prefill T=8192, default tiles; kda_kernels.DOT_PRECISION is the default) ==")
     T = 8192
     q, k, v, g, beta = kda_inputs(T, seed=11)
     S0 = 0.1 * torch.randn(KDA_H, KDA_D, KDA_D, device="cuda")
     o_ref, final_ref, _ = kda_twin(q, k, v, g, beta, S0)
     for precision in ("tf32", "tf32x3", "ieee"):
-        o, final, _ = kernels.kda_chunk_prefill(q, k, v, g, beta, S0, precision=precision)
-        ms = median_us(lambda: kernels.kda_chunk_prefill(q, k, v, g, beta, S0, precision=precision)) / 1e3
+        o, final, _ = kda_kernels.kda_chunk_prefill(q, k, v, g, beta, S0, precision=precision)
+        ms = median_us(lambda: kda_kernels.kda_chunk_prefill(q, k, v, g, beta, S0, precision=precision)) / 1e3
         say(f"{precision:>7}: {ms:.3f} ms, rel err o {max_rel_err(o, o_ref):.2e}, final state "
             f"{max_rel_err(final, final_ref):.2e}")
 

@@ -11,8 +11,8 @@ twin (tests/test_fastdecode.py holds them together). Only the way of computing d
   the model's own entries become views of the concatenation (same values, no extra memory);
 - the routed experts of a layer are stacked the same way, so `exl3_kernels.exl3_moe_decode` runs all
   selected experts in three launches with the expert ids read on the device;
-- KDA (§4.3): conv window, SiLU, L2 norms, gate and β in one kernel (`kernels.kda_decode_inputs`),
-  the recurrence in `kernels.kda_recurrent_step`, the output norm and gate in one more;
+- KDA (§4.3): conv window, SiLU, L2 norms, gate and β in one kernel (`kda_kernels.kda_decode_inputs`),
+  the recurrence in `kda_kernels.kda_recurrent_step`, the output norm and gate in one more;
 - DSA (§4.4): one kernel applies q_a_layernorm and writes the token's cache rows and pooled key
   (`kernels.dsa_decode_inputs`);
   the indexer scores every pool of a fixed-width block table (`kernels.dsa_index_scores`) and takes
@@ -36,6 +36,7 @@ import torch.nn.functional as F
 import exl3
 import exl3_kernels
 import fp8
+import kda_kernels
 import kernels
 from cache import CachePool
 from model_glm import ForwardOutput, GLMModel, SeqChunk, Weight, linear, on_device, rms_norm, swiglu
@@ -474,11 +475,11 @@ class FastDecoder:
         q_pre, k_pre, v_pre, f_a, g_a, b = layer.proj(x)
         (f,), (o_g,) = layer.proj2[0](f_a), layer.proj2[1](g_a)
         a = layer.attn
-        q, k, v, g, beta = kernels.kda_decode_inputs(
+        q, k, v, g, beta = kda_kernels.kda_decode_inputs(
             (q_pre, k_pre, v_pre), self.cache.conv_state[layer.row], slots, a["conv"], f, a["A_log"],
             a["dt_bias"], b, cfg.linear_lower_bound, H, d)
-        o = kernels.kda_recurrent_step(q, k, v, g, beta, self.cache.kda_state[layer.row], slots)
-        o = kernels.kda_output_gate(o, o_g, a["o_norm"], cfg.rms_norm_eps, x.dtype)
+        o = kda_kernels.kda_recurrent_step(q, k, v, g, beta, self.cache.kda_state[layer.row], slots)
+        o = kda_kernels.kda_output_gate(o, o_g, a["o_norm"], cfg.rms_norm_eps, x.dtype)
         return linear(o, layer.o_proj)
 
     # -- §4.4 DSA ------------------------------------------------------------------------------

@@ -5,8 +5,8 @@ The trunk is model_glm's, in the same order (spec glm53.md §4.1), over the fuse
 stacked experts that `fastdecode.FastDecoder` prepared; model_glm.forward is this file's twin
 (tests/test_fastprefill.py holds them together). What differs:
 - mHC (§4.2): `kernels.hc_pre` / `hc_post`, row-parallel, as in the decode step;
-- KDA (§4.3): the short conv, norms, gate and β in one launch (`kernels.kda_chunk_inputs`), then the
-  chunked WY form in `kernels.kda_chunk_prefill` (three launches for the whole chunk) instead of a
+- KDA (§4.3): the short conv, norms, gate and β in one launch (`kda_kernels.kda_chunk_inputs`), then the
+  chunked WY form in `kda_kernels.kda_chunk_prefill` (three launches for the whole chunk) instead of a
   Python loop of torch ops per 64 tokens;
 - DSA (§4.4): the decode step's indexer kernel with the chunk's rows as the batch, then
   `kernels.dsa_prefill_attention` (one program per query row and 32 heads), so each query reads
@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 import exl3_kernels
+import kda_kernels
 import kernels
 from fastdecode import FastDecoder, Layer, Unsupported, fp32_linear
 from model_glm import KDA_CHUNK, ForwardOutput, SeqChunk, linear, on_device, rms_norm, route_logits, write_dsa_rows
@@ -121,7 +122,7 @@ class FastPrefill:
             cache.conv_state[row, slot] = 0
             cache.kda_state[row, slot] = 0
         history = cache.conv_state[row, slot]  # [3, K-1, H*d]
-        q, k, v, g, beta = kernels.kda_chunk_inputs((q_pre, k_pre, v_pre), history, a["conv"], f, a["A_log"],
+        q, k, v, g, beta = kda_kernels.kda_chunk_inputs((q_pre, k_pre, v_pre), history, a["conv"], f, a["A_log"],
                                                     a["dt_bias"], b, cfg.linear_lower_bound, H, d)
         # the conv window's last K-1 rows: the chunk's own, or the history's tail then the chunk
         keep = min(n, K - 1)
@@ -129,7 +130,7 @@ class FastPrefill:
                                                    for j, t in enumerate((q_pre, k_pre, v_pre))])
         o, S = self.recurrence(q, k, v, g, beta, cache.kda_state[row, slot], c.start)
         cache.kda_state[row, slot] = S
-        return linear(kernels.kda_output_gate(o, o_g, a["o_norm"], cfg.rms_norm_eps, x.dtype), layer.o_proj)
+        return linear(kda_kernels.kda_output_gate(o, o_g, a["o_norm"], cfg.rms_norm_eps, x.dtype), layer.o_proj)
 
     def recurrence(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                    beta: torch.Tensor, S: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,7 +140,7 @@ class FastPrefill:
         outs = []
         for r0, r1 in ((0, head), (head, q.shape[0])):
             if r1 > r0:
-                o, S, _ = kernels.kda_chunk_prefill(q[r0:r1], k[r0:r1], v[r0:r1], g[r0:r1], beta[r0:r1], S,
+                o, S, _ = kda_kernels.kda_chunk_prefill(q[r0:r1], k[r0:r1], v[r0:r1], g[r0:r1], beta[r0:r1], S,
                                                     chunk=self.kda_chunk)
                 outs.append(o)
         return torch.cat(outs), S

@@ -1,5 +1,5 @@
 """fastdecode.FastDecoder against its twin, model_glm.GLMModel.forward, on the tiny real-layout model
-(tests/tiny.py), and the decode-step kernels (kernels.py) against model_glm's functions.
+(tests/tiny.py), and the decode-step kernels (kernels.py, kda_kernels.py) against model_glm's functions.
 
 On CPU the Triton kernels run under the interpreter (tests/conftest.py); on a GPU the same tests
 run the compiled kernels, and the CUDA-graph test runs too.
@@ -12,6 +12,7 @@ import bench
 import checkpoint
 import fastdecode
 import fastprefill
+import kda_kernels
 import kernels
 import fp8
 import tiny
@@ -137,7 +138,7 @@ def test_kda_inputs_and_output_match_model_glm(dtype):
     b = torch.randn(B, H + 3, generator=g).to(dtype).to(DEVICE)[:, :H]
     slots = torch.tensor([4, 0, 2], device=DEVICE)
     before = conv_state.clone()
-    q, k, v, gate, beta = kernels.kda_decode_inputs(pre, conv_state, slots, conv_w, f, A_log, dt_bias, b, -5.0, H, d)
+    q, k, v, gate, beta = kda_kernels.kda_decode_inputs(pre, conv_state, slots, conv_w, f, A_log, dt_bias, b, -5.0, H, d)
     for i, s in enumerate(slots.tolist()):
         outs = []
         for j in range(3):
@@ -156,7 +157,7 @@ def test_kda_inputs_and_output_match_model_glm(dtype):
     o_g = fused[:, :HD]
     w = (1 + 0.1 * torch.randn(d, generator=g)).to(DEVICE)
     want = (rms_norm(o, w, 1e-5) * torch.sigmoid(o_g.float().view(B, H, d))).to(dtype).flatten(1)
-    torch.testing.assert_close(kernels.kda_output_gate(o, o_g, w, 1e-5, dtype), want, **tol)
+    torch.testing.assert_close(kda_kernels.kda_output_gate(o, o_g, w, 1e-5, dtype), want, **tol)
 
 
 
@@ -193,7 +194,7 @@ def test_kda_chunk_inputs_match_model_glm(dtype, n):
     A_log, dt_bias = torch.randn(H, generator=g).to(DEVICE), torch.randn(HD, generator=g).to(DEVICE)
     b = torch.randn(n, H + 3, generator=g).to(dtype).to(DEVICE)[:, :H]
     before = history.clone()
-    q, k, v, gate, beta = kernels.kda_chunk_inputs(pre, history, conv_w, f, A_log, dt_bias, b, -5.0, H, d)
+    q, k, v, gate, beta = kda_kernels.kda_chunk_inputs(pre, history, conv_w, f, A_log, dt_bias, b, -5.0, H, d)
     assert torch.equal(history, before)  # read only: the caller keeps the window's tail
     outs = [short_conv(torch.cat([history[j], pre[j]]), conv_w[j][:, None, :]).float().view(n, H, d) for j in range(3)]
     torch.testing.assert_close(q, l2_norm(outs[0]) * d ** -0.5, **tol)
@@ -202,7 +203,7 @@ def test_kda_chunk_inputs_match_model_glm(dtype, n):
     torch.testing.assert_close(gate, kda_gate(f, A_log, dt_bias, -5.0, H, d), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(beta, torch.sigmoid(b.float()), rtol=1e-6, atol=1e-7)
     with pytest.raises(ValueError, match="history must be"):
-        kernels.kda_chunk_inputs(pre, history[:, 1:], conv_w, f, A_log, dt_bias, b, -5.0, H, d)
+        kda_kernels.kda_chunk_inputs(pre, history[:, 1:], conv_w, f, A_log, dt_bias, b, -5.0, H, d)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -1,5 +1,5 @@
 """Triton kernels against their torch twins: EXL3 (exl3_kernels.py; exllamav3's golden outputs and exl3.py), KDA
-(model_glm.kda_recurrent), FP8 block-128 (fp8.py).
+(kda_kernels.py; model_glm.kda_recurrent), FP8 block-128 (fp8.py).
 
 On CPU the kernels run under TRITON_INTERPRET=1 (tests/conftest.py), so shapes stay tiny there;
 the larger cases run only on a GPU.
@@ -13,6 +13,7 @@ import triton.language as tl
 import exl3
 import exl3_kernels
 import fp8
+import kda_kernels
 import kernels
 from bench import kda_twin, rel_err
 from model_glm import kda_recurrent
@@ -202,7 +203,7 @@ def step_twin(q, k, v, g, beta, pool, slots):
 
 
 
-# On the GPU the prefill kernels' tl.dot runs fp32 products as tf32x3 (kernels.DOT_PRECISION; H200:
+# On the GPU the prefill kernels' tl.dot runs fp32 products as tf32x3 (kda_kernels.DOT_PRECISION; H200:
 # 1.5e-6 relative at T = 8192); the interpreter computes them in exact fp32. Decode has no tl.dot.
 PREFILL_REL = 1e-4
 
@@ -221,7 +222,7 @@ def test_step_matches_twin_and_touches_only_its_slots():
     slots = torch.tensor([4, 0, 3], device=DEVICE)
     for step in range(2):  # the second token reads the state the first one wrote
         q, k, v, g, beta = _inputs((3,), H, dk, dv, seed=10 + step)
-        o = kernels.kda_recurrent_step(q, k, v, g, beta, pool, slots, block_v=16)
+        o = kda_kernels.kda_recurrent_step(q, k, v, g, beta, pool, slots, block_v=16)
         o_ref = step_twin(q, k, v, g, beta, pool_ref, slots)
         _close(o, o_ref, f"o at step {step}")
         _close(pool, pool_ref, f"state pool at step {step}")
@@ -240,7 +241,7 @@ def test_prefill_matches_recurrence(T, chunk, dk, dv, with_init, block):
     H = 2
     q, k, v, g, beta = _inputs((T,), H, dk, dv, seed=T + chunk)
     S0 = torch.randn(H, dk, dv).to(DEVICE) if with_init else None
-    o, final, states = kernels.kda_chunk_prefill(q, k, v, g, beta, S0, chunk=chunk, block=block, block_v=16)
+    o, final, states = kda_kernels.kda_chunk_prefill(q, k, v, g, beta, S0, chunk=chunk, block=block, block_v=16)
     o_ref, final_ref, states_ref = kda_twin(q, k, v, g, beta, S0, block=block)
     _close(o, o_ref, "o", PREFILL_REL)
     _close(final, final_ref, "final state", PREFILL_REL)
@@ -261,7 +262,7 @@ def test_prefill_hard_inputs(chunk):
     g[:, :, d // 2:] = -1e-3
     k = _l2(k[:1] + 0.05 * k)
     beta = torch.full_like(beta, 0.999)
-    o, final, _ = kernels.kda_chunk_prefill(q, k, v, g, beta, None, chunk=chunk)
+    o, final, _ = kda_kernels.kda_chunk_prefill(q, k, v, g, beta, None, chunk=chunk)
     o_ref, final_ref, _ = kda_twin(q, k, v, g, beta, None)
     assert torch.isfinite(o).all()
     _close(o, o_ref, "o", PREFILL_REL)
@@ -272,14 +273,14 @@ def test_bf16_inputs_give_bf16_output():
     """The model may hand over bf16 q, k, v: kernels compute in fp32 and round only o."""
     q, k, v, g, beta = _inputs((20,), 2, 16, 16, seed=9)
     q, k, v = (x.bfloat16() for x in (q, k, v))
-    o, final, _ = kernels.kda_chunk_prefill(q, k, v, g, beta, None, chunk=16)
+    o, final, _ = kda_kernels.kda_chunk_prefill(q, k, v, g, beta, None, chunk=16)
     o_ref, final_ref, _ = kda_twin(q, k, v, g, beta, None)
     assert o.dtype == o_ref.dtype == torch.bfloat16
     _close(final, final_ref, "final state", PREFILL_REL)
     assert (o.float() - o_ref.float()).abs().max() <= 1e-2 * o_ref.float().abs().max()
     pool, pool_ref = torch.zeros(2, 2, 16, 16, device=DEVICE), torch.zeros(2, 2, 16, 16, device=DEVICE)
     slots = torch.tensor([1, 0], device=DEVICE)
-    step = kernels.kda_recurrent_step(q[:2], k[:2], v[:2], g[:2], beta[:2], pool, slots)
+    step = kda_kernels.kda_recurrent_step(q[:2], k[:2], v[:2], g[:2], beta[:2], pool, slots)
     step_ref = step_twin(q[:2], k[:2], v[:2], g[:2], beta[:2], pool_ref, slots)
     assert step.dtype == torch.bfloat16
     _close(pool, pool_ref, "state pool")
@@ -289,13 +290,13 @@ def test_bf16_inputs_give_bf16_output():
 def test_errors_name_the_tensor():
     q, k, v, g, beta = _inputs((8,), 2, 16, 16, seed=0)
     with pytest.raises(ValueError, match="g shape"):
-        kernels.kda_chunk_prefill(q, k, v, g[:, :1], beta)
+        kda_kernels.kda_chunk_prefill(q, k, v, g[:, :1], beta)
     with pytest.raises(ValueError, match="initial_state shape"):
-        kernels.kda_chunk_prefill(q, k, v, g, beta, torch.zeros(2, 16, 8, device=DEVICE))
+        kda_kernels.kda_chunk_prefill(q, k, v, g, beta, torch.zeros(2, 16, 8, device=DEVICE))
     with pytest.raises(ValueError, match="block 48 must be a positive multiple of chunk 32"):
-        kernels.kda_chunk_prefill(q, k, v, g, beta, chunk=32, block=48)
+        kda_kernels.kda_chunk_prefill(q, k, v, g, beta, chunk=32, block=48)
     with pytest.raises(ValueError, match="state shape"):
-        kernels.kda_recurrent_step(q[:2], k[:2], v[:2], g[:2], beta[:2], torch.zeros(4, 2, 16, 8, device=DEVICE),
+        kda_kernels.kda_recurrent_step(q[:2], k[:2], v[:2], g[:2], beta[:2], torch.zeros(4, 2, 16, 8, device=DEVICE),
                                    torch.tensor([0, 1], device=DEVICE))
 
 

@@ -1,0 +1,649 @@
+"""KDA's Triton kernels (spec glm53.md §4.3), each with a slow pure-torch twin in model_glm.py that the
+tests hold it to:
+
+the recurrence (§4.3.6-7): `kda_recurrent_step` (one token of B sequences against the state pool, decode)
+and `kda_chunk_prefill` (a whole sequence in the chunked WY form, prefill; `chunk_factors`,
+`chunk_states` and `chunk_output` are its three stages) compute what `model_glm.kda_recurrent` computes
+token by token;
+
+the decode step's KDA glue (fastdecode.py): `kda_decode_inputs` (short conv, SiLU, L2 norms, gate, β for
+one token, §4.3.2-5; the prefill's `kda_chunk_inputs` for the rows of one sequence's chunk) and
+`kda_output_gate` (§4.3.8's norm and gate).
+
+Like kernels.py, this file imports neither exl3.py nor model_glm.py (they sit above it); it takes three
+small helpers from kernels.py (the bf16 rounding, the power-of-two check and the strided-rows check).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import _cast, _check_pow2, _rows
+
+# ================================================================ KDA recurrence
+# Per head h the state S[h] is fp32 [d_k, d_v], indexed [key i, value j]. One token:
+#
+#     S <- diag(exp(g)) S          decay the key rows first
+#     p  = S^T k                   what the state predicts for k
+#     δ  = β (v - p)               delta rule
+#     S <- S + k δ^T
+#     o  = S^T q                   read from the updated state (q already L2-normed and scaled)
+#
+# `kda_recurrent_step` runs that for one token of B sequences against a state pool (decode);
+# `kda_chunk_prefill` runs a whole sequence in the chunked WY form (§4.3.7).
+#
+# Matrix products inside the prefill kernels use `tl.dot` with DOT_PRECISION = "tf32x3": each fp32
+# operand goes to the tensor cores as a TF32 hi part plus a TF32 remainder (three products), near
+# fp32; everything else (the carried state, Γ, the exact solve of the 16-row diagonal blocks) is fp32.
+# `bench.py kda precision`, H200, T = 8192, one layer: "tf32" 9.2 ms at 1.5e-3 relative error of o,
+# "tf32x3" 11.3 ms at 1.5e-6, "ieee" (fp32 FMA) 16.3 ms at 1.5e-6. With "tf32" the fast prefill of
+# the trained default model (bf16) was 5.9e-3 nats of KL from the reference; with "tf32x3" 5.5e-4,
+# the size of that model's own move for a 1-ulp change of its input (5.4e-4).
+# Under the CPU interpreter tl.dot is exact fp32 whatever the setting. The decode kernel has no
+# matrix product.
+
+DOT_PRECISION = "tf32x3"
+SUB_CHUNK = 16  # rows of the diagonal blocks solved exactly inside a chunk; tl.dot needs >= 16
+OUT_BLOCK_V, OUT_BLOCK_K = 64, 32
+
+
+# ---------------------------------------------------------------- decode: one token, state pool
+
+def kda_recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                       beta: torch.Tensor, state: torch.Tensor, slots: torch.Tensor,
+                       block_v: int = 32, num_warps: int = 4) -> torch.Tensor:
+    """One token of §4.3.6 for B sequences (twin: `model_glm.kda_recurrent`, one sequence at a time):
+    q, k, g [B, H, d_k], v [B, H, d_v], beta [B, H], state [num_slots, H, d_k, d_v] fp32 (e.g.
+    CachePool.kda_state[layer]) updated in place at rows `slots` [B] (distinct). Returns o [B, H, d_v]
+    in q's dtype.
+
+    Each program owns a [d_k, block_v] tile of one head's state in registers: one read, one write.
+    """
+    _check_step(q, k, v, g, beta, state, slots)
+    B, H, dk = q.shape
+    dv = v.shape[-1]
+    if state.dtype != torch.float32:
+        raise ValueError(f"state must be fp32, got {state.dtype}")
+    _check_pow2("d_k", dk)
+    _check_pow2("d_v", dv)
+    bv = min(dv, block_v)
+    if dv % bv:
+        raise ValueError(f"block_v {bv} must divide d_v {dv}")
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    o = torch.empty(B, H, dv, dtype=q.dtype, device=q.device)
+    _kda_step_kernel[(B * H, dv // bv)](
+        q, k, v, g, beta, state, slots.to(torch.int64).contiguous(), o,
+        *state.stride(), H=H, DK=dk, DV=dv, BV=bv, num_warps=num_warps)
+    return o
+
+
+@triton.jit
+def _kda_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slots_ptr, o_ptr,
+                     s_slot, s_head, s_key, s_val,
+                     H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr):
+    bh = tl.program_id(0)
+    b = bh // H
+    h = bh % H
+    i = tl.arange(0, DK)
+    j = tl.program_id(1) * BV + tl.arange(0, BV)
+    slot = tl.load(slots_ptr + b)
+    s_ptrs = state_ptr + slot * s_slot + h * s_head + i[:, None] * s_key + j[None, :] * s_val
+    S = tl.load(s_ptrs)
+    q = tl.load(q_ptr + bh * DK + i).to(tl.float32)
+    k = tl.load(k_ptr + bh * DK + i).to(tl.float32)
+    g = tl.load(g_ptr + bh * DK + i).to(tl.float32)
+    v = tl.load(v_ptr + bh * DV + j).to(tl.float32)
+    beta = tl.load(beta_ptr + bh).to(tl.float32)
+    S = S * tl.exp(g)[:, None]
+    p = tl.sum(S * k[:, None], axis=0)
+    delta = beta * (v - p)
+    S = S + k[:, None] * delta[None, :]
+    o = tl.sum(S * q[:, None], axis=0)
+    tl.store(s_ptrs, S)
+    tl.store(o_ptr + bh * DV + j, o.to(o_ptr.dtype.element_ty))
+
+
+# ---------------------------------------------------------------- prefill: chunked WY form
+
+def kda_chunk_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                      beta: torch.Tensor, initial_state: torch.Tensor | None = None, chunk: int = 64,
+                      block: int | None = None, block_v: int = 32, num_warps: int = 4,
+                      num_stages: int = 1, precision: str = DOT_PRECISION
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A whole sequence: q, k, g [T, H, d_k], v [T, H, d_v], beta [T, H] (twin: `model_glm.kda_recurrent`
+    over the T tokens from `initial_state`, zeros if None). Returns (o [T, H, d_v] in q's dtype, final
+    state [H, d_k, d_v] fp32, boundary states [T // block, H, d_k, d_v] fp32 = the state after each
+    token t with (t + 1) % block == 0, or None). Three passes:
+
+    1. `chunk_factors`: every (chunk, head) in parallel, the WY factors of §4.3.7.
+    2. `chunk_states`: every (value tile, head) in parallel, chunks in order: the state entering
+       each chunk (kept for pass 3; `block` boundaries are among them) and U' = U - W S.
+    3. `chunk_output`: every (chunk, head, value tile) in parallel: O = (Q ⊙ exp(Γ)) S + Aqk U'.
+    g must be <= 0 (a log-decay): the factorizations keep every exponent <= 0.
+    block_v, num_warps, num_stages tune pass 2; precision is the tl.dot input precision.
+    Transient memory: one fp32 state per chunk (4 MiB per 64 tokens at H = 64, d = 128).
+    """
+    T, H, dk, dv = _check_prefill(q, k, v, g, beta, initial_state)
+    if chunk not in (16, 32, 64):
+        raise ValueError(f"chunk must be 16, 32 or 64, got {chunk}")
+    if block is not None and (block <= 0 or block % chunk):
+        raise ValueError(f"block {block} must be a positive multiple of chunk {chunk}")
+    _check_pow2("d_k", dk)
+    _check_pow2("d_v", dv)
+    if dv % min(dv, block_v):
+        raise ValueError(f"block_v {block_v} must divide d_v {dv}")
+    f = chunk_factors(q, k, v, g, beta, chunk, precision)
+    states = chunk_states(f, initial_state, block_v, num_warps, num_stages, precision)
+    o = chunk_output(f, states, q.dtype, precision)
+    boundary = None
+    if block is not None:
+        boundary = states[[(i + 1) * block // chunk for i in range(T // block)]]
+    return o, states[-1].clone(), boundary
+
+
+@dataclass
+class ChunkFactors:
+    """Per-chunk quantities of §4.3.7, rows padded to whole chunks (padding: g = k = v = β = 0).
+
+    gamma: Γ, the chunk-local cumulative log-decay [rows, H, d_k]; w = Tm (K_β ⊙ exp(Γ)) and
+    u = Tm V_β [rows, H, d_k | d_v] (`chunk_states` overwrites u with U' = U - W S);
+    qg = Q ⊙ exp(Γ); kd = K ⊙ exp(Γ_last - Γ); aqk [rows, H, chunk] = (Q K^T ⊙ D) on and below
+    the diagonal, zero above.
+    """
+    T: int
+    chunk: int
+    gamma: torch.Tensor
+    w: torch.Tensor
+    u: torch.Tensor
+    qg: torch.Tensor
+    kd: torch.Tensor
+    aqk: torch.Tensor
+
+
+def chunk_factors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                  beta: torch.Tensor, chunk: int, precision: str = DOT_PRECISION,
+                  num_warps: int = 4, num_stages: int = 1) -> ChunkFactors:
+    """Two launches: `_kda_chunk_intra_kernel` per (chunk, head) builds Γ, Aqk and
+    Tm = (I - A)^{-1} one 16-row block at a time; `_kda_chunk_wy_kernel` per (32 columns of
+    [K | V], chunk, head) multiplies W = Tm (K_β ⊙ exp(Γ)), U = Tm V_β as [chunk, chunk] x
+    [chunk, 32] products. ptxas for sm_90 (triton 3.6, d = 128, chunk 64, tf32x3, 4 warps): 128
+    registers with 4 B spilled, and 125 registers (the single kernel this replaces: 255 and
+    176 B spilled); key slices of 32 instead of 16 in the intra kernel take ~250 (its slice loop
+    is unrolled and the loads hoisted). H200, T 8192, H 64, d 128: 4.7 ms (intra 3.9, WY 0.8) against
+    8.9 ms for the single kernel. Transient memory: A and Tm, [rows, H, chunk] fp32 each."""
+    T, H, dk = q.shape
+    dv = v.shape[-1]
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    n_chunks = triton.cdiv(T, chunk)
+    rows = n_chunks * chunk
+    f32 = dict(dtype=torch.float32, device=q.device)
+    keys = lambda: torch.empty(rows, H, dk, **f32)
+    f = ChunkFactors(T, chunk, gamma=keys(), w=keys(), u=torch.empty(rows, H, dv, **f32), qg=keys(), kd=keys(),
+                     aqk=torch.empty(rows, H, chunk, **f32))
+    a = torch.empty(rows, H, chunk, **f32)
+    tm = torch.empty(rows, H, chunk, **f32)
+    _kda_chunk_intra_kernel[(n_chunks, H)](
+        q, k, g, beta, f.gamma, a, tm, f.aqk, T, H=H, DK=dk, BT=chunk, BC=SUB_CHUNK, BK3=4, BKD=16,
+        DOT=precision, num_warps=num_warps, num_stages=num_stages)
+    bd = min(dk, dv, 32)
+    _kda_chunk_wy_kernel[((dk + dv) // bd, n_chunks, H)](
+        q, k, v, beta, f.gamma, tm, f.w, f.u, f.qg, f.kd, T, H=H, DK=dk, DV=dv, BT=chunk, BD=bd,
+        DOT=precision, num_warps=4, num_stages=1)
+    return f
+
+
+def chunk_states(f: ChunkFactors, initial_state: torch.Tensor | None, block_v: int = 32,
+                 num_warps: int = 4, num_stages: int = 1, precision: str = DOT_PRECISION) -> torch.Tensor:
+    """States [n_chunks + 1, H, d_k, d_v] fp32: entry c is the state before chunk c, the last one
+    the final state. Overwrites f.u with U'.
+
+    The default tiles keep every program resident at once (sm_90, d = 128: 234 registers, 57 KB
+    shared memory); a 2-stage pipeline needs 172 KB (BV = 32), one program per SM, two waves."""
+    rows, H, dk = f.w.shape
+    dv = f.u.shape[-1]
+    n_chunks = rows // f.chunk
+    bv = min(dv, block_v)
+    states = torch.empty(n_chunks + 1, H, dk, dv, dtype=torch.float32, device=f.w.device)
+    init = initial_state.contiguous() if initial_state is not None else states
+    _kda_chunk_state_kernel[(dv // bv, H)](
+        f.w, f.u, f.kd, f.gamma, init, states, n_chunks,
+        H=H, DK=dk, DV=dv, BT=f.chunk, BV=bv, HAS_INIT=initial_state is not None, DOT=precision,
+        num_warps=num_warps, num_stages=num_stages)
+    return states
+
+
+def chunk_output(f: ChunkFactors, states: torch.Tensor, out_dtype: torch.dtype,
+                 precision: str = DOT_PRECISION) -> torch.Tensor:
+    """o [T, H, d_v] after `chunk_states` (f.u holds U')."""
+    rows, H, dk = f.w.shape
+    dv = f.u.shape[-1]
+    bv = min(dv, OUT_BLOCK_V)
+    o = torch.empty(f.T, H, dv, dtype=out_dtype, device=f.w.device)
+    _kda_chunk_output_kernel[(rows // f.chunk, H, dv // bv)](
+        f.qg, f.aqk, f.u, states, o, f.T,
+        H=H, DK=dk, DV=dv, BT=f.chunk, BV=bv, BK=min(dk, OUT_BLOCK_K), DOT=precision,
+        num_warps=4, num_stages=2)
+    return o
+
+
+@triton.jit
+def _kda_chunk_intra_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, gamma_ptr, a_ptr, tm_ptr, aqk_ptr, T,
+                            H: tl.constexpr, DK: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+                            BK3: tl.constexpr, BKD: tl.constexpr, DOT: tl.constexpr):
+    """One (chunk, head): Γ (the chunk's cumulative sum of g), then Aqk and Tm = (I - A)^{-1},
+    BC x BC blocks at a time. Row block R:
+
+        Tm_RR = (I - A_RR)^{-1},   Tm_RQ = Tm_RR Σ_{Q<=P<R} A_RP Tm_PQ   (Q < R)
+
+    A's blocks go through a_ptr and Tm's through tm_ptr, both [rows, H, BT] and read back by the
+    same program after a barrier (a few KB, cache-resident), so no register holds a whole
+    chunk's matrix.
+    A_R,<R is a product of two factors decayed to block R's first row, so both exponents are <= 0;
+    A_RR is summed per key channel from exp(Γ_r - Γ_s) over the pairs s < r only, so it is exact
+    for any g <= 0.
+    """
+    c = tl.program_id(0)
+    h = tl.program_id(1)
+    NC: tl.constexpr = BT // BC
+    rc = tl.arange(0, BC)
+    it = tl.arange(0, BT)
+    id_ = tl.arange(0, BKD)
+    lower = rc[:, None] > rc[None, :]
+    chunk0 = c * BT
+    rows_c = (chunk0 + it).to(tl.int64)
+    valid_c = rows_c < T
+    for i0 in range(0, DK, BKD):
+        col = (rows_c[:, None] * H + h) * DK + i0 + id_[None, :]
+        g = tl.load(g_ptr + col, mask=valid_c[:, None], other=0.0).to(tl.float32)
+        tl.store(gamma_ptr + col, tl.cumsum(g, axis=0))
+    tl.debug_barrier()  # Γ is read below across rows written by other threads
+    for R in range(NC):
+        rows = (chunk0 + R * BC + rc).to(tl.int64)
+        valid = rows < T
+        bx = tl.load(beta_ptr + rows * H + h, mask=valid, other=0.0).to(tl.float32)
+        block_rows = (rows[:, None] * H + h) * BT  # row offsets into aqk, a and tm
+        # A_RP and Aqk_RP for all P < R at once: [BC, BT] products over the key dim, BKD channels
+        # at a time, both factors decayed to row R·BC; columns from R·BC on are masked to zero
+        # before exponentiating (and not stored).
+        if R > 0:
+            ref = ((chunk0 + R * BC).to(tl.int64) * H + h) * DK
+            earlier = it < R * BC
+            kk = tl.zeros([BC, BT], dtype=tl.float32)
+            qk = tl.zeros([BC, BT], dtype=tl.float32)
+            for i0 in range(0, DK, BKD):
+                col_r = (rows[:, None] * H + h) * DK + i0 + id_[None, :]
+                col_s = (rows_c[:, None] * H + h) * DK + i0 + id_[None, :]
+                gamma_ref = tl.load(gamma_ptr + ref + i0 + id_)[None, :]
+                to_ref = tl.exp(tl.load(gamma_ptr + col_r) - gamma_ref)
+                from_ref = tl.exp(tl.where(earlier[:, None], gamma_ref - tl.load(gamma_ptr + col_s),
+                                           float("-inf")))
+                k_r = tl.load(k_ptr + col_r, mask=valid[:, None], other=0.0).to(tl.float32) * to_ref
+                q_r = tl.load(q_ptr + col_r, mask=valid[:, None], other=0.0).to(tl.float32) * to_ref
+                k_s = tl.load(k_ptr + col_s, mask=valid_c[:, None], other=0.0).to(tl.float32) * from_ref
+                kk += tl.dot(k_r, tl.trans(k_s), input_precision=DOT)
+                qk += tl.dot(q_r, tl.trans(k_s), input_precision=DOT)
+            tl.store(aqk_ptr + block_rows + it[None, :], qk, mask=earlier[None, :])
+            tl.store(a_ptr + block_rows + it[None, :], -bx[:, None] * kk, mask=earlier[None, :])
+        # Diagonal block: the pairs s < r exactly per key channel into A (through a_ptr) and Aqk,
+        # Aqk's diagonal Σ_i q_r,i k_r,i, and zeros above it.
+        r0 = ((chunk0 + R * BC).to(tl.int64) * H + h) * DK
+        n_valid = T - chunk0 - R * BC
+        r, s, kk_rs, qk_rs = _kda_diag_pairs(q_ptr, k_ptr, gamma_ptr, r0, n_valid, H, DK, BC, BK3)
+        pair_rows = ((chunk0 + R * BC + r).to(tl.int64) * H + h) * BT + R * BC
+        b_r = tl.load(beta_ptr + (chunk0 + R * BC + r).to(tl.int64) * H + h, mask=r < n_valid, other=0.0)
+        tl.store(a_ptr + pair_rows + s, -b_r.to(tl.float32) * kk_rs, mask=r > s)
+        tl.store(aqk_ptr + pair_rows + s, qk_rs, mask=r > s)
+        qk_rr = tl.zeros([BC], dtype=tl.float32)
+        for i0 in range(0, DK, BKD):
+            col_r = (rows[:, None] * H + h) * DK + i0 + id_[None, :]
+            k_r = tl.load(k_ptr + col_r, mask=valid[:, None], other=0.0).to(tl.float32)
+            qk_rr += tl.sum(tl.load(q_ptr + col_r, mask=valid[:, None], other=0.0).to(tl.float32) * k_r, axis=1)
+        tl.store(aqk_ptr + (rows * H + h) * BT + R * BC + rc, qk_rr)
+        tl.store(aqk_ptr + block_rows + it[None, :], tl.zeros([BC, BT], dtype=tl.float32),
+                 mask=it[None, :] > R * BC + rc[:, None])
+        tl.debug_barrier()  # A_RR, written by other threads; such read-backs go through L2 (.cg)
+        a_rr = tl.load(a_ptr + block_rows + R * BC + rc[None, :], mask=lower, other=0.0, cache_modifier=".cg")
+        tm_rr = _unit_lower_inverse(a_rr, BC)
+        tl.store(tm_ptr + block_rows + it[None, :], tl.zeros([BC, BT], dtype=tl.float32),
+                 mask=(it >= R * BC + BC)[None, :])
+        tl.store(tm_ptr + block_rows + R * BC + rc[None, :], tm_rr)
+        tl.debug_barrier()  # A_RP and the Tm rows before block R, written by other threads
+        for Q in range(R):
+            acc = tl.zeros([BC, BC], dtype=tl.float32)
+            for P in range(Q, R):
+                rows_p = (chunk0 + P * BC + rc).to(tl.int64)
+                a_rp = tl.load(a_ptr + block_rows + P * BC + rc[None, :], cache_modifier=".cg")
+                tm_pq = tl.load(tm_ptr + (rows_p[:, None] * H + h) * BT + Q * BC + rc[None, :],
+                                cache_modifier=".cg")
+                acc += tl.dot(a_rp, tm_pq, input_precision=DOT)
+            tl.store(tm_ptr + block_rows + Q * BC + rc[None, :], tl.dot(tm_rr, acc, input_precision=DOT))
+        tl.debug_barrier()
+
+
+@triton.jit
+def _kda_chunk_wy_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, gamma_ptr, tm_ptr, w_ptr, u_ptr, qg_ptr, kd_ptr, T,
+                         H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr,
+                         BD: tl.constexpr, DOT: tl.constexpr):
+    """One (chunk, head, BD columns of [K | V]): W = Tm (K_β ⊙ exp(Γ)) with qg and kd, or U = Tm V_β."""
+    j0 = tl.program_id(0) * BD  # fastest: the programs of one chunk read its Tm while it is in L2
+    c = tl.program_id(1)
+    h = tl.program_id(2)
+    it = tl.arange(0, BT)
+    jd = tl.arange(0, BD)
+    rows = (c * BT + it).to(tl.int64)
+    valid = (rows < T)[:, None]
+    tm = tl.load(tm_ptr + (rows[:, None] * H + h) * BT + it[None, :])
+    bx = tl.load(beta_ptr + rows * H + h, mask=rows < T, other=0.0).to(tl.float32)[:, None]
+    if j0 < DK:
+        key_off = (rows[:, None] * H + h) * DK + j0 + jd[None, :]
+        last = ((c * BT + BT - 1).to(tl.int64) * H + h) * DK + j0 + jd
+        gam = tl.load(gamma_ptr + key_off)
+        kx = tl.load(k_ptr + key_off, mask=valid, other=0.0).to(tl.float32)
+        qx = tl.load(q_ptr + key_off, mask=valid, other=0.0).to(tl.float32)
+        tl.store(qg_ptr + key_off, qx * tl.exp(gam))
+        tl.store(kd_ptr + key_off, kx * tl.exp(tl.load(gamma_ptr + last)[None, :] - gam))
+        tl.store(w_ptr + key_off, tl.dot(tm, kx * bx * tl.exp(gam), input_precision=DOT))
+    else:
+        val_off = (rows[:, None] * H + h) * DV + j0 - DK + jd[None, :]
+        vx = tl.load(v_ptr + val_off, mask=valid, other=0.0).to(tl.float32)
+        tl.store(u_ptr + val_off, tl.dot(tm, vx * bx, input_precision=DOT))
+
+
+@triton.jit
+def _kda_diag_pairs(q_ptr, k_ptr, gamma_ptr, r0, n_valid, H: tl.constexpr, DK: tl.constexpr,
+                    BC: tl.constexpr, BK3: tl.constexpr):
+    """Σ_i x_r,i k_s,i exp(Γ_r,i - Γ_s,i) for the pairs s < r of one row block, x = k and x = q,
+    BK3 key channels at a time: returns r, s and both sums, [BC²/2] each (the BC(BC-1)/2 pairs,
+    then BC/2 repeats of the pair (0, 0) to mask). Pair p = r(r-1)/2 + s. The pointers are at
+    the head's channel 0 of the block's first row r0; n_valid of its rows exist. Only pairs
+    below the diagonal are computed, each by one thread over whole channel runs: no exponent
+    above 0, no shuffles, 32-bit offsets."""
+    p = tl.arange(0, BC * BC // 2)
+    r = tl.zeros([BC * BC // 2], dtype=tl.int32)
+    for j in tl.static_range(1, BC):
+        r += (p >= j * (j - 1) // 2).to(tl.int32)
+    s = p - r * (r - 1) // 2
+    pair = s < r
+    r = tl.where(pair, r, 0)
+    s = tl.where(pair, s, 0)
+    ic = tl.arange(0, BK3)
+    at_r = (r * (H * DK))[:, None] + ic[None, :]
+    at_s = (s * (H * DK))[:, None] + ic[None, :]
+    in_r = (r < n_valid)[:, None]
+    in_s = (s < n_valid)[:, None]
+    g_ptr = gamma_ptr + r0
+    kk = tl.zeros([BC * BC // 2], dtype=tl.float32)
+    qk = tl.zeros([BC * BC // 2], dtype=tl.float32)
+    for i0 in range(0, DK, BK3):
+        ks = tl.load(k_ptr + r0 + at_s + i0, mask=in_s, other=0.0).to(tl.float32)
+        ks *= tl.exp(tl.load(g_ptr + at_r + i0) - tl.load(g_ptr + at_s + i0))
+        kk += tl.sum(tl.load(k_ptr + r0 + at_r + i0, mask=in_r, other=0.0).to(tl.float32) * ks, axis=1)
+        qk += tl.sum(tl.load(q_ptr + r0 + at_r + i0, mask=in_r, other=0.0).to(tl.float32) * ks, axis=1)
+    return r, s, kk, qk
+
+
+@triton.jit
+def _unit_lower_inverse(a, BC: tl.constexpr):
+    """(I - a)^{-1} for a strictly lower [BC, BC], by forward substitution: row r = e_r + Σ_{s<r} a[r, s] row s."""
+    rc = tl.arange(0, BC)
+    tm = tl.where(rc[:, None] == rc[None, :], 1.0, 0.0)
+    for r in range(1, BC):
+        a_r = tl.sum(tl.where(rc[:, None] == r, a, 0.0), axis=0)
+        tm = tl.where(rc[:, None] == r, tm + tl.sum(a_r[:, None] * tm, axis=0)[None, :], tm)
+    return tm
+
+
+@triton.jit
+def _kda_chunk_state_kernel(w_ptr, u_ptr, kd_ptr, gamma_ptr, init_ptr, states_ptr, n_chunks,
+                            H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr,
+                            BV: tl.constexpr, HAS_INIT: tl.constexpr, DOT: tl.constexpr):
+    """One (value tile, head), chunk after chunk, with S [d_k, BV] in registers:
+
+        states[c] = S;   U' = U - W S;   S <- diag(exp(Γ_last)) S + (K ⊙ exp(Γ_last - Γ))^T U'
+    """
+    h = tl.program_id(1)
+    ik = tl.arange(0, DK)
+    jv = tl.program_id(0) * BV + tl.arange(0, BV)
+    it = tl.arange(0, BT)
+    s_off = h * DK * DV + ik[:, None] * DV + jv[None, :]
+    if HAS_INIT:
+        S = tl.load(init_ptr + s_off)
+    else:
+        S = tl.zeros([DK, BV], dtype=tl.float32)
+    for c in range(n_chunks):
+        tl.store(states_ptr + tl.cast(c, tl.int64) * (H * DK * DV) + s_off, S)
+        rows = (c * BT + it).to(tl.int64)
+        wc = tl.load(w_ptr + (rows[:, None] * H + h) * DK + ik[None, :])
+        kd = tl.load(kd_ptr + (rows[:, None] * H + h) * DK + ik[None, :])
+        u_off = (rows[:, None] * H + h) * DV + jv[None, :]
+        u_new = tl.load(u_ptr + u_off) - tl.dot(wc, S, input_precision=DOT)
+        tl.store(u_ptr + u_off, u_new)
+        last = tl.cast(c * BT + BT - 1, tl.int64)
+        decay_last = tl.exp(tl.load(gamma_ptr + (last * H + h) * DK + ik))
+        S = S * decay_last[:, None] + tl.dot(tl.trans(kd), u_new, input_precision=DOT)
+    tl.store(states_ptr + tl.cast(n_chunks, tl.int64) * (H * DK * DV) + s_off, S)
+
+
+@triton.jit
+def _kda_chunk_output_kernel(qg_ptr, aqk_ptr, u_ptr, states_ptr, o_ptr, T,
+                             H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr,
+                             BV: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr):
+    """One (chunk, head, value tile): O = (Q ⊙ exp(Γ)) S_c + Aqk U'."""
+    c = tl.program_id(0)
+    h = tl.program_id(1)
+    jv = tl.program_id(2) * BV + tl.arange(0, BV)
+    it = tl.arange(0, BT)
+    ib = tl.arange(0, BK)
+    rows = (c * BT + it).to(tl.int64)
+    state0 = states_ptr + (c.to(tl.int64) * H + h) * DK * DV
+    o = tl.zeros([BT, BV], dtype=tl.float32)
+    for i0 in range(0, DK, BK):
+        qg = tl.load(qg_ptr + (rows[:, None] * H + h) * DK + i0 + ib[None, :])
+        s = tl.load(state0 + (i0 + ib[:, None]) * DV + jv[None, :])
+        o += tl.dot(qg, s, input_precision=DOT)
+    aqk = tl.load(aqk_ptr + (rows[:, None] * H + h) * BT + it[None, :])
+    u_new = tl.load(u_ptr + (rows[:, None] * H + h) * DV + jv[None, :])
+    o += tl.dot(aqk, u_new, input_precision=DOT)
+    tl.store(o_ptr + (rows[:, None] * H + h) * DV + jv[None, :], o.to(o_ptr.dtype.element_ty),
+             mask=(rows < T)[:, None])
+
+
+# ---------------------------------------------------------------- argument checks
+
+def _check_qkvgb(q, k, v, g, beta, rows: str) -> tuple[int, int, int, int]:
+    """Both KDA kernels' inputs: q, k, g [N, H, d_k], v [N, H, d_v], beta [N, H]; `rows` names N."""
+    if q.dim() != 3:
+        raise ValueError(f"q must be [{rows}, H, d_k], got {tuple(q.shape)}")
+    N, H, dk = q.shape
+    for name, x, shape in (("k", k, (N, H, dk)), ("g", g, (N, H, dk)), ("beta", beta, (N, H))):
+        if tuple(x.shape) != shape:
+            raise ValueError(f"{name} shape {tuple(x.shape)} does not match q {tuple(q.shape)}: expected {shape}")
+    if v.dim() != 3 or tuple(v.shape[:2]) != (N, H):
+        raise ValueError(f"v shape {tuple(v.shape)} does not match q {tuple(q.shape)}: expected ({N}, {H}, d_v)")
+    return N, H, dk, v.shape[-1]
+
+
+def _check_step(q, k, v, g, beta, state, slots) -> None:
+    B, H, dk, dv = _check_qkvgb(q, k, v, g, beta, "B")
+    if state.dim() != 4 or tuple(state.shape[1:]) != (H, dk, dv):
+        raise ValueError(f"state shape {tuple(state.shape)}: expected (num_slots, {H}, {dk}, {dv})")
+    if tuple(slots.shape) != (B,):
+        raise ValueError(f"slots shape {tuple(slots.shape)}: expected ({B},)")
+
+
+def _check_prefill(q, k, v, g, beta, initial_state) -> tuple[int, int, int, int]:
+    T, H, dk, dv = _check_qkvgb(q, k, v, g, beta, "T")
+    if T == 0:
+        raise ValueError("q has no tokens (T = 0)")
+    if initial_state is not None:
+        if tuple(initial_state.shape) != (H, dk, dv):
+            raise ValueError(f"initial_state shape {tuple(initial_state.shape)}: expected ({H}, {dk}, {dv})")
+        if initial_state.dtype != torch.float32:
+            raise ValueError(f"initial_state must be fp32, got {initial_state.dtype}")
+    return T, H, dk, dv
+
+
+# ================================================================ KDA decode inputs and output (§4.3)
+
+@triton.jit
+def _kda_inputs_kernel(q_ptr, k_ptr, v_ptr, x_stride, conv_ptr, slots_ptr, w_ptr, f_ptr, f_stride,
+                       alog_ptr, dtb_ptr, b_ptr, b_stride, qo_ptr, ko_ptr, vo_ptr, go_ptr, beta_ptr,
+                       lower, scale, cs_slot, cs_j, cs_row,
+                       H: tl.constexpr, DH: tl.constexpr, KW: tl.constexpr, KP: tl.constexpr):
+    bi = tl.program_id(0)
+    h = tl.program_id(1)
+    slot = tl.load(slots_ptr + bi).to(tl.int64)
+    c = h * DH + tl.arange(0, DH)
+    t = tl.arange(0, KP)[:, None]  # window rows: 0 .. KW-2 the history, KW-1 this token
+    out = (bi * H + h) * DH + tl.arange(0, DH)
+    for j in tl.static_range(3):
+        if j == 0:
+            src = q_ptr
+        elif j == 1:
+            src = k_ptr
+        else:
+            src = v_ptr
+        hist_ptr = conv_ptr + slot * cs_slot + j * cs_j
+        hist = tl.load(hist_ptr + t * cs_row + c[None, :], mask=t < KW - 1, other=0.0)
+        new = tl.load(src + bi * x_stride + c)
+        window = tl.where(t == KW - 1, new.to(tl.float32)[None, :], hist.to(tl.float32))
+        weight = tl.load(w_ptr + (j * H * DH + c[None, :]) * KW + t, mask=t < KW, other=0.0).to(tl.float32)
+        pre = tl.sum(window * weight, axis=0)
+        act = _cast(pre * tl.sigmoid(pre), hist.dtype).to(tl.float32)  # SiLU, rounded as short_conv rounds
+        tl.debug_barrier()
+        tl.store(hist_ptr + (t - 1) * cs_row + c[None, :], _cast(window, hist.dtype), mask=(t >= 1) & (t < KW))
+        if j == 0:
+            tl.store(qo_ptr + out, act / tl.sqrt(tl.sum(act * act, axis=0) + 1e-6) * scale)
+        elif j == 1:
+            tl.store(ko_ptr + out, act / tl.sqrt(tl.sum(act * act, axis=0) + 1e-6))
+        else:
+            tl.store(vo_ptr + out, act)
+    a = tl.exp(tl.load(alog_ptr + h))
+    f = tl.load(f_ptr + bi * f_stride + c).to(tl.float32)
+    tl.store(go_ptr + out, lower * tl.sigmoid(a * (f + tl.load(dtb_ptr + c))))
+    tl.store(beta_ptr + bi * H + h, tl.sigmoid(tl.load(b_ptr + bi * b_stride + h).to(tl.float32)))
+
+
+def _check_kda_inputs(name: str, pre_conv: tuple[torch.Tensor, torch.Tensor, torch.Tensor], conv_w: torch.Tensor,
+                      f: torch.Tensor, b: torch.Tensor, H: int, d: int) -> tuple[int, int, int]:
+    # kda_decode_inputs' and kda_chunk_inputs' shared operands: returns (rows, H·d, conv width K).
+    n, HD = pre_conv[0].shape[0], H * d
+    for qkv, t in zip("qkv", pre_conv):
+        _rows(t, f"{name}: {qkv}", n, HD)
+    if pre_conv[0].stride(0) != pre_conv[1].stride(0) or pre_conv[0].stride(0) != pre_conv[2].stride(0):
+        raise ValueError(f"{name}: q, k, v must share a row stride")
+    _rows(f, f"{name}: f", n, HD)
+    _rows(b, f"{name}: b", n, H)
+    K = conv_w.shape[-1]
+    if tuple(conv_w.shape) != (3, HD, K) or not conv_w.is_contiguous():
+        raise ValueError(f"{name}: conv_w must be contiguous (3, {HD}, {K}), got {tuple(conv_w.shape)}")
+    return n, HD, K
+
+
+def kda_decode_inputs(pre_conv: tuple[torch.Tensor, torch.Tensor, torch.Tensor], conv_state: torch.Tensor,
+                      slots: torch.Tensor, conv_w: torch.Tensor, f: torch.Tensor, A_log: torch.Tensor,
+                      dt_bias: torch.Tensor, b: torch.Tensor, lower_bound: float, H: int, d: int
+                      ) -> tuple[torch.Tensor, ...]:
+    """§4.3.2-4.3.5 for one token of B sequences: short conv + SiLU over the slot's window (updating
+    conv_state [slots, 3, K-1, H·d] in place), q and k L2-normalized (q also · d^-1/2), the gate g
+    and β. pre_conv: q̃, k̃, ṽ [B, H·d]; conv_w [3, H·d, K]; f [B, H·d] (f_b's output); A_log [H] and
+    dt_bias [H·d] fp32; b [B, H] (b_proj's output). Returns q, k, v, g [B, H, d] and β [B, H], fp32."""
+    B, HD, K = _check_kda_inputs("kda_decode_inputs", pre_conv, conv_w, f, b, H, d)
+    if tuple(conv_state.shape[1:]) != (3, K - 1, HD) or conv_state.stride(-1) != 1:
+        raise ValueError(f"kda_decode_inputs: conv_state must be (slots, 3, {K - 1}, {HD}), got {tuple(conv_state.shape)}")
+    q, k, v, g = (torch.empty(B, H, d, dtype=torch.float32, device=f.device) for _ in range(4))
+    beta = torch.empty(B, H, dtype=torch.float32, device=f.device)
+    _kda_inputs_kernel[(B, H)](
+        *pre_conv, pre_conv[0].stride(0), conv_state, slots.contiguous(), conv_w, f, f.stride(0),
+        A_log.float().contiguous(), dt_bias.float().contiguous(), b, b.stride(0), q, k, v, g, beta,
+        lower_bound, d ** -0.5, conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
+        H=H, DH=d, KW=K, KP=triton.next_power_of_2(K))
+    return q, k, v, g, beta
+
+
+KDA_INPUT_ROWS = 16  # chunk rows per program of the prefill inputs kernel
+
+
+@triton.jit
+def _kda_chunk_inputs_kernel(q_ptr, k_ptr, v_ptr, x_stride, hist_ptr, hist_j, hist_row, w_ptr, f_ptr, f_stride,
+                             alog_ptr, dtb_ptr, b_ptr, b_stride, qo_ptr, ko_ptr, vo_ptr, go_ptr, beta_ptr,
+                             n, lower, scale, H: tl.constexpr, DH: tl.constexpr, KW: tl.constexpr,
+                             BR: tl.constexpr):
+    # Rows r of one sequence's chunk: window row r + t (tap t) is history row r + t for r + t < K-1,
+    # else chunk row r + t - (K-1); taps added in short_conv's order, 0 first.
+    r = tl.program_id(0) * BR + tl.arange(0, BR)
+    h = tl.program_id(1)
+    c = h * DH + tl.arange(0, DH)
+    inside = (r < n)[:, None]
+    out = (r[:, None] * H + h) * DH + tl.arange(0, DH)[None, :]
+    for j in tl.static_range(3):
+        if j == 0:
+            src = q_ptr
+        elif j == 1:
+            src = k_ptr
+        else:
+            src = v_ptr
+        acc = tl.zeros([BR, DH], dtype=tl.float32)
+        for t in tl.static_range(KW):
+            at = r + t - (KW - 1)  # the chunk row of the tap; negative: history row KW-1 + at
+            old = inside & (at < 0)[:, None]
+            hist = tl.load(hist_ptr + j * hist_j + (KW - 1 + at)[:, None] * hist_row + c[None, :], mask=old, other=0.0)
+            new = tl.load(src + at[:, None] * x_stride + c[None, :], mask=inside & (at >= 0)[:, None], other=0.0)
+            window = tl.where(old, hist.to(tl.float32), _cast(new.to(tl.float32), hist.dtype).to(tl.float32))
+            acc += window * tl.load(w_ptr + (j * H * DH + c) * KW + t).to(tl.float32)[None, :]
+        act = _cast(acc * tl.sigmoid(acc), hist.dtype).to(tl.float32)  # SiLU, rounded as short_conv rounds
+        if j == 0:
+            tl.store(qo_ptr + out, act / tl.sqrt(tl.sum(act * act, axis=1) + 1e-6)[:, None] * scale, mask=inside)
+        elif j == 1:
+            tl.store(ko_ptr + out, act / tl.sqrt(tl.sum(act * act, axis=1) + 1e-6)[:, None], mask=inside)
+        else:
+            tl.store(vo_ptr + out, act, mask=inside)
+    a = tl.exp(tl.load(alog_ptr + h))
+    f = tl.load(f_ptr + r[:, None] * f_stride + c[None, :], mask=inside, other=0.0).to(tl.float32)
+    tl.store(go_ptr + out, lower * tl.sigmoid(a * (f + tl.load(dtb_ptr + c)[None, :])), mask=inside)
+    beta = tl.sigmoid(tl.load(b_ptr + r * b_stride + h, mask=r < n, other=0.0).to(tl.float32))
+    tl.store(beta_ptr + r * H + h, beta, mask=r < n)
+
+
+def kda_chunk_inputs(pre_conv: tuple[torch.Tensor, torch.Tensor, torch.Tensor], history: torch.Tensor,
+                     conv_w: torch.Tensor, f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+                     b: torch.Tensor, lower_bound: float, H: int, d: int) -> tuple[torch.Tensor, ...]:
+    """kda_decode_inputs for the n rows of one sequence's chunk: §4.3.2-4.3.5 with the short conv's
+    window running over history [3, K-1, H·d] (the slot's conv state before the chunk, read only)
+    and then the chunk's own rows. pre_conv q̃, k̃, ṽ [n, H·d]; f [n, H·d]; b [n, H]. Returns q, k, v,
+    g [n, H, d] and β [n, H], fp32. Twin: model_glm's short_conv, l2_norm and kda_gate."""
+    n, HD, K = _check_kda_inputs("kda_chunk_inputs", pre_conv, conv_w, f, b, H, d)
+    if tuple(history.shape) != (3, K - 1, HD) or history.stride(-1) != 1:
+        raise ValueError(f"kda_chunk_inputs: history must be (3, {K - 1}, {HD}), got {tuple(history.shape)}")
+    q, k, v, g = (torch.empty(n, H, d, dtype=torch.float32, device=f.device) for _ in range(4))
+    beta = torch.empty(n, H, dtype=torch.float32, device=f.device)
+    _kda_chunk_inputs_kernel[(triton.cdiv(n, KDA_INPUT_ROWS), H)](
+        *pre_conv, pre_conv[0].stride(0), history, history.stride(0), history.stride(1), conv_w, f, f.stride(0),
+        A_log.float().contiguous(), dt_bias.float().contiguous(), b, b.stride(0), q, k, v, g, beta, n,
+        lower_bound, d ** -0.5, H=H, DH=d, KW=K, BR=KDA_INPUT_ROWS)
+    return q, k, v, g, beta
+
+
+@triton.jit
+def _kda_output_kernel(o_ptr, og_ptr, og_stride, w_ptr, out_ptr, eps, H: tl.constexpr, DH: tl.constexpr):
+    bi = tl.program_id(0)
+    h = tl.program_id(1)
+    i = tl.arange(0, DH)
+    o = tl.load(o_ptr + (bi * H + h) * DH + i).to(tl.float32)
+    y = tl.load(w_ptr + i) * (o / tl.sqrt(tl.sum(o * o, axis=0) / DH + eps))
+    gate = tl.load(og_ptr + bi * og_stride + h * DH + i).to(tl.float32)
+    tl.store(out_ptr + bi * H * DH + h * DH + i, _cast(y * tl.sigmoid(gate), out_ptr.dtype.element_ty))
+
+
+def kda_output_gate(o: torch.Tensor, o_g: torch.Tensor, o_norm: torch.Tensor, eps: float,
+                    dtype: torch.dtype) -> torch.Tensor:
+    """§4.3.8 before o_proj: per-head RMSNorm of o [B, H, d] (fp32 weight o_norm [d]) times
+    sigmoid(o_g [B, H·d]), in `dtype`, [B, H·d]."""
+    B, H, d = o.shape
+    _rows(o_g, "kda_output_gate: o_g", B, H * d)
+    out = torch.empty(B, H * d, dtype=dtype, device=o.device)
+    _kda_output_kernel[(B, H)](o.contiguous(), o_g, o_g.stride(0), o_norm.float().contiguous(), out, eps, H=H, DH=d)
+    return out
