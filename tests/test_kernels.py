@@ -373,6 +373,7 @@ def test_fp8_gemv_bad_input_is_named():
     (1, 2, 48, "mcg", 64, 8, 4.0),      # batch 1, K3, two programs per 128-column block
     (2, 2, 64, "3inst", 128, 8, 4.0),   # two tokens sharing expert 2, K4
     (1, 2, 64, "mcg", 128, 8, 0.05),    # small activations (down's input ~1e-5): fp16 subnormal range
+    (1, 2, 48, "mcg", 64, 2, 4.0),      # 2-tile steps: gate and up take 2 loop steps a program (the others 1)
 ])
 def test_moe_decode_matches_expert_twins(m, top_k, k_words, codebook, block_n, row_tiles, scale):
     from model_glm import swiglu
