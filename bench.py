@@ -1143,7 +1143,7 @@ def kda_prefill(gbps: float) -> None:
                 states_ms = median_us(lambda: kda_kernels.chunk_states(f, S0, bv, warps, stages)) / 1e3
                 output_ms = median_us(lambda: kda_kernels.chunk_output(f, states, torch.float32)) / 1e3
                 total_ms = median_us(lambda: kda_kernels.kda_chunk_prefill(q, k, v, g, beta, S0, block_v=bv,
-                                                                       num_warps=warps, num_stages=stages)) / 1e3
+                                                                           num_warps=warps, num_stages=stages)) / 1e3
             except Exception as e:  # e.g. out of shared memory for deep pipelines
                 say(f"{T:>5} {bv:>3} {warps:>5} {stages:>6} failed: {type(e).__name__}: {str(e)[:80]}")
                 continue

@@ -489,6 +489,18 @@ def _check_prefill(q, k, v, g, beta, initial_state) -> tuple[int, int, int, int]
 # ================================================================ KDA decode inputs and output (§4.3)
 
 @triton.jit
+def _qkv(j: tl.constexpr, q, k, v):
+    # q, k or v for j = 0, 1, 2: the input kernels run one loop body over the three projections.
+    if j == 0:
+        x = q
+    elif j == 1:
+        x = k
+    else:
+        x = v
+    return x
+
+
+@triton.jit
 def _kda_inputs_kernel(q_ptr, k_ptr, v_ptr, x_stride, conv_ptr, slots_ptr, w_ptr, f_ptr, f_stride,
                        alog_ptr, dtb_ptr, b_ptr, b_stride, qo_ptr, ko_ptr, vo_ptr, go_ptr, beta_ptr,
                        lower, scale, cs_slot, cs_j, cs_row,
@@ -500,12 +512,7 @@ def _kda_inputs_kernel(q_ptr, k_ptr, v_ptr, x_stride, conv_ptr, slots_ptr, w_ptr
     t = tl.arange(0, KP)[:, None]  # window rows: 0 .. KW-2 the history, KW-1 this token
     out = (bi * H + h) * DH + tl.arange(0, DH)
     for j in tl.static_range(3):
-        if j == 0:
-            src = q_ptr
-        elif j == 1:
-            src = k_ptr
-        else:
-            src = v_ptr
+        src = _qkv(j, q_ptr, k_ptr, v_ptr)
         hist_ptr = conv_ptr + slot * cs_slot + j * cs_j
         hist = tl.load(hist_ptr + t * cs_row + c[None, :], mask=t < KW - 1, other=0.0)
         new = tl.load(src + bi * x_stride + c)
@@ -580,12 +587,7 @@ def _kda_chunk_inputs_kernel(q_ptr, k_ptr, v_ptr, x_stride, hist_ptr, hist_j, hi
     inside = (r < n)[:, None]
     out = (r[:, None] * H + h) * DH + tl.arange(0, DH)[None, :]
     for j in tl.static_range(3):
-        if j == 0:
-            src = q_ptr
-        elif j == 1:
-            src = k_ptr
-        else:
-            src = v_ptr
+        src = _qkv(j, q_ptr, k_ptr, v_ptr)
         acc = tl.zeros([BR, DH], dtype=tl.float32)
         for t in tl.static_range(KW):
             at = r + t - (KW - 1)  # the chunk row of the tap; negative: history row KW-1 + at

@@ -138,7 +138,8 @@ def test_kda_inputs_and_output_match_model_glm(dtype):
     b = torch.randn(B, H + 3, generator=g).to(dtype).to(DEVICE)[:, :H]
     slots = torch.tensor([4, 0, 2], device=DEVICE)
     before = conv_state.clone()
-    q, k, v, gate, beta = kda_kernels.kda_decode_inputs(pre, conv_state, slots, conv_w, f, A_log, dt_bias, b, -5.0, H, d)
+    q, k, v, gate, beta = kda_kernels.kda_decode_inputs(pre, conv_state, slots, conv_w, f, A_log, dt_bias, b, -5.0,
+                                                        H, d)
     for i, s in enumerate(slots.tolist()):
         outs = []
         for j in range(3):

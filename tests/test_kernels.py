@@ -297,7 +297,7 @@ def test_errors_name_the_tensor():
         kda_kernels.kda_chunk_prefill(q, k, v, g, beta, chunk=32, block=48)
     with pytest.raises(ValueError, match="state shape"):
         kda_kernels.kda_recurrent_step(q[:2], k[:2], v[:2], g[:2], beta[:2], torch.zeros(4, 2, 16, 8, device=DEVICE),
-                                   torch.tensor([0, 1], device=DEVICE))
+                                       torch.tensor([0, 1], device=DEVICE))
 
 
 # ---------------------------------------------------------------- FP8 block-128 GEMV
