@@ -173,11 +173,10 @@ def chunk_factors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     """Two launches: `_kda_chunk_intra_kernel` per (chunk, head) builds Γ, Aqk and
     Tm = (I - A)^{-1} one 16-row block at a time; `_kda_chunk_wy_kernel` per (32 columns of
     [K | V], chunk, head) multiplies W = Tm (K_β ⊙ exp(Γ)), U = Tm V_β as [chunk, chunk] x
-    [chunk, 32] products. ptxas for sm_90 (triton 3.6, d = 128, chunk 64, tf32x3, 4 warps): 128
-    registers with 4 B spilled, and 125 registers (the single kernel this replaces: 255 and
-    176 B spilled); key slices of 32 instead of 16 in the intra kernel take ~250 (its slice loop
-    is unrolled and the loads hoisted). H200, T 8192, H 64, d 128: 4.7 ms (intra 3.9, WY 0.8) against
-    8.9 ms for the single kernel. Transient memory: A and Tm, [rows, H, chunk] fp32 each."""
+    [chunk, 32] products. H200, T 8192, H 64, d 128, fp32 (`.whl/s11_kda.py`): 3.2 ms, against 4.7 ms
+    while the diagonal blocks were summed pair by pair per key channel, and 8.9 ms for one kernel
+    doing both (session 5). sm_90 (triton 3.6, 4 warps): the intra kernel takes 254 registers, no
+    spills. Transient memory: A and Tm, [rows, H, chunk] fp32 each."""
     T, H, dk = q.shape
     dv = v.shape[-1]
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
