@@ -54,6 +54,9 @@ class FastPrefill:
         if self.kda_chunk not in (16, 32, 64) or max(KDA_CHUNK, bs) % self.kda_chunk:
             raise Unsupported(f"block size {bs}: the KDA prefill kernel needs a block size that is a multiple "
                               f"of {KDA_CHUNK} or one of 16 and 32")
+        if self.cfg.linear_lower_bound <= kda_kernels.GATE_FLOOR:
+            raise Unsupported(f"gate_lower_bound {self.cfg.linear_lower_bound}: the KDA prefill kernel needs "
+                              f"gates above {kda_kernels.GATE_FLOOR} (kda_kernels.GATE_FLOOR)")
 
     def forward(self, batch: list[SeqChunk], *, logit_rows: list[int] | None = None, taps: tuple[int, ...] = (),
                 kda_input_rows: list[int] = ()) -> ForwardOutput:

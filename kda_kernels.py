@@ -37,7 +37,7 @@ from kernels import _cast, _check_pow2, _rows
 #
 # Matrix products inside the prefill kernels use `tl.dot` with DOT_PRECISION = "tf32x3": each fp32
 # operand goes to the tensor cores as a TF32 hi part plus a TF32 remainder (three products), near
-# fp32; everything else (the carried state, Γ, the exact solve of the 16-row diagonal blocks) is fp32.
+# fp32; everything else (the carried state, Γ, the solve of the 16-row diagonal blocks) is fp32.
 # `bench.py kda precision`, H200, T = 8192, one layer: "tf32" 9.2 ms at 1.5e-3 relative error of o,
 # "tf32x3" 11.3 ms at 1.5e-6, "ieee" (fp32 FMA) 16.3 ms at 1.5e-6. With "tf32" the fast prefill of
 # the trained default model (bf16) was 5.9e-3 nats of KL from the reference; with "tf32x3" 5.5e-4,
@@ -47,6 +47,10 @@ from kernels import _cast, _check_pow2, _rows
 
 DOT_PRECISION = "tf32x3"
 SUB_CHUNK = 16  # rows of the diagonal blocks solved exactly inside a chunk; tl.dot needs >= 16
+# The prefill decays a sub-chunk's keys to its first row and back, so exp(±(SUB_CHUNK - 1) · g) must
+# stay a normal fp32 (e^±87.3): g > GATE_FLOOR. The model's gate is g = lower_bound · σ(·) with
+# lower_bound -5 (spec §4.3.4); fastprefill refuses a config whose bound is below the floor.
+GATE_FLOOR = -5.8
 OUT_BLOCK_V, OUT_BLOCK_K = 64, 32
 
 
@@ -122,7 +126,7 @@ def kda_chunk_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     2. `chunk_states`: every (value tile, head) in parallel, chunks in order: the state entering
        each chunk (kept for pass 3; `block` boundaries are among them) and U' = U - W S.
     3. `chunk_output`: every (chunk, head, value tile) in parallel: O = (Q ⊙ exp(Γ)) S + Aqk U'.
-    g must be <= 0 (a log-decay): the factorizations keep every exponent <= 0.
+    g must lie in (GATE_FLOOR, 0] (a log-decay; the model's is in (-5, 0)): see GATE_FLOOR.
     block_v, num_warps, num_stages tune pass 2; precision is the tl.dot input precision.
     Transient memory: one fp32 state per chunk (4 MiB per 64 tokens at H = 64, d = 128).
     """
@@ -169,11 +173,10 @@ def chunk_factors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     """Two launches: `_kda_chunk_intra_kernel` per (chunk, head) builds Γ, Aqk and
     Tm = (I - A)^{-1} one 16-row block at a time; `_kda_chunk_wy_kernel` per (32 columns of
     [K | V], chunk, head) multiplies W = Tm (K_β ⊙ exp(Γ)), U = Tm V_β as [chunk, chunk] x
-    [chunk, 32] products. ptxas for sm_90 (triton 3.6, d = 128, chunk 64, tf32x3, 4 warps): 128
-    registers with 4 B spilled, and 125 registers (the single kernel this replaces: 255 and
-    176 B spilled); key slices of 32 instead of 16 in the intra kernel take ~250 (its slice loop
-    is unrolled and the loads hoisted). H200, T 8192, H 64, d 128: 4.7 ms (intra 3.9, WY 0.8) against
-    8.9 ms for the single kernel. Transient memory: A and Tm, [rows, H, chunk] fp32 each."""
+    [chunk, 32] products. H200, T 8192, H 64, d 128, fp32 (`.whl/s11_kda.py`): 3.2 ms, against 4.7 ms
+    while the diagonal blocks were summed pair by pair per key channel, and 8.9 ms for one kernel
+    doing both (session 5). sm_90 (triton 3.6, 4 warps): the intra kernel takes 254 registers, no
+    spills. Transient memory: A and Tm, [rows, H, chunk] fp32 each."""
     T, H, dk = q.shape
     dv = v.shape[-1]
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
@@ -186,7 +189,7 @@ def chunk_factors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     a = torch.empty(rows, H, chunk, **f32)
     tm = torch.empty(rows, H, chunk, **f32)
     _kda_chunk_intra_kernel[(n_chunks, H)](
-        q, k, g, beta, f.gamma, a, tm, f.aqk, T, H=H, DK=dk, BT=chunk, BC=SUB_CHUNK, BK3=4, BKD=16,
+        q, k, g, beta, f.gamma, a, tm, f.aqk, T, H=H, DK=dk, BT=chunk, BC=SUB_CHUNK, BKD=16,
         DOT=precision, num_warps=num_warps, num_stages=num_stages)
     bd = min(dk, dv, 32)
     _kda_chunk_wy_kernel[((dk + dv) // bd, n_chunks, H)](
@@ -232,7 +235,7 @@ def chunk_output(f: ChunkFactors, states: torch.Tensor, out_dtype: torch.dtype,
 @triton.jit
 def _kda_chunk_intra_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, gamma_ptr, a_ptr, tm_ptr, aqk_ptr, T,
                             H: tl.constexpr, DK: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-                            BK3: tl.constexpr, BKD: tl.constexpr, DOT: tl.constexpr):
+                            BKD: tl.constexpr, DOT: tl.constexpr):
     """One (chunk, head): Γ (the chunk's cumulative sum of g), then Aqk and Tm = (I - A)^{-1},
     BC x BC blocks at a time. Row block R:
 
@@ -241,9 +244,8 @@ def _kda_chunk_intra_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, gamma_ptr, a_ptr, tm_
     A's blocks go through a_ptr and Tm's through tm_ptr, both [rows, H, BT] and read back by the
     same program after a barrier (a few KB, cache-resident), so no register holds a whole
     chunk's matrix.
-    A_R,<R is a product of two factors decayed to block R's first row, so both exponents are <= 0;
-    A_RR is summed per key channel from exp(Γ_r - Γ_s) over the pairs s < r only, so it is exact
-    for any g <= 0.
+    A_R,<=R (and Aqk's) is a product of two factors decayed to block R's first row: exponents <= 0
+    before the block, at most (BC - 1) · |g| < 88 inside it for g > GATE_FLOOR.
     """
     c = tl.program_id(0)
     h = tl.program_id(1)
@@ -265,45 +267,30 @@ def _kda_chunk_intra_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, gamma_ptr, a_ptr, tm_
         valid = rows < T
         bx = tl.load(beta_ptr + rows * H + h, mask=valid, other=0.0).to(tl.float32)
         block_rows = (rows[:, None] * H + h) * BT  # row offsets into aqk, a and tm
-        # A_RP and Aqk_RP for all P < R at once: [BC, BT] products over the key dim, BKD channels
-        # at a time, both factors decayed to row R·BC; columns from R·BC on are masked to zero
-        # before exponentiating (and not stored).
-        if R > 0:
-            ref = ((chunk0 + R * BC).to(tl.int64) * H + h) * DK
-            earlier = it < R * BC
-            kk = tl.zeros([BC, BT], dtype=tl.float32)
-            qk = tl.zeros([BC, BT], dtype=tl.float32)
-            for i0 in range(0, DK, BKD):
-                col_r = (rows[:, None] * H + h) * DK + i0 + id_[None, :]
-                col_s = (rows_c[:, None] * H + h) * DK + i0 + id_[None, :]
-                gamma_ref = tl.load(gamma_ptr + ref + i0 + id_)[None, :]
-                to_ref = tl.exp(tl.load(gamma_ptr + col_r) - gamma_ref)
-                from_ref = tl.exp(tl.where(earlier[:, None], gamma_ref - tl.load(gamma_ptr + col_s),
-                                           float("-inf")))
-                k_r = tl.load(k_ptr + col_r, mask=valid[:, None], other=0.0).to(tl.float32) * to_ref
-                q_r = tl.load(q_ptr + col_r, mask=valid[:, None], other=0.0).to(tl.float32) * to_ref
-                k_s = tl.load(k_ptr + col_s, mask=valid_c[:, None], other=0.0).to(tl.float32) * from_ref
-                kk += tl.dot(k_r, tl.trans(k_s), input_precision=DOT)
-                qk += tl.dot(q_r, tl.trans(k_s), input_precision=DOT)
-            tl.store(aqk_ptr + block_rows + it[None, :], qk, mask=earlier[None, :])
-            tl.store(a_ptr + block_rows + it[None, :], -bx[:, None] * kk, mask=earlier[None, :])
-        # Diagonal block: the pairs s < r exactly per key channel into A (through a_ptr) and Aqk,
-        # Aqk's diagonal Σ_i q_r,i k_r,i, and zeros above it.
-        r0 = ((chunk0 + R * BC).to(tl.int64) * H + h) * DK
-        n_valid = T - chunk0 - R * BC
-        r, s, kk_rs, qk_rs = _kda_diag_pairs(q_ptr, k_ptr, gamma_ptr, r0, n_valid, H, DK, BC, BK3)
-        pair_rows = ((chunk0 + R * BC + r).to(tl.int64) * H + h) * BT + R * BC
-        b_r = tl.load(beta_ptr + (chunk0 + R * BC + r).to(tl.int64) * H + h, mask=r < n_valid, other=0.0)
-        tl.store(a_ptr + pair_rows + s, -b_r.to(tl.float32) * kk_rs, mask=r > s)
-        tl.store(aqk_ptr + pair_rows + s, qk_rs, mask=r > s)
-        qk_rr = tl.zeros([BC], dtype=tl.float32)
+        # Row block R against every column up to its own block (P <= R) at once: [BC, BT] products
+        # over the key dim, BKD channels at a time, both factors decayed to row R·BC. Columns before
+        # the block have exponents <= 0; the block's own columns s have Γ_ref - Γ_s <= 15 · |g|, finite
+        # for g > GATE_FLOOR (the pairs s > r they also give are not stored). Later columns are
+        # masked to zero before exponentiating.
+        ref = ((chunk0 + R * BC).to(tl.int64) * H + h) * DK
+        upto = it < R * BC + BC
+        kk = tl.zeros([BC, BT], dtype=tl.float32)
+        qk = tl.zeros([BC, BT], dtype=tl.float32)
         for i0 in range(0, DK, BKD):
             col_r = (rows[:, None] * H + h) * DK + i0 + id_[None, :]
-            k_r = tl.load(k_ptr + col_r, mask=valid[:, None], other=0.0).to(tl.float32)
-            qk_rr += tl.sum(tl.load(q_ptr + col_r, mask=valid[:, None], other=0.0).to(tl.float32) * k_r, axis=1)
-        tl.store(aqk_ptr + (rows * H + h) * BT + R * BC + rc, qk_rr)
-        tl.store(aqk_ptr + block_rows + it[None, :], tl.zeros([BC, BT], dtype=tl.float32),
-                 mask=it[None, :] > R * BC + rc[:, None])
+            col_s = (rows_c[:, None] * H + h) * DK + i0 + id_[None, :]
+            gamma_ref = tl.load(gamma_ptr + ref + i0 + id_)[None, :]
+            to_ref = tl.exp(tl.load(gamma_ptr + col_r) - gamma_ref)
+            from_ref = tl.exp(tl.where(upto[:, None], gamma_ref - tl.load(gamma_ptr + col_s), float("-inf")))
+            k_r = tl.load(k_ptr + col_r, mask=valid[:, None], other=0.0).to(tl.float32) * to_ref
+            q_r = tl.load(q_ptr + col_r, mask=valid[:, None], other=0.0).to(tl.float32) * to_ref
+            k_s = tl.load(k_ptr + col_s, mask=valid_c[:, None], other=0.0).to(tl.float32) * from_ref
+            kk += tl.dot(k_r, tl.trans(k_s), input_precision=DOT)
+            qk += tl.dot(q_r, tl.trans(k_s), input_precision=DOT)
+        # Aqk on and below the diagonal, zeros above; A strictly below it (the block's own A_RR too).
+        diag = (R * BC + rc)[:, None]
+        tl.store(aqk_ptr + block_rows + it[None, :], tl.where(it[None, :] <= diag, qk, 0.0))
+        tl.store(a_ptr + block_rows + it[None, :], -bx[:, None] * kk, mask=it[None, :] < diag)
         tl.debug_barrier()  # A_RR, written by other threads; such read-backs go through L2 (.cg)
         a_rr = tl.load(a_ptr + block_rows + R * BC + rc[None, :], mask=lower, other=0.0, cache_modifier=".cg")
         tm_rr = _unit_lower_inverse(a_rr, BC)
@@ -350,39 +337,6 @@ def _kda_chunk_wy_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, gamma_ptr, tm_ptr, w_ptr
         val_off = (rows[:, None] * H + h) * DV + j0 - DK + jd[None, :]
         vx = tl.load(v_ptr + val_off, mask=valid, other=0.0).to(tl.float32)
         tl.store(u_ptr + val_off, tl.dot(tm, vx * bx, input_precision=DOT))
-
-
-@triton.jit
-def _kda_diag_pairs(q_ptr, k_ptr, gamma_ptr, r0, n_valid, H: tl.constexpr, DK: tl.constexpr,
-                    BC: tl.constexpr, BK3: tl.constexpr):
-    """Σ_i x_r,i k_s,i exp(Γ_r,i - Γ_s,i) for the pairs s < r of one row block, x = k and x = q,
-    BK3 key channels at a time: returns r, s and both sums, [BC²/2] each (the BC(BC-1)/2 pairs,
-    then BC/2 repeats of the pair (0, 0) to mask). Pair p = r(r-1)/2 + s. The pointers are at
-    the head's channel 0 of the block's first row r0; n_valid of its rows exist. Only pairs
-    below the diagonal are computed, each by one thread over whole channel runs: no exponent
-    above 0, no shuffles, 32-bit offsets."""
-    p = tl.arange(0, BC * BC // 2)
-    r = tl.zeros([BC * BC // 2], dtype=tl.int32)
-    for j in tl.static_range(1, BC):
-        r += (p >= j * (j - 1) // 2).to(tl.int32)
-    s = p - r * (r - 1) // 2
-    pair = s < r
-    r = tl.where(pair, r, 0)
-    s = tl.where(pair, s, 0)
-    ic = tl.arange(0, BK3)
-    at_r = (r * (H * DK))[:, None] + ic[None, :]
-    at_s = (s * (H * DK))[:, None] + ic[None, :]
-    in_r = (r < n_valid)[:, None]
-    in_s = (s < n_valid)[:, None]
-    g_ptr = gamma_ptr + r0
-    kk = tl.zeros([BC * BC // 2], dtype=tl.float32)
-    qk = tl.zeros([BC * BC // 2], dtype=tl.float32)
-    for i0 in range(0, DK, BK3):
-        ks = tl.load(k_ptr + r0 + at_s + i0, mask=in_s, other=0.0).to(tl.float32)
-        ks *= tl.exp(tl.load(g_ptr + at_r + i0) - tl.load(g_ptr + at_s + i0))
-        kk += tl.sum(tl.load(k_ptr + r0 + at_r + i0, mask=in_r, other=0.0).to(tl.float32) * ks, axis=1)
-        qk += tl.sum(tl.load(q_ptr + r0 + at_r + i0, mask=in_r, other=0.0).to(tl.float32) * ks, axis=1)
-    return r, s, kk, qk
 
 
 @triton.jit

@@ -3,6 +3,8 @@ the last-row logits of every chunk and every cache tensor afterwards (what decod
 verify pass's rows, taps and KDA inputs, and the engine's use of it (speculative verify, score).
 
 On CPU the Triton kernels run under the interpreter (tests/conftest.py)."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -106,6 +108,18 @@ def test_unsupported_block_size_is_named():
     cache = CachePool(model.config, num_blocks=8, num_slots=2, block_size=48, dtype=model.dtype, device=DEVICE)
     with pytest.raises(fastdecode.Unsupported, match="block size 48"):
         fastprefill.FastPrefill(fastdecode.FastDecoder(model, cache, max_context=96))
+
+
+def test_gate_bound_below_the_kernels_floor_is_named():
+    """The KDA prefill kernel decays a 16-row block's keys to its first row and back: a gate bound of
+    -6 could overflow exp(15 · 6) in fp32, so the fast path refuses the config instead."""
+    model = _model(torch.float32)
+    cache = CachePool(model.config, num_blocks=8, num_slots=2, block_size=16, dtype=model.dtype, device=DEVICE)
+    decoder = fastdecode.FastDecoder(model, cache, max_context=96)
+    fastprefill.FastPrefill(decoder)
+    decoder.cfg = dataclasses.replace(decoder.cfg, linear_lower_bound=-6.0)
+    with pytest.raises(fastdecode.Unsupported, match="gate_lower_bound -6.0"):
+        fastprefill.FastPrefill(decoder)
 
 
 def test_verify_pass_matches_forward():
