@@ -169,14 +169,16 @@ class ChunkFactors:
 
 def chunk_factors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                   beta: torch.Tensor, chunk: int, precision: str = DOT_PRECISION,
-                  num_warps: int = 4, num_stages: int = 1) -> ChunkFactors:
+                  num_warps: int = 2, num_stages: int = 2) -> ChunkFactors:
     """Two launches: `_kda_chunk_intra_kernel` per (chunk, head) builds Γ, Aqk and
     Tm = (I - A)^{-1} one 16-row block at a time; `_kda_chunk_wy_kernel` per (32 columns of
     [K | V], chunk, head) multiplies W = Tm (K_β ⊙ exp(Γ)), U = Tm V_β as [chunk, chunk] x
     [chunk, 32] products. H200, T 8192, H 64, d 128, fp32 (`.whl/s11_kda.py`): 3.2 ms, against 4.7 ms
     while the diagonal blocks were summed pair by pair per key channel, and 8.9 ms for one kernel
-    doing both (session 5). sm_90 (triton 3.6, 4 warps): the intra kernel takes 254 registers, no
-    spills. Transient memory: A and Tm, [rows, H, chunk] fp32 each."""
+    doing both (session 5). num_warps and num_stages launch the intra kernel: 2 and 2 took 1.83 ms
+    on the H200 against 2.43-2.46 at 4 and 1, with the same output bit for bit, and 4.1-5.3 ms at 8
+    warps (`.whl/s11_kda_sweep.py`); sm_90 (triton 3.6): 255 registers and 168 B of stack at 2 warps,
+    254 and none at 4, but 4 programs an SM instead of 2. Transient memory: A and Tm, [rows, H, chunk] fp32 each."""
     T, H, dk = q.shape
     dv = v.shape[-1]
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
