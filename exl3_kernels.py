@@ -700,6 +700,9 @@ def exl3_moe_decode(x: torch.Tensor, ids: torch.Tensor, route: torch.Tensor,
 # sets the precision (~5e-4 relative), as in EXL3Linear's GEMM path.
 
 PREFILL_ROWS = 16  # sorted pairs per program of the rotation and scaling kernels
+# The rotation at 2 warps: 1.53-1.57 ms against 1.96-2.00 at 4 (H200, 8192 tokens x top-8, the same output bit
+# for bit; 8 or 32 rows a program and 8 warps no better: `.whl/s11_sweep2.py`)
+PREFILL_ROTATE_WARPS = 2
 
 
 @triton.jit
@@ -916,7 +919,7 @@ def exl3_moe_prefill(x: torch.Tensor, ids: torch.Tensor, route: torch.Tensor,
     xs = torch.empty((2, P, D), dtype=torch.float16, device=dev)
     inv = torch.empty((2, P), dtype=torch.float32, device=dev)
     _prefill_rotate_kernel[rows_grid](x.contiguous(), order, ids, gate[1], up[1], xs[0], xs[1], inv[0], inv[1],
-                                      P, D, top_k, RB=PREFILL_ROWS)
+                                      P, D, top_k, RB=PREFILL_ROWS, num_warps=PREFILL_ROTATE_WARPS)
     act = torch.empty((P, I), dtype=torch.float32, device=dev)
     _prefill_gate_up_kernel[(I // 128, tiles.shape[0])](
         xs[0], xs[1], inv[0], inv[1], words[0], words[1], tiles, gate[2], up[2], down[1], act, D, I,
