@@ -49,7 +49,7 @@ DOT_PRECISION = "tf32x3"
 SUB_CHUNK = 16  # rows of the diagonal blocks solved exactly inside a chunk; tl.dot needs >= 16
 # The prefill decays a sub-chunk's keys to its first row and back, so exp(±(SUB_CHUNK - 1) · g) must
 # stay a normal fp32 (e^±87.3): g > GATE_FLOOR. The model's gate is g = lower_bound · σ(·) with
-# lower_bound -5 (spec §4.3.4); fastprefill refuses a config whose bound is below the floor.
+# lower_bound -5 (spec §4.3.4); fastprefill refuses a config whose bound is at or below the floor.
 GATE_FLOOR = -5.8
 # chunk_output's tiles, at 4 warps and 3 stages: H200, T 8192, 0.82 ms against 0.87 at 2 stages (same output bit for
 # bit); 128-value tiles, 64-key slices or 8 warps 1.1-2.1x slower (`.whl/s11_sweep2.py`)
