@@ -126,7 +126,7 @@ class FastPrefill:
             cache.kda_state[row, slot] = 0
         history = cache.conv_state[row, slot]  # [3, K-1, H*d]
         q, k, v, g, beta = kda_kernels.kda_chunk_inputs((q_pre, k_pre, v_pre), history, a["conv"], f, a["A_log"],
-                                                    a["dt_bias"], b, cfg.linear_lower_bound, H, d)
+                                                        a["dt_bias"], b, cfg.linear_lower_bound, H, d)
         # the conv window's last K-1 rows: the chunk's own, or the history's tail then the chunk
         keep = min(n, K - 1)
         cache.conv_state[row, slot] = torch.stack([torch.cat([history[j, keep:], t[n - keep:].to(history.dtype)])
@@ -144,7 +144,7 @@ class FastPrefill:
         for r0, r1 in ((0, head), (head, q.shape[0])):
             if r1 > r0:
                 o, S, _ = kda_kernels.kda_chunk_prefill(q[r0:r1], k[r0:r1], v[r0:r1], g[r0:r1], beta[r0:r1], S,
-                                                    chunk=self.kda_chunk)
+                                                        chunk=self.kda_chunk)
                 outs.append(o)
         return torch.cat(outs), S
 

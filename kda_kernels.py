@@ -52,7 +52,7 @@ SUB_CHUNK = 16  # rows of the diagonal blocks solved exactly inside a chunk; tl.
 # lower_bound -5 (spec §4.3.4); fastprefill refuses a config whose bound is at or below the floor.
 GATE_FLOOR = -5.8
 # chunk_output's tiles, at 4 warps and 3 stages: H200, T 8192, 0.82 ms against 0.87 at 2 stages (same output bit for
-# bit); 128-value tiles, 64-key slices or 8 warps 1.1-2.1x slower (`.whl/s11_sweep2.py`)
+# bit); 128-value tiles, 64-key slices or 8 warps 1.1-2.2x slower (`.whl/s11_sweep2.py`)
 OUT_BLOCK_V, OUT_BLOCK_K = 64, 32
 
 
