@@ -676,7 +676,7 @@ def exl3_moe_decode(x: torch.Tensor, ids: torch.Tensor, route: torch.Tensor,
 
 # ---------------------------------------------------------------- EXL3 MoE prefill: many rows per expert
 # For P = m * top_k (row, expert) pairs of one MoE layer, sorted by expert (argsort on the device; no
-# host synchronization), in four launches whatever P:
+# host synchronization), in four launches (five at 256-row tiles):
 #   1. rotate every sorted pair's row for gate and for up ((x ⊙ suh_e) · H128, fp32) and store it
 #      in fp16 times a per-row power of two that puts the row's largest value in [2^13, 2^14): exact,
 #      and it keeps small activations out of fp16's subnormals (spec §4 allows any fp16 suh);
@@ -685,21 +685,26 @@ def exl3_moe_decode(x: torch.Tensor, ids: torch.Tensor, route: torch.Tensor,
 #      tile in registers straight into tl.dot's A operand (Ŵ^T, as exl3_gemv does; the activations
 #      are B, [32, BM] fp16), so a weight is decoded once per BM rows, the ALU only decodes and the
 #      tensor cores multiply; its epilogue owns a whole 128-column block of both projections: H128,
-#      svh, the clamped SwiGLU (glm53.md §4.5), ⊙ suh_down and H128 again: fp32 down inputs;
+#      svh, the clamped SwiGLU (glm53.md §4.5), ⊙ suh_down and H128 again: fp32 down inputs. At
+#      256-row tiles one [128, 256] fp32 accumulator takes 128 registers a thread at 8 warps, so gate
+#      and up run as two launches, the first leaving silu(gate) in the output buffer (more warps
+#      would split the tile's columns between warp groups, and each group would decode the same
+#      weights again);
 #   3. the down inputs to fp16 with per-row powers of two, as in 1.;
 #   4. down as the same grouped GEMM; its epilogue applies H128, svh, the routing weight and the
 #      row scale and adds the block into the token's fp32 output row (atomic adds);
 # plus the small torch ops that sort and build the tile table [tiles, 3] = (expert, first sorted
 # pair, rows). The grid covers cdiv(P, BM) + E tiles, an upper bound; programs past the real tiles
-# do nothing. BM follows the mean rows per expert (16..128): at 8K tokens (228 pairs per expert)
-# most experts take two tiles, so each weight is decoded about twice per layer instead of once per
-# row as in the per-expert path, and no decoded weight is written to memory.
+# do nothing. BM follows the mean rows per expert (16..256): at 8K tokens (228 pairs per expert)
+# most experts fit one 256-row tile, so each weight is decoded about once per layer instead of once
+# per row as in the per-expert path, and no decoded weight is written to memory.
 # Transient memory: at most 4 P (D + I) bytes (1.6 GB at 8K tokens of the full model).
 # Twin: the per-expert fp32 sum Σ_j w_j · down_e(swiglu(gate_e(x), up_e(x))) with exl3.EXL3Linear
 # (tests/test_kernels.py); activations enter the tensor cores as fp16 (11 significant bits), which
 # sets the precision (~5e-4 relative), as in EXL3Linear's GEMM path.
 
 PREFILL_ROWS = 16  # sorted pairs per program of the rotation and scaling kernels
+PREFILL_MAX_ROWS = 256  # the largest GEMM tile block_m picks by itself
 # The rotation at 2 warps: 1.53-1.57 ms against 1.96-2.00 at 4 (H200, 8192 tokens x top-8, the same output bit
 # for bit; 8 or 32 rows a program and 8 warps no better: `.whl/s11_sweep2.py`)
 PREFILL_ROTATE_WARPS = 2
@@ -787,7 +792,7 @@ def _prefill_products(words_ptr, xs_ptr, rows_ok, k, n, pid_n,
     # registers' trip through them (H200, full-size experts, 8K rows: 1.12x at K3, 1.15x at K4); at the
     # small tiles of short prompts that form is slower (1K rows, 32-row tiles: 0.95x). The register
     # prefetch of x (nx) is then unused, and the compiler drops its loads (sm_90: LDG 12 -> 8 a step).
-    PIPELINED: tl.constexpr = BM == 128
+    PIPELINED: tl.constexpr = BM >= 128
     p0, p1, p2, p3, xp = words_ptr + off0, words_ptr + off1, words_ptr + off2, words_ptr + off3, xs_ptr + x_off
     w0, w1, w2, w3, x = _load_step(p0, p1, p2, p3, 0, xp, 0, rows_ok, K2)
     for step in range(0, steps):
@@ -811,32 +816,46 @@ def _prefill_tile(tiles_ptr, tile, rows, BM: tl.constexpr):
 
 
 @triton.jit
+def _prefill_projection(acc, inv_ptr, svh_ptr, s, ok, e, n, c, BM: tl.constexpr):
+    # One projection's outputs [BM, 128] for the pairs s of a tile from its products acc [128, BM]:
+    # the row scale's inverse, H128 and svh.
+    inv = tl.load(inv_ptr + s, mask=ok, other=0.0)
+    svh = 0.08838834764831845 * tl.load(svh_ptr + e * n + c).to(tl.float32)
+    return _times_hadamard(tl.trans(acc) * inv[:, None], BM) * svh[None, :]
+
+
+@triton.jit
 def _prefill_gate_up_kernel(xs_gate_ptr, xs_up_ptr, inv_gate_ptr, inv_up_ptr, gate_words_ptr, up_words_ptr,
                             tiles_ptr, svh_gate_ptr, svh_up_ptr, suh_down_ptr, act_ptr, D, I, expert_words, limit,
-                            K2: tl.constexpr, CB: tl.constexpr, RT: tl.constexpr, BM: tl.constexpr):
+                            K2: tl.constexpr, CB: tl.constexpr, RT: tl.constexpr, BM: tl.constexpr,
+                            PASS: tl.constexpr):
     # Program (128-column block, tile): act[pairs of the tile, block] = (swiglu(gate, up) ⊙ suh_down) · H128.
+    # PASS 0 computes both projections. At 256-row tiles their two accumulators do not fit the registers
+    # together, so they take two launches: PASS 1 stores silu(gate) in act, PASS 2 multiplies it by up.
     pid_n = tl.program_id(0)
     tile = tl.program_id(1)
     rows = tl.load(tiles_ptr + 3 * tile + 2)
     if rows > 0:
         e, first, s, ok = _prefill_tile(tiles_ptr, tile, rows, BM)
-        gate = _prefill_products(gate_words_ptr + e * expert_words, xs_gate_ptr + first * D, ok[None, :], D, I,
-                                 pid_n, K2, CB, RT, BM)
-        up = _prefill_products(up_words_ptr + e * expert_words, xs_up_ptr + first * D, ok[None, :], D, I, pid_n,
-                               K2, CB, RT, BM)
         c = pid_n * 128 + tl.arange(0, 128)
-        inv_gate = tl.load(inv_gate_ptr + s, mask=ok, other=0.0)
-        inv_up = tl.load(inv_up_ptr + s, mask=ok, other=0.0)
-        svh_gate = 0.08838834764831845 * tl.load(svh_gate_ptr + e * I + c).to(tl.float32)
-        svh_up = 0.08838834764831845 * tl.load(svh_up_ptr + e * I + c).to(tl.float32)
-        gate = _times_hadamard(tl.trans(gate) * inv_gate[:, None], BM) * svh_gate[None, :]
-        up = _times_hadamard(tl.trans(up) * inv_up[:, None], BM) * svh_up[None, :]
-        gate = tl.minimum(gate, limit)
-        up = tl.minimum(tl.maximum(up, -limit), limit)
-        act = gate * tl.sigmoid(gate) * up
-        suh = tl.load(suh_down_ptr + e * I + c).to(tl.float32)
-        act = _times_hadamard(act * suh[None, :], BM) * 0.08838834764831845
-        tl.store(act_ptr + s[:, None] * I + c[None, :], act, mask=ok[:, None])
+        if PASS != 2:
+            gate = _prefill_products(gate_words_ptr + e * expert_words, xs_gate_ptr + first * D, ok[None, :], D, I,
+                                     pid_n, K2, CB, RT, BM)
+            gate = tl.minimum(_prefill_projection(gate, inv_gate_ptr, svh_gate_ptr, s, ok, e, I, c, BM), limit)
+            silu = gate * tl.sigmoid(gate)
+        if PASS == 1:
+            tl.store(act_ptr + s[:, None] * I + c[None, :], silu, mask=ok[:, None])
+        else:
+            up = _prefill_products(up_words_ptr + e * expert_words, xs_up_ptr + first * D, ok[None, :], D, I, pid_n,
+                                   K2, CB, RT, BM)
+            up = _prefill_projection(up, inv_up_ptr, svh_up_ptr, s, ok, e, I, c, BM)
+            up = tl.minimum(tl.maximum(up, -limit), limit)
+            if PASS == 2:
+                silu = tl.load(act_ptr + s[:, None] * I + c[None, :], mask=ok[:, None], other=0.0)
+            act = silu * up
+            suh = tl.load(suh_down_ptr + e * I + c).to(tl.float32)
+            act = _times_hadamard(act * suh[None, :], BM) * 0.08838834764831845
+            tl.store(act_ptr + s[:, None] * I + c[None, :], act, mask=ok[:, None])
 
 
 @triton.jit
@@ -886,10 +905,10 @@ def exl3_moe_prefill(x: torch.Tensor, ids: torch.Tensor, route: torch.Tensor,
     e = ids[t, j], as grouped GEMMs over the pairs sorted by expert (see the section comment).
 
     x [m, D] fp16 / bf16; ids [m, top_k] integer expert ids, route [m, top_k] fp32; gate, up, down
-    stacked as for exl3_moe_decode. Returns fp32 [m, D]. block_m (sorted pairs per GEMM tile, 16..128;
-    None picks by the mean pairs per expert), row_tiles (16-row trellis tiles per loop step; None: 4 at
-    128-row tiles, else 2; H200, 8K rows: 20.7 vs 23.4 ms at K3) and num_warps (None: 8 from 64 rows on)
-    are launch tuning.
+    stacked as for exl3_moe_decode. Returns fp32 [m, D]. block_m (sorted pairs per GEMM tile, 16..256;
+    None picks by the mean pairs per expert), row_tiles (16-row trellis tiles per loop step; None: 4 from
+    128-row tiles on, else 2; H200, 8K rows: 20.7 vs 23.4 ms at K3) and num_warps (None: 8 from 64 rows
+    on) are launch tuning.
     """
     k2, E, D, I = _check_moe(x, ids, route, gate, up, down, codebook, "fp16 or bf16 [m, {D}]")
     if x.dtype not in (torch.float16, torch.bfloat16):
@@ -903,11 +922,11 @@ def exl3_moe_prefill(x: torch.Tensor, ids: torch.Tensor, route: torch.Tensor,
     y = torch.zeros((m, D), dtype=torch.float32, device=dev)
     if P == 0:
         return y
-    BM = block_m or min(128, max(16, triton.next_power_of_2(triton.cdiv(P, E))))
-    if BM not in (16, 32, 64, 128):
-        raise ValueError(f"block_m must be 16, 32, 64 or 128, got {BM}")
+    BM = block_m or min(PREFILL_MAX_ROWS, max(16, triton.next_power_of_2(triton.cdiv(P, E))))
+    if BM not in (16, 32, 64, 128, 256):
+        raise ValueError(f"block_m must be 16, 32, 64, 128 or 256, got {BM}")
     warps = num_warps or (8 if BM >= 64 else 4)
-    row_tiles = row_tiles or (4 if BM == 128 else 2)
+    row_tiles = row_tiles or (4 if BM >= 128 else 2)
     ids = ids.reshape(-1).to(torch.int64)
     order, tiles = _prefill_tiles(ids, E, BM)
     ids = ids.to(torch.int32)
@@ -921,9 +940,10 @@ def exl3_moe_prefill(x: torch.Tensor, ids: torch.Tensor, route: torch.Tensor,
     _prefill_rotate_kernel[rows_grid](x.contiguous(), order, ids, gate[1], up[1], xs[0], xs[1], inv[0], inv[1],
                                       P, D, top_k, RB=PREFILL_ROWS, num_warps=PREFILL_ROTATE_WARPS)
     act = torch.empty((P, I), dtype=torch.float32, device=dev)
-    _prefill_gate_up_kernel[(I // 128, tiles.shape[0])](
-        xs[0], xs[1], inv[0], inv[1], words[0], words[1], tiles, gate[2], up[2], down[1], act, D, I,
-        (D // 16) * (I // 16) * 4 * k2, limit, **launch)
+    for pass_ in ((1, 2) if BM == 256 else (0,)):
+        _prefill_gate_up_kernel[(I // 128, tiles.shape[0])](
+            xs[0], xs[1], inv[0], inv[1], words[0], words[1], tiles, gate[2], up[2], down[1], act, D, I,
+            (D // 16) * (I // 16) * 4 * k2, limit, PASS=pass_, **launch)
     del xs
     acts = torch.empty((P, I), dtype=torch.float16, device=dev)
     inv = torch.empty((P,), dtype=torch.float32, device=dev)

@@ -452,6 +452,7 @@ PREFILL_MOE_REL = 2e-3
     (48, "3inst", None, 8, 4.0, torch.float16),   # K3; 37 rows x 2 -> block_m 16: expert 0 spans several tiles
     (64, "mcg", 128, 8, 0.05, torch.bfloat16),    # K4, small activations (down's input ~1e-5), bf16 x, 128-row tiles
     (40, "mul1", 16, 4, 4.0, torch.float16),      # K2.5 (a half rate), 4 k-tiles per step
+    (48, "mcg", 256, 8, 1.0, torch.bfloat16),     # 256-row tiles: gate and up in two launches
 ])
 def test_moe_prefill_matches_expert_twins(width, codebook, block_m, row_tiles, scale, dtype):
     m, top_k, E, D, I, limit = 37, 2, 6, 256, 128, 1.0  # a low limit, so both clamps act
@@ -479,9 +480,9 @@ def test_moe_prefill_equals_moe_decode():
 
 @needs_gpu
 @pytest.mark.parametrize("width,codebook,block_m,num_warps", [(64, "mcg", None, None), (48, "mul1", 64, 4),
-                                                              (48, "3inst", 32, None)])
+                                                              (48, "3inst", 32, None), (64, "3inst", 128, None)])
 def test_moe_prefill_large_on_gpu(width, codebook, block_m, num_warps):
-    m, top_k, E, D, I, limit = 1024, 8, 32, 1024, 512, 10.0  # ~256 pairs per expert: 128-row tiles by default
+    m, top_k, E, D, I, limit = 1024, 8, 32, 1024, 512, 10.0  # 256 pairs per expert: 256-row tiles by default
     projections = _stacked_experts(E, D, I, width, seed=width)
     ids, route = _skewed_routing(m, top_k, E, seed=width)
     x = torch.randn(m, D, generator=torch.Generator().manual_seed(width)).bfloat16().to(DEVICE)
