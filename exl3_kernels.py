@@ -704,7 +704,9 @@ def exl3_moe_decode(x: torch.Tensor, ids: torch.Tensor, route: torch.Tensor,
 # sets the precision (~5e-4 relative), as in EXL3Linear's GEMM path.
 
 PREFILL_ROWS = 16  # sorted pairs per program of the rotation and scaling kernels
-PREFILL_MAX_ROWS = 256  # the largest GEMM tile block_m picks by itself
+# block_m picks 256-row tiles from this many pairs per expert on (H200, full-size experts, K3 and K4: 1.10x
+# the 128-row tiles' time at 8192 tokens, 228 pairs per expert; 0.98-0.99x at 5120 tokens, 142 pairs)
+PREFILL_256_ROWS = 192
 # The rotation at 2 warps: 1.53-1.57 ms against 1.96-2.00 at 4 (H200, 8192 tokens x top-8, the same output bit
 # for bit; 8 or 32 rows a program and 8 warps no better: `.whl/s11_sweep2.py`)
 PREFILL_ROTATE_WARPS = 2
@@ -838,16 +840,20 @@ def _prefill_gate_up_kernel(xs_gate_ptr, xs_up_ptr, inv_gate_ptr, inv_up_ptr, ga
     if rows > 0:
         e, first, s, ok = _prefill_tile(tiles_ptr, tile, rows, BM)
         c = pid_n * 128 + tl.arange(0, 128)
+        # PASS 0 runs both k loops before either epilogue (1K rows, 32-row tiles: 1.11-1.14x the time with
+        # the gate's epilogue between the loops)
         if PASS != 2:
             gate = _prefill_products(gate_words_ptr + e * expert_words, xs_gate_ptr + first * D, ok[None, :], D, I,
                                      pid_n, K2, CB, RT, BM)
+        if PASS != 1:
+            up = _prefill_products(up_words_ptr + e * expert_words, xs_up_ptr + first * D, ok[None, :], D, I, pid_n,
+                                   K2, CB, RT, BM)
+        if PASS != 2:
             gate = tl.minimum(_prefill_projection(gate, inv_gate_ptr, svh_gate_ptr, s, ok, e, I, c, BM), limit)
             silu = gate * tl.sigmoid(gate)
         if PASS == 1:
             tl.store(act_ptr + s[:, None] * I + c[None, :], silu, mask=ok[:, None])
         else:
-            up = _prefill_products(up_words_ptr + e * expert_words, xs_up_ptr + first * D, ok[None, :], D, I, pid_n,
-                                   K2, CB, RT, BM)
             up = _prefill_projection(up, inv_up_ptr, svh_up_ptr, s, ok, e, I, c, BM)
             up = tl.minimum(tl.maximum(up, -limit), limit)
             if PASS == 2:
@@ -922,7 +928,8 @@ def exl3_moe_prefill(x: torch.Tensor, ids: torch.Tensor, route: torch.Tensor,
     y = torch.zeros((m, D), dtype=torch.float32, device=dev)
     if P == 0:
         return y
-    BM = block_m or min(PREFILL_MAX_ROWS, max(16, triton.next_power_of_2(triton.cdiv(P, E))))
+    mean_rows = triton.cdiv(P, E)
+    BM = block_m or (256 if mean_rows >= PREFILL_256_ROWS else min(128, max(16, triton.next_power_of_2(mean_rows))))
     if BM not in (16, 32, 64, 128, 256):
         raise ValueError(f"block_m must be 16, 32, 64, 128 or 256, got {BM}")
     warps = num_warps or (8 if BM >= 64 else 4)
