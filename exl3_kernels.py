@@ -695,7 +695,7 @@ def exl3_moe_decode(x: torch.Tensor, ids: torch.Tensor, route: torch.Tensor,
 #      row scale and adds the block into the token's fp32 output row (atomic adds);
 # plus the small torch ops that sort and build the tile table [tiles, 3] = (expert, first sorted
 # pair, rows). The grid covers cdiv(P, BM) + E tiles, an upper bound; programs past the real tiles
-# do nothing. BM follows the mean rows per expert (16..256): at 8K tokens (228 pairs per expert)
+# do nothing. BM follows the mean rows per expert (32, 128 or 256): at 8K tokens (228 pairs per expert)
 # most experts fit one 256-row tile, so each weight is decoded about once per layer instead of once
 # per row as in the per-expert path, and no decoded weight is written to memory.
 # Transient memory: at most 4 P (D + I) bytes (1.6 GB at 8K tokens of the full model).
@@ -704,9 +704,14 @@ def exl3_moe_decode(x: torch.Tensor, ids: torch.Tensor, route: torch.Tensor,
 # sets the precision (~5e-4 relative), as in EXL3Linear's GEMM path.
 
 PREFILL_ROWS = 16  # sorted pairs per program of the rotation and scaling kernels
-# block_m picks 256-row tiles from this many pairs per expert on (H200, full-size experts, K3 and K4: 1.10x
-# the 128-row tiles' time at 8192 tokens, 228 pairs per expert; 0.98-0.99x at 5120 tokens, 142 pairs)
-PREFILL_256_ROWS = 192
+# block_m's own choice by the mean pairs per expert: 32-row tiles up to PREFILL_128_ROWS, then 128 up to
+# PREFILL_256_ROWS, then 256. H200, full-size experts, K3 and K4, skewed routing (`.whl/s12_sweep.py`),
+# the best tile's time against the others': 7 and 14 pairs (256 and 512 tokens) 32 rows, 1.02-1.17x 16
+# rows; 43 pairs 32 rows, 1.07x 128 and 1.36x 64; 57 pairs 128 rows, 1.02x 32 and 1.33x 64; 71-114
+# pairs 128 rows; 142 pairs 128 rows by 1-2 %; 171 pairs 256 rows by 2.5 %; 228 pairs 256 rows, 1.10x.
+# Tiles of 16 and 64 rows stay for callers that ask for them.
+PREFILL_128_ROWS = 48
+PREFILL_256_ROWS = 160
 # The rotation at 2 warps: 1.53-1.57 ms against 1.96-2.00 at 4 (H200, 8192 tokens x top-8, the same output bit
 # for bit; 8 or 32 rows a program and 8 warps no better: `.whl/s11_sweep2.py`)
 PREFILL_ROTATE_WARPS = 2
@@ -929,7 +934,7 @@ def exl3_moe_prefill(x: torch.Tensor, ids: torch.Tensor, route: torch.Tensor,
     if P == 0:
         return y
     mean_rows = triton.cdiv(P, E)
-    BM = block_m or (256 if mean_rows >= PREFILL_256_ROWS else min(128, max(16, triton.next_power_of_2(mean_rows))))
+    BM = block_m or (32 if mean_rows <= PREFILL_128_ROWS else 128 if mean_rows <= PREFILL_256_ROWS else 256)
     if BM not in (16, 32, 64, 128, 256):
         raise ValueError(f"block_m must be 16, 32, 64, 128 or 256, got {BM}")
     warps = num_warps or (8 if BM >= 64 else 4)

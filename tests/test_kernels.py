@@ -449,9 +449,9 @@ PREFILL_MOE_REL = 2e-3
 
 
 @pytest.mark.parametrize("width,codebook,block_m,row_tiles,scale,dtype", [
-    (48, "3inst", None, 8, 4.0, torch.float16),   # K3; 37 rows x 2 -> block_m 16: expert 0 spans several tiles
+    (48, "3inst", None, 8, 4.0, torch.float16),   # K3; 37 rows x 2 -> block_m 32, one tile an expert
     (64, "mcg", 128, 8, 0.05, torch.bfloat16),    # K4, small activations (down's input ~1e-5), bf16 x, 128-row tiles
-    (40, "mul1", 16, 4, 4.0, torch.float16),      # K2.5 (a half rate), 4 k-tiles per step
+    (40, "mul1", 16, 4, 4.0, torch.float16),      # K2.5 (a half rate), 4 k-tiles per step, experts over 2 tiles
     (48, "mcg", 256, 8, 1.0, torch.bfloat16),     # 256-row tiles: gate and up in two launches
 ])
 def test_moe_prefill_matches_expert_twins(width, codebook, block_m, row_tiles, scale, dtype):
