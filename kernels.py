@@ -1145,11 +1145,14 @@ def dsa_sparse_attention(q_hat: torch.Tensor, latent: torch.Tensor, tables: torc
 # q̂ = q · W_UK and o · W_UVᵀ (model_glm.mla_attention's first and last einsum), per head h:
 # out[b, h] = a[b, h] · w[h]. torch runs them as fp32 bmm's on the CUDA cores (a decode row: two cuBLAS
 # GEMVs of 11-14 us on the H200, reading 16.8 MB each; a prefill chunk: SIMT SGEMMs of ~3 ms at 8192
-# rows). Here on tensor cores, fp32 sums. BF16 weights (the checkpoint's kv_b_proj) meet a as the sum
-# of PIECES bf16 values (a's 24 significant bits in three 8-bit pieces, 11 of fp16 in two, bf16 as
-# it is): every product is exact, and bf16 MMAs run at twice TF32's rate. Other weights take tf32x3
-# (each fp32 operand as a TF32 value plus a TF32 remainder: ~2^-21 relative per product; three TF32
-# MMAs). The smallest pieces go first, so that the larger ones are added to their sum.
+# rows). Here on tensor cores, fp32 sums. For prefill rows (B > 16), BF16 weights (the checkpoint's
+# kv_b_proj) meet a as the sum of PIECES bf16 values (a's 24 significant bits in three 8-bit pieces,
+# 11 of fp16 in two, bf16 as it is): every product is exact, and bf16 MMAs run at twice TF32's rate.
+# The smallest pieces go first, so that the larger ones are added to their sum; still, the tensor
+# cores' sums truncate, and on the H200 the results are 5.6-7.4e-7 of Σ|products| off (tf32x3:
+# 0.8e-7), for 2.2-6.2x less time at 8192 rows (`.whl/s12_pre.py`). Decode rows and other weights
+# take tf32x3 (each fp32 operand as a TF32 value plus a TF32 remainder: ~2^-21 relative per product;
+# three TF32 MMAs): at 1 and 16 rows the pieces were 0.93-0.97x its speed for o · W_UVᵀ.
 # One program: BM rows x BN columns of one head.
 HEAD_MM_BLOCK_K = 32
 
@@ -1201,7 +1204,7 @@ def head_matmul(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = Non
         raise ValueError(f"head_matmul: out must be [{B}, {H}, {N}], got {tuple(out.shape)}")
     BM = 16 if B <= 16 else 64
     BN = 64 if B <= 16 else 128
-    pieces = {torch.bfloat16: 1, torch.float16: 2}.get(a.dtype, 3) if w.dtype == torch.bfloat16 else 0
+    pieces = {torch.bfloat16: 1, torch.float16: 2}.get(a.dtype, 3) if w.dtype == torch.bfloat16 and B > 16 else 0
     _head_matmul_kernel[(H, triton.cdiv(B, BM), triton.cdiv(N, BN))](
         a, *a.stride(), w, *w.stride(), out, *out.stride(), B, K, N, BM=BM, BN=BN, BK=HEAD_MM_BLOCK_K,
         PIECES=pieces, TC=a.is_cuda)

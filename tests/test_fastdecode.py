@@ -338,7 +338,7 @@ def test_head_matmul_matches_einsum(B):
     out = torch.empty(H, B, K, dtype=torch.bfloat16, device=DEVICE).transpose(0, 1)
     kernels.head_matmul(o, w_uv.transpose(1, 2), out=out)
     torch.testing.assert_close(out, torch.einsum("bhn,hkn->bhk", o, w_uv).to(torch.bfloat16), rtol=1e-2, atol=1e-2)
-    # kv_b_proj's own bf16 slices, as the fast path passes them: a as three (fp32) or two (fp16) bf16
+    # kv_b_proj's own bf16 slices, as the fast path passes them: for 21 rows a as three (fp32) or two (fp16) bf16
     # pieces, every product exact, against fp64; one piece fewer is ~2^-17 off, tf32x3 ~2^-22
     kv_b = torch.randn(H, 2 * K, N, generator=g).to(torch.bfloat16).to(DEVICE)
     for a, w16 in ((q.float() + 1e-3 * torch.randn(B, H, K, generator=g).to(DEVICE), kv_b[:, K:]),
