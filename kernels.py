@@ -1145,18 +1145,22 @@ def dsa_sparse_attention(q_hat: torch.Tensor, latent: torch.Tensor, tables: torc
 # q̂ = q · W_UK and o · W_UVᵀ (model_glm.mla_attention's first and last einsum), per head h:
 # out[b, h] = a[b, h] · w[h]. torch runs them as fp32 bmm's on the CUDA cores (a decode row: two cuBLAS
 # GEMVs of 11-14 us on the H200, reading 16.8 MB each; a prefill chunk: SIMT SGEMMs of ~3 ms at 8192
-# rows). Here on tensor cores with tf32x3 operands (each fp32 operand as a TF32 value plus a TF32
-# remainder: ~2^-21 relative per product; a 16-bit operand is exact), fp32 sums. The weights may stay
-# in the checkpoint's 16 bits (kv_b_proj is BF16): converted in registers they are exact TF32 values
-# with a zero remainder, so the products are those of their fp32 copies, from half the bytes (on the
-# H200 a sum may still differ from theirs in its last bits; the tests bound it).
+# rows). Here on tensor cores, fp32 sums. For prefill rows (B > 16), BF16 weights (the checkpoint's
+# kv_b_proj) meet a as the sum of PIECES bf16 values (a's 24 significant bits in three 8-bit pieces,
+# 11 of fp16 in two, bf16 as it is): every product is exact, and bf16 MMAs run at twice TF32's rate.
+# The smallest pieces go first, so that the larger ones are added to their sum; still, the tensor
+# cores' sums truncate, and on the H200 the results are 5.6-7.4e-7 of Σ|products| off (tf32x3:
+# 0.8e-7), for 2.2-6.2x less time at 8192 rows (`.whl/s12_pre.py`). Decode rows and other weights
+# take tf32x3 (each fp32 operand as a TF32 value plus a TF32 remainder: ~2^-21 relative per product;
+# three TF32 MMAs): at 1 and 16 rows the pieces were 0.93-0.97x its speed for o · W_UVᵀ.
 # One program: BM rows x BN columns of one head.
 HEAD_MM_BLOCK_K = 32
 
 
 @triton.jit
 def _head_matmul_kernel(a_ptr, a_sb, a_sh, a_sk, w_ptr, w_sh, w_sk, w_sn, o_ptr, o_sb, o_sh, o_sn, B, K, N,
-                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PIECES: tl.constexpr,
+                        TC: tl.constexpr):
     h = tl.program_id(0)
     rows = tl.program_id(1) * BM + tl.arange(0, BM)
     cols = tl.program_id(2) * BN + tl.arange(0, BN)
@@ -1166,8 +1170,18 @@ def _head_matmul_kernel(a_ptr, a_sb, a_sh, a_sk, w_ptr, w_sh, w_sk, w_sn, o_ptr,
         a = tl.load(a_ptr + rows[:, None].to(tl.int64) * a_sb + h * a_sh + ks[None, :] * a_sk,
                     mask=(rows[:, None] < B) & (ks[None, :] < K), other=0.0).to(tl.float32)
         w = tl.load(w_ptr + h * w_sh + ks[:, None] * w_sk + cols[None, :] * w_sn,
-                    mask=(ks[:, None] < K) & (cols[None, :] < N), other=0.0).to(tl.float32)
-        acc = tl.dot(a, w, acc, input_precision="tf32x3")
+                    mask=(ks[:, None] < K) & (cols[None, :] < N), other=0.0)
+        if PIECES == 0:
+            acc = tl.dot(a, w.to(tl.float32), acc, input_precision="tf32x3")
+        else:
+            hi = a.to(tl.bfloat16)
+            if PIECES > 1:
+                rest = a - hi.to(tl.float32)
+                mid = rest.to(tl.bfloat16)
+                if PIECES > 2:
+                    acc += _dot_bf16((rest - mid.to(tl.float32)).to(tl.bfloat16), w, TC)
+                acc += _dot_bf16(mid, w, TC)
+            acc += _dot_bf16(hi, w, TC)
     tl.store(o_ptr + rows[:, None].to(tl.int64) * o_sb + h * o_sh + cols[None, :] * o_sn,
              _cast(acc, o_ptr.dtype.element_ty), mask=(rows[:, None] < B) & (cols[None, :] < N))
 
@@ -1190,8 +1204,10 @@ def head_matmul(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = Non
         raise ValueError(f"head_matmul: out must be [{B}, {H}, {N}], got {tuple(out.shape)}")
     BM = 16 if B <= 16 else 64
     BN = 64 if B <= 16 else 128
+    pieces = {torch.bfloat16: 1, torch.float16: 2}.get(a.dtype, 3) if w.dtype == torch.bfloat16 and B > 16 else 0
     _head_matmul_kernel[(H, triton.cdiv(B, BM), triton.cdiv(N, BN))](
-        a, *a.stride(), w, *w.stride(), out, *out.stride(), B, K, N, BM=BM, BN=BN, BK=HEAD_MM_BLOCK_K)
+        a, *a.stride(), w, *w.stride(), out, *out.stride(), B, K, N, BM=BM, BN=BN, BK=HEAD_MM_BLOCK_K,
+        PIECES=pieces, TC=a.is_cuda)
     return out
 
 
