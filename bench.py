@@ -665,7 +665,7 @@ def run_model(args) -> list[Row]:
     section("verify cost", verify_cost)
     # compiles every kernel variant the timed prompts use: a full chunk picks other launch tiles than a short
     # prompt, and later chunks take paths a first one does not (the indexer's top-k once positions pass
-    # index_topk: at 2048-token chunks the first timed 8K prompt compiled, 1.9 s against 4.4 s)
+    # index_topk: at 2048-token chunks a first timed 8K prompt took 4.4 s, 1.9 s once compiled)
     section("prefill warm-up (compiles, untimed)",
             lambda: prefill(prompts[0]) and prefill(min(2 * args.prefill_chunk, max(prompts))) and None)
     section(f"prefill {prompts[0]}", lambda: prefill(prompts[0]))
