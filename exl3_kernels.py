@@ -706,9 +706,9 @@ def exl3_moe_decode(x: torch.Tensor, ids: torch.Tensor, route: torch.Tensor,
 PREFILL_ROWS = 16  # sorted pairs per program of the rotation and scaling kernels
 # block_m's own choice by the mean pairs per expert: 32-row tiles up to PREFILL_128_ROWS, then 128 up to
 # PREFILL_256_ROWS, then 256. H200, full-size experts, K3 and K4, skewed routing (`.whl/s12_sweep.py`),
-# the best tile's time against the others': 7 and 14 pairs (256 and 512 tokens) 32 rows, 1.02-1.17x 16
-# rows; 43 pairs 32 rows, 1.07x 128 and 1.36x 64; 57 pairs 128 rows, 1.02x 32 and 1.33x 64; 71-114
-# pairs 128 rows; 142 pairs 128 rows by 1-2 %; 171 pairs 256 rows by 2.5 %; 228 pairs 256 rows, 1.10x.
+# the best tile and the others' time against it: 7 and 14 pairs (256 and 512 tokens) 32 rows, 16 rows
+# 1.02-1.19x; 43 pairs 32 rows, 128 1.07x, 64 1.35x; 57 pairs 128 rows, 32 1.02x, 64 1.31x; 71-114
+# pairs 128 rows; 142 pairs 128 rows by 0.5-1 %; 171 pairs 256 rows by 2-4 %; 228 pairs 256 rows, 1.10x.
 # Tiles of 16 and 64 rows stay for callers that ask for them.
 PREFILL_128_ROWS = 48
 PREFILL_256_ROWS = 160
@@ -845,8 +845,8 @@ def _prefill_gate_up_kernel(xs_gate_ptr, xs_up_ptr, inv_gate_ptr, inv_up_ptr, ga
     if rows > 0:
         e, first, s, ok = _prefill_tile(tiles_ptr, tile, rows, BM)
         c = pid_n * 128 + tl.arange(0, 128)
-        # PASS 0 runs both k loops before either epilogue (1K rows, 32-row tiles: 1.11-1.14x the time with
-        # the gate's epilogue between the loops)
+        # PASS 0 runs both k loops before either epilogue (H200, 1024 tokens, 32-row tiles: 1.09-1.15x the
+        # time with the gate's epilogue between the loops)
         if PASS != 2:
             gate = _prefill_products(gate_words_ptr + e * expert_words, xs_gate_ptr + first * D, ok[None, :], D, I,
                                      pid_n, K2, CB, RT, BM)

@@ -1152,7 +1152,7 @@ def dsa_sparse_attention(q_hat: torch.Tensor, latent: torch.Tensor, tables: torc
 # cores' sums truncate, and on the H200 the results are 5.6-7.4e-7 of Σ|products| off (tf32x3:
 # 0.8e-7), for 2.2-6.2x less time at 8192 rows (`.whl/s12_pre.py`). Decode rows and other weights
 # take tf32x3 (each fp32 operand as a TF32 value plus a TF32 remainder: ~2^-21 relative per product;
-# three TF32 MMAs): at 1 and 16 rows the pieces were 0.93-0.97x its speed for o · W_UVᵀ.
+# three TF32 MMAs): at 1 and 16 rows the pieces were 0.93-1.73x its speed (eager calls), no clear win.
 # One program: BM rows x BN columns of one head.
 HEAD_MM_BLOCK_K = 32
 
