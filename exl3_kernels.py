@@ -687,9 +687,9 @@ def exl3_moe_decode(x: torch.Tensor, ids: torch.Tensor, route: torch.Tensor,
 #      tensor cores multiply; its epilogue owns a whole 128-column block of both projections: H128,
 #      svh, the clamped SwiGLU (glm53.md §4.5), ⊙ suh_down and H128 again: fp32 down inputs. At
 #      256-row tiles one [128, 256] fp32 accumulator takes 128 registers a thread at 8 warps, so gate
-#      and up run as two launches, the first leaving silu(gate) in the output buffer (more warps
-#      would split the tile's columns between warp groups, and each group would decode the same
-#      weights again);
+#      and up run as two launches, the first leaving silu(gate) in the output buffer (at 16 warps
+#      triton's wgmma layout puts two warp groups side by side on the 256 rows, each decoding the
+#      same weights);
 #   3. the down inputs to fp16 with per-row powers of two, as in 1.;
 #   4. down as the same grouped GEMM; its epilogue applies H128, svh, the routing weight and the
 #      row scale and adds the block into the token's fp32 output row (atomic adds);
