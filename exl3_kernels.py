@@ -823,12 +823,11 @@ def _prefill_tile(tiles_ptr, tile, rows, BM: tl.constexpr):
 
 
 @triton.jit
-def _prefill_projection(acc, inv_ptr, svh_ptr, s, ok, e, n, c, BM: tl.constexpr):
-    # One projection's outputs [BM, 128] for the pairs s of a tile from its products acc [128, BM]:
-    # the row scale's inverse, H128 and svh.
-    inv = tl.load(inv_ptr + s, mask=ok, other=0.0)
+def _prefill_projection(acc, row_factor, svh_ptr, e, n, c, BM: tl.constexpr):
+    # One projection's outputs [BM, 128] for a tile's pairs from its products acc [128, BM]: each row
+    # times its factor (the row scale's inverse, for down also the routing weight), H128 and svh.
     svh = 0.08838834764831845 * tl.load(svh_ptr + e * n + c).to(tl.float32)
-    return _times_hadamard(tl.trans(acc) * inv[:, None], BM) * svh[None, :]
+    return _times_hadamard(tl.trans(acc) * row_factor[:, None], BM) * svh[None, :]
 
 
 @triton.jit
@@ -854,12 +853,14 @@ def _prefill_gate_up_kernel(xs_gate_ptr, xs_up_ptr, inv_gate_ptr, inv_up_ptr, ga
             up = _prefill_products(up_words_ptr + e * expert_words, xs_up_ptr + first * D, ok[None, :], D, I, pid_n,
                                    K2, CB, RT, BM)
         if PASS != 2:
-            gate = tl.minimum(_prefill_projection(gate, inv_gate_ptr, svh_gate_ptr, s, ok, e, I, c, BM), limit)
+            inv_gate = tl.load(inv_gate_ptr + s, mask=ok, other=0.0)
+            gate = tl.minimum(_prefill_projection(gate, inv_gate, svh_gate_ptr, e, I, c, BM), limit)
             silu = gate * tl.sigmoid(gate)
         if PASS == 1:
             tl.store(act_ptr + s[:, None] * I + c[None, :], silu, mask=ok[:, None])
         else:
-            up = _prefill_projection(up, inv_up_ptr, svh_up_ptr, s, ok, e, I, c, BM)
+            inv_up = tl.load(inv_up_ptr + s, mask=ok, other=0.0)
+            up = _prefill_projection(up, inv_up, svh_up_ptr, e, I, c, BM)
             up = tl.minimum(tl.maximum(up, -limit), limit)
             if PASS == 2:
                 silu = tl.load(act_ptr + s[:, None] * I + c[None, :], mask=ok[:, None], other=0.0)
@@ -884,8 +885,7 @@ def _prefill_down_kernel(acts_ptr, inv_ptr, words_ptr, tiles_ptr, order_ptr, rou
         pair = tl.load(order_ptr + s, mask=ok, other=0)
         weight = tl.load(route_ptr + pair, mask=ok, other=0.0) * tl.load(inv_ptr + s, mask=ok, other=0.0)
         c = pid_n * 128 + tl.arange(0, 128)
-        svh = 0.08838834764831845 * tl.load(svh_ptr + e * D + c).to(tl.float32)
-        y = _times_hadamard(tl.trans(z) * weight[:, None], BM) * svh[None, :]
+        y = _prefill_projection(z, weight, svh_ptr, e, D, c, BM)
         token = (pair // top_k).to(tl.int64)
         tl.atomic_add(out_ptr + token[:, None] * D + c[None, :], y, mask=ok[:, None], sem="relaxed")
 
