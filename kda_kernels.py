@@ -179,8 +179,9 @@ def chunk_factors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     while the diagonal blocks were summed pair by pair per key channel, and 8.9 ms for one kernel
     doing both (session 5). num_warps and num_stages launch the intra kernel: 2 and 2 took 1.83 ms
     on the H200 against 2.43-2.46 at 4 and 1, with the same output bit for bit, and 4.1-5.3 ms at 8
-    warps (`.whl/s11_kda_sweep.py`); sm_90 (triton 3.6): 255 registers and 168 B of stack at 2 warps,
-    254 and none at 4, but 4 programs an SM instead of 2. Transient memory: A and Tm, [rows, H, chunk] fp32 each."""
+    warps (`.whl/s11_kda_sweep.py`). sm_90 AOT (triton 3.6, d = 128, chunk 64, pointers and sizes
+    specialized as the JIT does): 232 registers, no spills at 2 warps and 2 stages; 128 at 4 and 1.
+    Transient memory: A and Tm, [rows, H, chunk] fp32 each."""
     T, H, dk = q.shape
     dv = v.shape[-1]
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
@@ -208,8 +209,9 @@ def chunk_states(f: ChunkFactors, initial_state: torch.Tensor | None, block_v: i
     the final state. Overwrites f.u with U'.
 
     The default tiles keep every program resident at once; a 2-stage pipeline needs 172 KB (BV = 32),
-    one program per SM, two waves. sm_90 AOT (triton 3.6, d = 128, BV 32, 4 warps): 255 registers and
-    928 B of stack (spills: 170 LDL); an earlier build took 234 registers, none."""
+    one program per SM, two waves. sm_90 AOT (triton 3.6, d = 128, BV 32, 4 warps, pointers and sizes
+    specialized as the JIT does): 255 registers and 728-744 B of stack, ~220 spill loads and stores in
+    the chunk loop; an earlier build took 234 registers, none."""
     rows, H, dk = f.w.shape
     dv = f.u.shape[-1]
     n_chunks = rows // f.chunk
