@@ -703,7 +703,7 @@ def exl3_moe_decode(x: torch.Tensor, ids: torch.Tensor, route: torch.Tensor,
 # (tests/test_kernels.py); activations enter the tensor cores as fp16 (11 significant bits), which
 # sets the precision (~5e-4 relative), as in EXL3Linear's GEMM path.
 
-PREFILL_ROWS = 16  # sorted pairs per program of the rotation and scaling kernels
+PREFILL_ROWS = 16  # rows per program of the scaling kernel
 # block_m's own choice by the mean pairs per expert: 32-row tiles up to PREFILL_128_ROWS, then 128 up to
 # PREFILL_256_ROWS, then 256. H200, full-size experts, K3 and K4, skewed routing (`.whl/s12_sweep.py`),
 # the best tile and the others' time against it: 7 and 14 pairs (256 and 512 tokens) 32 rows, 16 rows
@@ -712,9 +712,10 @@ PREFILL_ROWS = 16  # sorted pairs per program of the rotation and scaling kernel
 # Tiles of 16 and 64 rows stay for callers that ask for them.
 PREFILL_128_ROWS = 48
 PREFILL_256_ROWS = 160
-# The rotation at 2 warps: 1.53-1.57 ms against 1.96-2.00 at 4 (H200, 8192 tokens x top-8, the same output bit
-# for bit; 8 or 32 rows a program and 8 warps no better: `.whl/s11_sweep2.py`)
-PREFILL_ROTATE_WARPS = 2
+# The rotation at 4 sorted pairs a program and 1 warp: 0.94 ms against 1.48 at 16 pairs and 2 warps (H200, 8192
+# tokens x top-8, D 4096, the same output bit for bit; 8 pairs 0.98 ms, 16 at 1 warp 1.17: `.whl/rot_check.py`)
+PREFILL_ROTATE_ROWS = 4
+PREFILL_ROTATE_WARPS = 1
 
 
 @triton.jit
@@ -945,12 +946,12 @@ def exl3_moe_prefill(x: torch.Tensor, ids: torch.Tensor, route: torch.Tensor,
     route = route.reshape(-1).float().contiguous()
     words = [t[0].contiguous().view(torch.int32) for t in (gate, up, down)]
     launch = dict(K2=k2, CB=CODEBOOKS.index(codebook), RT=row_tiles, BM=BM, num_warps=warps)
-    rows_grid = (triton.cdiv(P, PREFILL_ROWS),)
 
     xs = torch.empty((2, P, D), dtype=torch.float16, device=dev)
     inv = torch.empty((2, P), dtype=torch.float32, device=dev)
-    _prefill_rotate_kernel[rows_grid](x.contiguous(), order, ids, gate[1], up[1], xs[0], xs[1], inv[0], inv[1],
-                                      P, D, top_k, RB=PREFILL_ROWS, num_warps=PREFILL_ROTATE_WARPS)
+    _prefill_rotate_kernel[(triton.cdiv(P, PREFILL_ROTATE_ROWS),)](
+        x.contiguous(), order, ids, gate[1], up[1], xs[0], xs[1], inv[0], inv[1], P, D, top_k,
+        RB=PREFILL_ROTATE_ROWS, num_warps=PREFILL_ROTATE_WARPS)
     act = torch.empty((P, I), dtype=torch.float32, device=dev)
     for pass_ in ((1, 2) if BM == 256 else (0,)):
         _prefill_gate_up_kernel[(I // 128, tiles.shape[0])](
@@ -959,7 +960,7 @@ def exl3_moe_prefill(x: torch.Tensor, ids: torch.Tensor, route: torch.Tensor,
     del xs
     acts = torch.empty((P, I), dtype=torch.float16, device=dev)
     inv = torch.empty((P,), dtype=torch.float32, device=dev)
-    _prefill_scale_kernel[rows_grid](act, acts, inv, P, I, RB=PREFILL_ROWS)
+    _prefill_scale_kernel[(triton.cdiv(P, PREFILL_ROWS),)](act, acts, inv, P, I, RB=PREFILL_ROWS)
     del act
     _prefill_down_kernel[(D // 128, tiles.shape[0])](
         acts, inv, words[2], tiles, order, route, down[2], y, I, D, top_k, (I // 16) * (D // 16) * 4 * k2, **launch)
