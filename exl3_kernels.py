@@ -712,8 +712,8 @@ PREFILL_ROWS = 16  # rows per program of the scaling kernel
 # Tiles of 16 and 64 rows stay for callers that ask for them.
 PREFILL_128_ROWS = 48
 PREFILL_256_ROWS = 160
-# The rotation at 4 sorted pairs a program and 1 warp: 0.94 ms against 1.48 at 16 pairs and 2 warps (H200, 8192
-# tokens x top-8, D 4096, the same output bit for bit; 8 pairs 0.98 ms, 16 at 1 warp 1.17: `.whl/rot_check.py`)
+# The rotation at 4 sorted pairs a program and 1 warp: 0.95-0.99 ms against 1.48-1.52 at 16 pairs and 2 warps (H200,
+# 8192 tokens x top-8, D 4096, the same output bit for bit; 8 pairs 0.98 ms, 16 at 1 warp 1.17: `.whl/rot_check.py`)
 PREFILL_ROTATE_ROWS = 4
 PREFILL_ROTATE_WARPS = 1
 
