@@ -17,7 +17,7 @@ applies H128 and svh (stream-K style fixup, one launch).
 exl3_moe_decode runs the same loop for all selected experts of a MoE layer at once (expert ids
 read on the device), with SwiGLU and the routed sum in the block fixups.
 exl3_moe_prefill is the MoE layer for many rows: pairs sorted by expert, grouped GEMMs that decode
-each trellis tile in registers once per tile of up to 128 rows of that expert.
+each trellis tile in registers once per tile of up to 256 rows of that expert.
 
 Like kernels.py, this file imports neither exl3.py nor model_glm.py (they sit above it); it takes
 two small helpers from kernels.py (the result buffer and the block_n check the FP8 GEMV shares).
