@@ -71,7 +71,8 @@ _COMPILED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
 
 @triton.jit
 def _codebook(state, CB: tl.constexpr, zero=0):
-    # spec §2.3; CB 0 = 3INST, 1 = MCG, 2 = MUL1. All products are mod 2^32 (uint32).
+    # spec §2.3; CB 0 = 3INST, 1 = MCG, 2 = MUL1. All products are mod 2^32 (uint32). zero: 0, from
+    # _opaque_zero in the hot loops.
     if CB == 2:
         x = state * 0x83DCD12D
         s = (x & 0xFF) + ((x >> 8) & 0xFF) + ((x >> 16) & 0xFF) + (x >> 24)
@@ -99,12 +100,12 @@ def _codebook(state, CB: tl.constexpr, zero=0):
 
 @triton.jit
 def _opaque_zero(k):
-    # 0 for a size k >= 0 that no compiler can see is 0, for _codebook: the codebook's xor constant is
-    # then zero + C, a loop-invariant register, and its mask and xor one LOP3 a weight ((x & M) ^ R)
-    # instead of two (on sm_90, M and C cannot both be immediates of one LOP3). The shift is inline
-    # PTX because LLVM folded a plain k >> 31 in the prefill kernels, and the constant is zero + C, not
-    # zero | C, because ptxas splits an or back out (H200, triton 3.6: prefill loops 10-12 % shorter, MoE prefill 1.05-1.10x
-    # at 1-2K tokens; the decode kernels' loops unchanged).
+    # 0 for a size k >= 0, in a form no compiler can see is 0, for _codebook: its xor constant is then
+    # zero + C, a loop-invariant register, and its mask and xor one LOP3 a weight ((x & M) ^ R) instead
+    # of two (on sm_90, M and C cannot both be immediates of one LOP3). The shift is inline PTX because
+    # LLVM folded a plain k >> 31 in the prefill kernels; the constant is zero + C, not zero | C, because
+    # ptxas splits an or back out. Triton 3.6, sm_90: prefill loops 10-12 % shorter, the decode kernels'
+    # as before; H200: MoE prefill 1.05-1.07x at 2048 tokens, 1.10x at 1024, 1.02-1.04x at 8192.
     if _COMPILED:
         z = tl.inline_asm_elementwise("shr.s32 $0, $1, 31;", "=r,r", [k], dtype=tl.int32, is_pure=True, pack=1)
     else:
@@ -726,7 +727,8 @@ PREFILL_ROWS = 16  # rows per program of the scaling kernel
 PREFILL_128_ROWS = 48
 PREFILL_256_ROWS = 160
 # The rotation at 4 sorted pairs a program and 1 warp: 0.95-0.99 ms against 1.48-1.52 at 16 pairs and 2 warps (H200,
-# 8192 tokens x top-8, D 4096, the same output bit for bit; 8 pairs 0.98 ms, 16 at 1 warp 1.17: `.whl/rot_check.py`)
+# 8192 tokens x top-8, D 4096, the same output bit for bit: `.whl/rot_check.py`; session 12: 8 pairs 0.98 ms, 16
+# pairs at 1 warp 1.17)
 PREFILL_ROTATE_ROWS = 4
 PREFILL_ROTATE_WARPS = 1
 
