@@ -844,13 +844,13 @@ DSA_ATTN_WARPS = 8  # 156 registers, no spill, for sm_90 at full size (ptxas, tr
 
 
 @triton.jit
-def _dot_bf16(a, b, TC: tl.constexpr):
-    # bf16 x bf16 -> fp32. TC: on tensor cores; else (the CPU interpreter, whose bf16 dot is wrong)
-    # as fp32, which gives the same exact products.
+def _dot_bf16(a, b, TC: tl.constexpr, acc=None):
+    # acc + bf16 x bf16 -> fp32. TC: on tensor cores; else (the CPU interpreter, whose bf16 dot is
+    # wrong) as fp32, which gives the same exact products.
     if TC:
-        return tl.dot(a, b)
+        return tl.dot(a, b, acc)
     else:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
 
 
 @triton.jit
@@ -864,25 +864,26 @@ def _split(a, B_DT: tl.constexpr):
 
 
 @triton.jit
-def _dot_pair(hi, lo, b, TC: tl.constexpr):
-    # (hi + lo) · b in fp32 for bf16 b (from `_split`); hi · b in fp32 otherwise.
+def _dot_pair(hi, lo, b, TC: tl.constexpr, acc=None):
+    # acc + (hi + lo) · b in fp32 for bf16 b (from `_split`); acc + hi · b in fp32 otherwise. The
+    # accumulator goes into the MMAs: added after them, it would be a second accumulator in registers.
     if b.dtype == tl.bfloat16:
-        return _dot_bf16(hi, b, TC) + _dot_bf16(lo, b, TC)
+        return _dot_bf16(lo, b, TC, _dot_bf16(hi, b, TC, acc))
     else:
-        return tl.dot(hi.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        return tl.dot(hi.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
 
 
 @triton.jit
-def _dot_f32(a, b, TC: tl.constexpr):
-    # a (fp32 or bf16) · b in fp32 (see the section comment).
+def _dot_f32(a, b, TC: tl.constexpr, acc=None):
+    # acc + a (fp32 or bf16) · b in fp32 (see the section comment).
     if a.dtype == b.dtype:
         if b.dtype == tl.bfloat16:
-            return _dot_bf16(a, b, TC)
+            return _dot_bf16(a, b, TC, acc)
         else:
-            return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     else:
         hi, lo = _split(a.to(tl.float32), b.dtype)
-        return _dot_pair(hi, lo, b, TC)
+        return _dot_pair(hi, lo, b, TC, acc)
 
 
 @triton.jit
@@ -1035,7 +1036,7 @@ def _online_softmax_step(q_hi, q_lo, lat, valid, scale, m, l, acc, TC: tl.conste
     m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
     p = tl.exp(s - m_safe[:, None])
     alpha = tl.exp(m - m_safe)
-    return m_new, l * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + _dot_f32(p, lat, TC)
+    return m_new, l * alpha + tl.sum(p, axis=1), _dot_f32(p, lat, TC, acc * alpha[:, None])
 
 
 @triton.jit
@@ -1228,10 +1229,19 @@ def head_matmul(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = Non
 # of selected latent rows twice (34 GB at 8192 rows, from L2: an 8K-32K context's latent is 8-32 MB).
 # The decode kernel reads them four times, with M = 16 heads and 16 positions a step.
 
+# The selection reaches the kernel as slots (`_dsa_prefill_slots`): per row, slot j -> the cache row of
+# its first position plus (its positions - 1), -1 for none; the picked pools in top-k order, then the
+# tail. The loop then only adds a member's offset, instead of dividing positions by the block size and
+# reading the table (H200, 2048 rows at 8K context: the sm_90 loop 1689 -> 1079 instructions).
+# Where the time goes (ncu, H200, 2048 rows at 8K context): 2 programs an SM (255 registers), L1 /
+# shared memory 65-74 % busy (each warp reads all of q̂'s pieces from shared memory every step: triton
+# gives both MMAs warpsPerCTA [1, 4]), stalls on those reads and on the score MMAs' chains. Measured
+# slower there: 64 heads a program on wgmma (8 warps: the score MMA runs twice, 7 KB spilled; 4 warps
+# with R split over two programs: 1.2x the time), 16 or 64 positions a step, 3 stages.
+
 # Launch settings from the H200 sweep (triton 3.6, `.whl/s3_dsa_prefill_time.py --sweep`, 8K-32K
-# contexts, 2048 and 8192 rows): 32 heads x 32 positions a step, 4 warps, 2 stages runs 85-91 TFLOP/s,
-# 5.0x the decode kernel on the same rows (21.1 vs 106.8 ms for 8192 rows at 8K); 8 warps 1.8-3.1x,
-# 16 heads at most 3.2x, 3 stages 7-25% slower than 2 at 4 warps.
+# contexts, 2048 and 8192 rows; session 14 kept them): 32 heads x 32 positions a step, 4 warps,
+# 2 stages; 8 warps 1.8-3.1x slower, 16 heads at most 3.2x, 3 stages 7-25% slower than 2 at 4 warps.
 DSA_PREFILL_HEADS = 32  # heads per program (M of the MMAs; see above why not more)
 DSA_PREFILL_BLOCK = 32  # selected positions per step
 DSA_PREFILL_WARPS = 4
@@ -1239,8 +1249,8 @@ DSA_PREFILL_STAGES = 2
 
 
 @triton.jit
-def _dsa_prefill_kernel(q_ptr, q_sn, q_sh, lat_ptr, table_ptr, picks_ptr, picks_stride, m_ptr, l_ptr, o_ptr, o_sn,
-                        o_sh, start, H, NT, bs, scale, R: tl.constexpr, KPOOL: tl.constexpr, TAIL: tl.constexpr,
+def _dsa_prefill_kernel(q_ptr, q_sn, q_sh, lat_ptr, slots_ptr, slots_stride, m_ptr, l_ptr, o_ptr, o_sn, o_sh,
+                        start, H, NT, scale, R: tl.constexpr, KPOOL: tl.constexpr, TAIL: tl.constexpr,
                         BH: tl.constexpr, BK: tl.constexpr, ONE: tl.constexpr, TC: tl.constexpr):
     row = tl.program_id(0)
     h = tl.program_id(1) * BH + tl.arange(0, BH)
@@ -1250,29 +1260,21 @@ def _dsa_prefill_kernel(q_ptr, q_sn, q_sh, lat_ptr, table_ptr, picks_ptr, picks_
     q_hi, q_lo = _split(q, lat_ptr.dtype.element_ty)
     pos = start + row
     n_cand = (pos + 1) // KPOOL
-    # The row's selection as slots k = 0..n_sel-1. A row with more complete pools than NT: member
-    # k % KPOOL of its pick k // KPOOL (picks[row] = the picked pools' cache rows, -1 for one not
-    # complete at pos: skipped), then the tail from slot NT·KPOOL on. Otherwise every complete pool,
-    # then the tail: positions 0.. in order. Each latent row's address waits for one load (of picks
-    # or of the table), not two in a row.
-    many = n_cand > NT
-    n_sel = tl.where(many, NT, n_cand) * KPOOL
+    n_slots = tl.minimum(n_cand, NT)
     if TAIL:
-        n_sel += pos + 1 - n_cand * KPOOL
-    tiles = tl.cdiv(n_sel, BK)
+        n_slots += (pos + 1 - n_cand * KPOOL) > 0
+    tiles = tl.cdiv(n_slots * KPOOL, BK)
     per_split = tl.cdiv(tiles, tl.num_programs(2))
     m = tl.full([BH], -float("inf"), tl.float32)
     l = tl.zeros([BH], dtype=tl.float32)
     acc = tl.zeros([BH, R], dtype=tl.float32)
     k0 = tl.arange(0, BK)
     for tile in range(split * per_split, tl.minimum((split + 1) * per_split, tiles)):
-        k = tile * BK + k0
-        picked = k < tl.where(many, NT * KPOOL, 0)
-        pick = tl.load(picks_ptr + row * picks_stride + k // KPOOL, mask=picked, other=-1)
-        t = tl.where(many, k + (n_cand - NT) * KPOOL, k)  # the position of a slot that is not a pick
-        blk = tl.load(table_ptr + t // bs, mask=~picked & (k < n_sel), other=0)
-        valid = (k < n_sel) & ((pick >= 0) | ~picked)
-        lat_row = tl.where(picked, pick * KPOOL + k % KPOOL, blk * bs + t % bs)
+        k = tile * BK + k0  # position slot: member k % KPOOL of slot k // KPOOL
+        slot = tl.load(slots_ptr + row * slots_stride + k // KPOOL)
+        member = k % KPOOL
+        valid = (slot >= 0) & (member <= slot % KPOOL)
+        lat_row = slot - slot % KPOOL + member
         lat = tl.load(lat_ptr + lat_row[:, None] * R + r[None, :], mask=valid[:, None], other=0.0)
         m, l, acc = _online_softmax_step(q_hi, q_lo, lat, valid, scale, m, l, acc, TC)
     if ONE:
@@ -1282,6 +1284,33 @@ def _dsa_prefill_kernel(q_ptr, q_sn, q_sh, lat_ptr, table_ptr, picks_ptr, picks_
         tl.store(m_ptr + part, m, mask=h < H)
         tl.store(l_ptr + part, l, mask=h < H)
         tl.store(o_ptr + part[:, None] * R + r[None, :], acc, mask=h[:, None] < H)
+
+
+def _dsa_prefill_slots(top: torch.Tensor | None, table: torch.Tensor, start: int, n: int, NT: int, bs: int,
+                       kpool: int, select_tail: bool) -> torch.Tensor:
+    # [n, W] int32 (W: NT + 1 slots rounded up to whole steps, -1 past the row's last): per row, the
+    # cache row of each selected pool's first position + kpool - 1, then the tail's first + (its
+    # positions - 1). A row with more complete pools than NT takes its picks in top-k order (a pick
+    # not complete at the row: -1), otherwise every complete pool in order.
+    dev = table.device
+    pos = torch.arange(start, start + n, device=dev)[:, None]
+    n_cand = (pos + 1) // kpool
+    n_pools = n_cand.clamp(max=NT)
+    per_step = DSA_PREFILL_BLOCK // kpool
+    W = triton.cdiv(NT + 1, per_step) * per_step
+    j = torch.arange(W, device=dev)[None, :]
+    pool = j.expand(n, W)
+    if top is not None:
+        pool = torch.where(n_cand > NT, torch.nn.functional.pad(top.to(pool.dtype), (0, W - NT), value=-1), pool)
+    ok = (pool >= 0) & (pool < n_cand) & (j < n_pools)
+    first = torch.where(ok, pool, 0) * kpool
+    slots = torch.where(ok, table[first // bs].to(torch.int64) * bs + first % bs + (kpool - 1), -1)
+    if select_tail:
+        count = pos + 1 - n_cand * kpool
+        first = torch.where(count > 0, n_cand * kpool, 0)  # an empty tail may start past the table
+        tail = table[first // bs].to(torch.int64) * bs + first % bs + count - 1
+        slots = torch.where((j == n_pools) & (count > 0), tail, slots)
+    return slots.to(torch.int32)
 
 
 def dsa_prefill_attention(q_hat: torch.Tensor, latent: torch.Tensor, table: torch.Tensor, start: int,
@@ -1307,22 +1336,18 @@ def dsa_prefill_attention(q_hat: torch.Tensor, latent: torch.Tensor, table: torc
     if bs % kpool or start < 0 or start + n > table.shape[0] * bs:
         raise ValueError(f"dsa_prefill_attention: positions {start}..{start + n - 1} do not fit a table of "
                          f"{table.shape[0]} blocks of {bs} (a multiple of kpool {kpool})")
-    ppb = bs // kpool
     if top is None:
-        NT, picks = table.shape[0] * ppb, table  # every row has at most NT candidates: picks is not read
+        NT = table.shape[0] * (bs // kpool)  # every row has at most NT candidates
     elif top.dim() != 2 or top.shape[0] != n:
         raise ValueError(f"dsa_prefill_attention: top must be [{n}, NT], got {tuple(top.shape)}")
     else:
         NT = top.shape[1]
-        # the picked pools' rows of the cache (blocks of ppb pools), -1 for a pool not complete at the row
-        n_cand = (torch.arange(start + 1, start + n + 1, device=top.device) // kpool)[:, None]
-        pool = torch.where(top < n_cand, top, 0)
-        picks = torch.where(top < n_cand, table[pool // ppb] * ppb + pool % ppb, -1).contiguous()
+    slots = _dsa_prefill_slots(top, table, start, n, NT, bs, kpool, select_tail)
     BH = min(DSA_PREFILL_HEADS, max(16, triton.next_power_of_2(H)))  # tl.dot needs >= 16 rows
     head_blocks = triton.cdiv(H, BH)
     if splits is None:
         programs = torch.cuda.get_device_properties(q_hat.device).multi_processor_count if q_hat.is_cuda else 2
-        tiles = triton.cdiv((min(NT, table.shape[0] * ppb) + select_tail) * kpool, DSA_PREFILL_BLOCK)
+        tiles = triton.cdiv((min(NT, table.shape[0] * (bs // kpool)) + select_tail) * kpool, DSA_PREFILL_BLOCK)
         splits = max(1, min(tiles, programs // (n * head_blocks)))
     o = torch.empty_like(q_hat)
     one = splits == 1
@@ -1334,8 +1359,8 @@ def dsa_prefill_attention(q_hat: torch.Tensor, latent: torch.Tensor, table: torc
         acc = torch.empty(n, splits, H, R, dtype=torch.float32, device=q_hat.device)
     out = o if one else acc
     _dsa_prefill_kernel[(n, head_blocks, splits)](
-        q_hat, q_hat.stride(0), q_hat.stride(1), latent, table, picks, picks.stride(0), m, l, out, out.stride(0),
-        out.stride(1), start, H, NT, bs, scale, R=R, KPOOL=kpool, TAIL=bool(select_tail), BH=BH,
+        q_hat, q_hat.stride(0), q_hat.stride(1), latent, slots, slots.stride(0), m, l, out, out.stride(0),
+        out.stride(1), start, H, NT, scale, R=R, KPOOL=kpool, TAIL=bool(select_tail), BH=BH,
         BK=DSA_PREFILL_BLOCK, ONE=one, TC=q_hat.is_cuda, num_warps=DSA_PREFILL_WARPS,
         num_stages=DSA_PREFILL_STAGES)
     if not one:

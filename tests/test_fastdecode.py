@@ -386,6 +386,7 @@ def test_dsa_prefill_attention_matches_sparse_attention(dtype):
     both(start, n, top, False, splits=3)
     both(27, 7, None, True, splits=2)
     both(0, 3, None, True)  # the tail alone
+    both(42, 14, None, True)  # the last row's tail is empty and would start past the table
 
 
 def test_dsa_prefill_attention_names_bad_operands():
