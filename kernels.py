@@ -1229,7 +1229,7 @@ def head_matmul(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = Non
 # of selected latent rows twice (34 GB at 8192 rows, from L2: an 8K-32K context's latent is 8-32 MB).
 # The decode kernel reads them four times, with M = 16 heads and 16 positions a step.
 
-# The selection reaches the kernel as slots (`_dsa_prefill_slots`): per row, slot j -> the cache row of
+# The selection reaches the kernel as slots (`_dsa_prefill_slots_kernel`): per row, slot j -> the cache row of
 # its first position plus (its positions - 1), -1 for none; the picked pools in top-k order, then the
 # tail. The loop then only adds a member's offset, instead of dividing positions by the block size and
 # reading the table (H200, 2048 rows at 8K context: the sm_90 loop 1689 -> 1079 instructions).
@@ -1286,31 +1286,30 @@ def _dsa_prefill_kernel(q_ptr, q_sn, q_sh, lat_ptr, slots_ptr, slots_stride, m_p
         tl.store(o_ptr + part[:, None] * R + r[None, :], acc, mask=h[:, None] < H)
 
 
-def _dsa_prefill_slots(top: torch.Tensor | None, table: torch.Tensor, start: int, n: int, NT: int, bs: int,
-                       kpool: int, select_tail: bool) -> torch.Tensor:
-    # [n, W] int32 (W: NT + 1 slots rounded up to whole steps, -1 past the row's last): per row, the
-    # cache row of each selected pool's first position + kpool - 1, then the tail's first + (its
-    # positions - 1). A row with more complete pools than NT takes its picks in top-k order (a pick
-    # not complete at the row: -1), otherwise every complete pool in order.
-    dev = table.device
-    pos = torch.arange(start, start + n, device=dev)[:, None]
-    n_cand = (pos + 1) // kpool
-    n_pools = n_cand.clamp(max=NT)
-    per_step = DSA_PREFILL_BLOCK // kpool
-    W = triton.cdiv(NT + 1, per_step) * per_step
-    j = torch.arange(W, device=dev)[None, :]
-    pool = j.expand(n, W)
-    if top is not None:
-        pool = torch.where(n_cand > NT, torch.nn.functional.pad(top.to(pool.dtype), (0, W - NT), value=-1), pool)
-    ok = (pool >= 0) & (pool < n_cand) & (j < n_pools)
-    first = torch.where(ok, pool, 0) * kpool
-    slots = torch.where(ok, table[first // bs].to(torch.int64) * bs + first % bs + (kpool - 1), -1)
-    if select_tail:
-        count = pos + 1 - n_cand * kpool
-        first = torch.where(count > 0, n_cand * kpool, 0)  # an empty tail may start past the table
-        tail = table[first // bs].to(torch.int64) * bs + first % bs + count - 1
-        slots = torch.where((j == n_pools) & (count > 0), tail, slots)
-    return slots.to(torch.int32)
+@triton.jit
+def _dsa_prefill_slots_kernel(top_ptr, top_stride, table_ptr, slots_ptr, W, start, NT, bs, KPOOL: tl.constexpr,
+                              TAIL: tl.constexpr, HAS_TOP: tl.constexpr, BW: tl.constexpr):
+    # One row's slots (see the section comment): a row with more complete pools than NT takes its
+    # picks in top-k order (a pick not complete at the row: -1), otherwise every complete pool in
+    # order; then the tail; -1 past the row's last slot.
+    row = tl.program_id(0)
+    pos = start + row
+    n_cand = (pos + 1) // KPOOL
+    n_pools = tl.minimum(n_cand, NT)
+    count = pos + 1 - n_cand * KPOOL  # the tail's positions, from n_cand * KPOOL on (maybe past the table)
+    tail_row = tl.load(table_ptr + n_cand * KPOOL // bs, mask=count > 0, other=0) * bs + n_cand * KPOOL % bs
+    for j0 in range(0, W, BW):
+        j = j0 + tl.arange(0, BW)
+        pool = j
+        if HAS_TOP:
+            pool = tl.where(n_cand > NT, tl.load(top_ptr + row * top_stride + j, mask=j < NT, other=-1), j)
+        ok = (pool >= 0) & (pool < n_cand) & (j < n_pools)
+        first = pool * KPOOL
+        slot = tl.load(table_ptr + first // bs, mask=ok, other=0) * bs + first % bs + (KPOOL - 1)
+        slot = tl.where(ok, slot, -1)
+        if TAIL:
+            slot = tl.where((j == n_pools) & (count > 0), tail_row + count - 1, slot)
+        tl.store(slots_ptr + row * W + j, slot.to(tl.int32), mask=j < W)
 
 
 def dsa_prefill_attention(q_hat: torch.Tensor, latent: torch.Tensor, table: torch.Tensor, start: int,
@@ -1342,7 +1341,12 @@ def dsa_prefill_attention(q_hat: torch.Tensor, latent: torch.Tensor, table: torc
         raise ValueError(f"dsa_prefill_attention: top must be [{n}, NT], got {tuple(top.shape)}")
     else:
         NT = top.shape[1]
-    slots = _dsa_prefill_slots(top, table, start, n, NT, bs, kpool, select_tail)
+    per_step = DSA_PREFILL_BLOCK // kpool
+    W = triton.cdiv(NT + 1, per_step) * per_step  # NT picks and the tail, in whole steps
+    slots = torch.empty(n, W, dtype=torch.int32, device=q_hat.device)
+    _dsa_prefill_slots_kernel[(n,)](table if top is None else top, 0 if top is None else top.stride(0), table, slots,
+                                    W, start, NT, bs, KPOOL=kpool, TAIL=bool(select_tail), HAS_TOP=top is not None,
+                                    BW=min(256, triton.next_power_of_2(W)))
     BH = min(DSA_PREFILL_HEADS, max(16, triton.next_power_of_2(H)))  # tl.dot needs >= 16 rows
     head_blocks = triton.cdiv(H, BH)
     if splits is None:

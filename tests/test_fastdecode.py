@@ -389,6 +389,39 @@ def test_dsa_prefill_attention_matches_sparse_attention(dtype):
     both(42, 14, None, True)  # the last row's tail is empty and would start past the table
 
 
+def test_dsa_prefill_slots_kernel_writes_each_rows_selection_and_nothing_past_it():
+    """The slots dsa_prefill_attention's kernel walks (cache row of a selected pool's first position +
+    its positions - 1, -1 for none), against the selection stated plainly: rows with more complete
+    pools than NT take their top-k picks in order (a pick not complete at the row: -1), the others
+    every complete pool, then the tail. NT 300 makes a row's slots (304) longer than one block of
+    the kernel (256): nothing may land past the last row."""
+    g = torch.Generator().manual_seed(9)
+    bs, kpool, NT, width = 16, 4, 300, 90
+    table = torch.randperm(120, generator=g)[:width]
+    pools = width * bs // kpool
+    start, n = 1199, 8  # 300..301 complete pools: both kinds of row, tails of 0..3 positions
+    positions = torch.arange(start, start + n)
+    top = torch.stack([torch.randperm(pools, generator=g)[:NT] for _ in range(n)])
+    W = kernels.triton.cdiv(NT + 1, kernels.DSA_PREFILL_BLOCK // kpool) * (kernels.DSA_PREFILL_BLOCK // kpool)
+    want = torch.full((n, W), -1, dtype=torch.int32)
+    for i, pos in enumerate(positions.tolist()):
+        n_cand = (pos + 1) // kpool
+        picked = top[i].tolist() if n_cand > NT else list(range(n_cand))
+        for j, p in enumerate(picked):
+            if p < n_cand:
+                want[i, j] = table[p * kpool // bs] * bs + p * kpool % bs + kpool - 1
+        if pos + 1 > n_cand * kpool:
+            t = n_cand * kpool
+            want[i, len(picked)] = table[t // bs] * bs + t % bs + pos - t
+    assert (want[:, 256:] >= 0).any() and (want[4:, :NT] == -1).any()  # slots past one block; -1 picks
+    guard = 300
+    out = torch.full((n * W + guard,), -7, dtype=torch.int32, device=DEVICE)
+    kernels._dsa_prefill_slots_kernel[(n,)](top.to(DEVICE), top.stride(0), table.to(DEVICE), out, W, start, NT, bs,
+                                            KPOOL=kpool, TAIL=True, HAS_TOP=True, BW=256)
+    assert torch.equal(out[:n * W].view(n, W).cpu(), want)
+    assert (out[n * W:] == -7).all()
+
+
 def test_dsa_prefill_attention_names_bad_operands():
     latent = torch.zeros(4, 8, 32, device=DEVICE)
     table = torch.arange(2, device=DEVICE)
