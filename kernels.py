@@ -1229,16 +1229,16 @@ def head_matmul(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = Non
 # of selected latent rows twice (34 GB at 8192 rows, from L2: an 8K-32K context's latent is 8-32 MB).
 # The decode kernel reads them four times, with M = 16 heads and 16 positions a step.
 
-# The selection reaches the kernel as slots (`_dsa_prefill_slots_kernel`): per row, slot j -> the
-# cache row of its first position plus (its positions - 1), -1 for none (a first row is a multiple of
-# kpool, as bs is); the picked pools in top-k order, then the tail. The loop then only adds a
-# member's offset, instead of dividing positions by the block size and reading the table (sm_90 AOT:
-# the loop 1689 -> 1172 instructions, spills 308 -> 8 B). Where the time goes (ncu, H200, 2048 rows at 8K context): 2 programs an SM (255 registers),
-# L1 / shared memory 65-74 % busy (each warp reads all of q̂'s pieces from shared memory every step:
-# triton gives both MMAs warpsPerCTA [1, 4]), stalls on those reads and on the score MMAs' chains.
-# Slower there (session 14): 16 or 64 positions a step (1.4-1.7x the time), 64 heads a program on
-# wgmma with R split over two programs (4 warps: 1.2x). At 8 warps triton runs the score MMA twice
-# (warpsPerCTA [8, 1] for 64 rows) and spills 7 KB (AOT, not run).
+# The selection reaches the kernel as slots (`_dsa_prefill_slots_kernel`): per row, slot j -> the cache
+# row of its first position plus (its positions - 1), -1 for none (a first row is a multiple of kpool, as
+# bs is); the picked pools in top-k order, then the tail. The loop then only adds a member's offset,
+# instead of dividing positions by the block size and reading the table (sm_90 AOT: the loop 1689 -> 1172
+# instructions, spills 308 -> 8 B). Where the time goes (ncu, H200, 2048 rows at 8K context): 2 programs
+# an SM (255 registers), L1 / shared memory 65-74 % busy (each warp reads all of q̂'s pieces from shared
+# memory every step: triton gives both MMAs warpsPerCTA [1, 4]), stalls on those reads and on the score
+# MMAs' chains. Slower there (session 14): 16 or 64 positions a step (1.4-1.7x the time), 64 heads a
+# program on wgmma with R split over two programs (4 warps: 1.2x). At 8 warps triton runs the score MMA
+# twice (warpsPerCTA [8, 1] for 64 rows) and spills 7 KB (AOT, not run).
 
 # Launch settings from the H200 sweep (triton 3.6, `.whl/s3_dsa_prefill_time.py --sweep`, 8K-32K
 # contexts, 2048 and 8192 rows; session 14 kept them): 32 heads x 32 positions a step, 4 warps,
