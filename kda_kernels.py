@@ -117,7 +117,7 @@ def _kda_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slots_ptr,
 def kda_chunk_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                       beta: torch.Tensor, initial_state: torch.Tensor | None = None, chunk: int = 64,
                       block: int | None = None, block_v: int = 32, num_warps: int = 4,
-                      num_stages: int = 1, precision: str = DOT_PRECISION
+                      num_stages: int = 2, precision: str = DOT_PRECISION
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """A whole sequence: q, k, g [T, H, d_k], v [T, H, d_v], beta [T, H] (twin: `model_glm.kda_recurrent`
     over the T tokens from `initial_state`, zeros if None). Returns (o [T, H, d_v] in q's dtype, final
@@ -204,14 +204,14 @@ def chunk_factors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
 
 
 def chunk_states(f: ChunkFactors, initial_state: torch.Tensor | None, block_v: int = 32,
-                 num_warps: int = 4, num_stages: int = 1, precision: str = DOT_PRECISION) -> torch.Tensor:
+                 num_warps: int = 4, num_stages: int = 2, precision: str = DOT_PRECISION) -> torch.Tensor:
     """States [n_chunks + 1, H, d_k, d_v] fp32: entry c is the state before chunk c, the last one
     the final state. Overwrites f.u with U'.
 
-    The default tiles keep every program resident at once; a 2-stage pipeline needs 172 KB (BV = 32),
-    one program per SM, two waves. sm_90 AOT (triton 3.6, d = 128, BV 32, 4 warps, pointers and sizes
-    specialized as the JIT does): 255 registers and 728-744 B of stack, ~220 spill loads and stores in
-    the chunk loop; an earlier build took 234 registers, none."""
+    The default tiles keep every program resident at once (d = 128, H = 64: 256 programs, two an SM:
+    193 registers and 90 KB of shared memory each with the next chunk's loads in flight, sm_90 AOT).
+    H200, T 8192 (`.whl/s15_kda2.py`): 1.00 ms at 2 stages, 1.12 at 1; 64-value tiles 1.26-1.31,
+    8 warps 2.49."""
     rows, H, dk = f.w.shape
     dv = f.u.shape[-1]
     n_chunks = rows // f.chunk
