@@ -265,15 +265,17 @@ def _kda_chunk_intra_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, gamma_ptr, a_ptr, tm_
                             H: tl.constexpr, DK: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
                             BKD: tl.constexpr, DOT: tl.constexpr):
     """One (chunk, head): Γ (the chunk's cumulative sum of g), then Aqk and Tm = (I - A)^{-1},
-    BC x BC blocks at a time. Row block R:
+    BC x BC blocks at a time (BT = BC · NC, NC = 1, 2 or 4). Row block R:
 
         Tm_RR = (I - A_RR)^{-1},   Tm_RQ = Tm_RR Σ_{Q<=P<R} A_RP Tm_PQ   (Q < R)
 
-    A's blocks go through a_ptr and Tm's through tm_ptr, both [rows, H, BT] and read back by the
-    same program after a barrier (a few KB, cache-resident), so no register holds a whole
-    chunk's matrix.
-    A_R,<=R (and Aqk's) is a product of two factors decayed to block R's first row: exponents <= 0
-    before the block, at most (BC - 1) · |g| < 88 inside it for g > GATE_FLOOR.
+    The blocks A_RP and Aqk_RP (P <= R) are products over the key channels of block R's rows and
+    block P's keys, both decayed to block R's first row: exponents <= 0 on R's side and on P's for
+    P < R, at most (BC - 1) · |g| < 88 for P = R, finite for g > GATE_FLOOR. One pass over the
+    channels, BKD at a time, loads each block's k, q and Γ once and keeps the pairs' products in
+    registers (`_intra_pair`); A and Tm then go through a_ptr and tm_ptr, both [rows, H, BT], and are
+    read back by the same program after a barrier (a few KB, cache-resident), so no register holds
+    a whole chunk's matrix.
     """
     c = tl.program_id(0)
     h = tl.program_id(1)
@@ -290,42 +292,49 @@ def _kda_chunk_intra_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, gamma_ptr, a_ptr, tm_
         g = tl.load(g_ptr + col, mask=valid_c[:, None], other=0.0).to(tl.float32)
         tl.store(gamma_ptr + col, tl.cumsum(g, axis=0))
     tl.debug_barrier()  # Γ is read below across rows written by other threads
+    z = tl.zeros([BC, BC], dtype=tl.float32)
+    kk00, qk00, kk10, qk10, kk11, qk11 = z, z, z, z, z, z
+    kk20, qk20, kk21, qk21, kk22, qk22 = z, z, z, z, z, z
+    kk30, qk30, kk31, qk31, kk32, qk32, kk33, qk33 = z, z, z, z, z, z, z, z
+    for i0 in range(0, DK, BKD):
+        k0, q0, g0, r0 = _intra_rows(q_ptr, k_ptr, gamma_ptr, chunk0, h, i0, T, H, DK, BC, BKD)
+        kk00, qk00 = _intra_pair(kk00, qk00, k0, q0, g0, r0, k0, g0, DOT)
+        if NC > 1:
+            k1, q1, g1, r1 = _intra_rows(q_ptr, k_ptr, gamma_ptr, chunk0 + BC, h, i0, T, H, DK, BC, BKD)
+            kk10, qk10 = _intra_pair(kk10, qk10, k1, q1, g1, r1, k0, g0, DOT)
+            kk11, qk11 = _intra_pair(kk11, qk11, k1, q1, g1, r1, k1, g1, DOT)
+        if NC > 2:
+            k2, q2, g2, r2 = _intra_rows(q_ptr, k_ptr, gamma_ptr, chunk0 + 2 * BC, h, i0, T, H, DK, BC, BKD)
+            kk20, qk20 = _intra_pair(kk20, qk20, k2, q2, g2, r2, k0, g0, DOT)
+            kk21, qk21 = _intra_pair(kk21, qk21, k2, q2, g2, r2, k1, g1, DOT)
+            kk22, qk22 = _intra_pair(kk22, qk22, k2, q2, g2, r2, k2, g2, DOT)
+            k3, q3, g3, r3 = _intra_rows(q_ptr, k_ptr, gamma_ptr, chunk0 + 3 * BC, h, i0, T, H, DK, BC, BKD)
+            kk30, qk30 = _intra_pair(kk30, qk30, k3, q3, g3, r3, k0, g0, DOT)
+            kk31, qk31 = _intra_pair(kk31, qk31, k3, q3, g3, r3, k1, g1, DOT)
+            kk32, qk32 = _intra_pair(kk32, qk32, k3, q3, g3, r3, k2, g2, DOT)
+            kk33, qk33 = _intra_pair(kk33, qk33, k3, q3, g3, r3, k3, g3, DOT)
+    # Aqk on and below the diagonal, zeros above; A = -β K K^T strictly below it.
+    _intra_store(kk00, qk00, 0, 0, chunk0, h, beta_ptr, a_ptr, aqk_ptr, T, H, BT, BC)
+    if NC > 1:
+        _intra_store(kk10, qk10, 1, 0, chunk0, h, beta_ptr, a_ptr, aqk_ptr, T, H, BT, BC)
+        _intra_store(kk11, qk11, 1, 1, chunk0, h, beta_ptr, a_ptr, aqk_ptr, T, H, BT, BC)
+    if NC > 2:
+        _intra_store(kk20, qk20, 2, 0, chunk0, h, beta_ptr, a_ptr, aqk_ptr, T, H, BT, BC)
+        _intra_store(kk21, qk21, 2, 1, chunk0, h, beta_ptr, a_ptr, aqk_ptr, T, H, BT, BC)
+        _intra_store(kk22, qk22, 2, 2, chunk0, h, beta_ptr, a_ptr, aqk_ptr, T, H, BT, BC)
+        _intra_store(kk30, qk30, 3, 0, chunk0, h, beta_ptr, a_ptr, aqk_ptr, T, H, BT, BC)
+        _intra_store(kk31, qk31, 3, 1, chunk0, h, beta_ptr, a_ptr, aqk_ptr, T, H, BT, BC)
+        _intra_store(kk32, qk32, 3, 2, chunk0, h, beta_ptr, a_ptr, aqk_ptr, T, H, BT, BC)
+        _intra_store(kk33, qk33, 3, 3, chunk0, h, beta_ptr, a_ptr, aqk_ptr, T, H, BT, BC)
+    tl.debug_barrier()  # A's blocks, written by other threads; such read-backs go through L2 (.cg)
     for R in range(NC):
-        rows = (chunk0 + R * BC + rc).to(tl.int64)
-        valid = rows < T
-        bx = tl.load(beta_ptr + rows * H + h, mask=valid, other=0.0).to(tl.float32)
-        block_rows = (rows[:, None] * H + h) * BT  # row offsets into aqk, a and tm
-        # Row block R against every column up to its own block (P <= R) at once: [BC, BT] products
-        # over the key dim, BKD channels at a time, both factors decayed to row R·BC. Columns before
-        # the block have exponents <= 0; the block's own columns s have Γ_ref - Γ_s <= 15 · |g|, finite
-        # for g > GATE_FLOOR (the pairs s > r they also give are not stored). Later columns are
-        # masked to zero before exponentiating.
-        ref = ((chunk0 + R * BC).to(tl.int64) * H + h) * DK
-        upto = it < R * BC + BC
-        kk = tl.zeros([BC, BT], dtype=tl.float32)
-        qk = tl.zeros([BC, BT], dtype=tl.float32)
-        for i0 in range(0, DK, BKD):
-            col_r = (rows[:, None] * H + h) * DK + i0 + id_[None, :]
-            col_s = (rows_c[:, None] * H + h) * DK + i0 + id_[None, :]
-            gamma_ref = tl.load(gamma_ptr + ref + i0 + id_)[None, :]
-            to_ref = tl.exp(tl.load(gamma_ptr + col_r) - gamma_ref)
-            from_ref = tl.exp(tl.where(upto[:, None], gamma_ref - tl.load(gamma_ptr + col_s), float("-inf")))
-            k_r = tl.load(k_ptr + col_r, mask=valid[:, None], other=0.0).to(tl.float32) * to_ref
-            q_r = tl.load(q_ptr + col_r, mask=valid[:, None], other=0.0).to(tl.float32) * to_ref
-            k_s = tl.load(k_ptr + col_s, mask=valid_c[:, None], other=0.0).to(tl.float32) * from_ref
-            kk = _dot(k_r, tl.trans(k_s), kk, DOT)
-            qk = _dot(q_r, tl.trans(k_s), qk, DOT)
-        # Aqk on and below the diagonal, zeros above; A strictly below it (the block's own A_RR too).
-        diag = (R * BC + rc)[:, None]
-        tl.store(aqk_ptr + block_rows + it[None, :], tl.where(it[None, :] <= diag, qk, 0.0))
-        tl.store(a_ptr + block_rows + it[None, :], -bx[:, None] * kk, mask=it[None, :] < diag)
-        tl.debug_barrier()  # A_RR, written by other threads; such read-backs go through L2 (.cg)
+        block_rows = ((chunk0 + R * BC + rc).to(tl.int64)[:, None] * H + h) * BT  # row offsets into a and tm
         a_rr = tl.load(a_ptr + block_rows + R * BC + rc[None, :], mask=lower, other=0.0, cache_modifier=".cg")
         tm_rr = _unit_lower_inverse(a_rr, BC)
         tl.store(tm_ptr + block_rows + it[None, :], tl.zeros([BC, BT], dtype=tl.float32),
                  mask=(it >= R * BC + BC)[None, :])
         tl.store(tm_ptr + block_rows + R * BC + rc[None, :], tm_rr)
-        tl.debug_barrier()  # A_RP and the Tm rows before block R, written by other threads
+        tl.debug_barrier()  # the Tm rows before block R, written by other threads
         for Q in range(R):
             acc = tl.zeros([BC, BC], dtype=tl.float32)
             for P in range(Q, R):
@@ -336,6 +345,49 @@ def _kda_chunk_intra_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, gamma_ptr, a_ptr, tm_
                 acc = _dot(a_rp, tm_pq, acc, DOT)
             tl.store(tm_ptr + block_rows + Q * BC + rc[None, :], _dot(tm_rr, acc, None, DOT))
         tl.debug_barrier()
+
+
+@triton.jit
+def _intra_rows(q_ptr, k_ptr, gamma_ptr, row0, h, i0, T, H: tl.constexpr, DK: tl.constexpr, BC: tl.constexpr,
+                BKD: tl.constexpr):
+    """The BC rows from row0, key channels i0..i0+BKD: k, q (zero past T), Γ, and Γ of the first row."""
+    rows = (row0 + tl.arange(0, BC)).to(tl.int64)
+    cols = i0 + tl.arange(0, BKD)
+    off = (rows[:, None] * H + h) * DK + cols[None, :]
+    valid = (rows < T)[:, None]
+    k = tl.load(k_ptr + off, mask=valid, other=0.0).to(tl.float32)
+    q = tl.load(q_ptr + off, mask=valid, other=0.0).to(tl.float32)
+    first = tl.load(gamma_ptr + (tl.cast(row0, tl.int64) * H + h) * DK + cols)
+    return k, q, tl.load(gamma_ptr + off), first
+
+
+@triton.jit
+def _intra_pair(kk, qk, k_r, q_r, g_r, first_r, k_p, g_p, DOT: tl.constexpr):
+    """kk += (K_R ⊙ exp(Γ_R - Γ_first)) (K_P ⊙ exp(Γ_first - Γ_P))^T and qk the same with Q_R, for one
+    BKD-channel slice: block R's rows against block P's keys, both decayed to R's first row."""
+    to_first = tl.exp(g_r - first_r[None, :])
+    keys = tl.trans(k_p * tl.exp(first_r[None, :] - g_p))
+    return _dot(k_r * to_first, keys, kk, DOT), _dot(q_r * to_first, keys, qk, DOT)
+
+
+@triton.jit
+def _intra_store(kk, qk, R: tl.constexpr, P: tl.constexpr, chunk0, h, beta_ptr, a_ptr, aqk_ptr, T,
+                 H: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    """Block (R, P) of Aqk (on and below the diagonal) and of A = -β K K^T (strictly below); for the
+    diagonal block also Aqk's zeros right of it."""
+    rc = tl.arange(0, BC)
+    rows = (chunk0 + R * BC + rc).to(tl.int64)
+    block = (rows[:, None] * H + h) * BT + P * BC + rc[None, :]
+    beta = tl.load(beta_ptr + rows * H + h, mask=rows < T, other=0.0).to(tl.float32)
+    if R == P:
+        tl.store(aqk_ptr + block, tl.where(rc[None, :] <= rc[:, None], qk, 0.0))
+        tl.store(a_ptr + block, -beta[:, None] * kk, mask=rc[None, :] < rc[:, None])
+        it = tl.arange(0, BT)
+        tl.store(aqk_ptr + (rows[:, None] * H + h) * BT + it[None, :], tl.zeros([BC, BT], dtype=tl.float32),
+                 mask=(it >= P * BC + BC)[None, :])
+    else:
+        tl.store(aqk_ptr + block, qk)
+        tl.store(a_ptr + block, -beta[:, None] * kk)
 
 
 @triton.jit
