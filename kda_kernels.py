@@ -10,8 +10,9 @@ the decode step's KDA glue (fastdecode.py): `kda_decode_inputs` (short conv, SiL
 one token, §4.3.2-5; the prefill's `kda_chunk_inputs` for the rows of one sequence's chunk) and
 `kda_output_gate` (§4.3.8's norm and gate).
 
-Like kernels.py, this file imports neither exl3.py nor model_glm.py (they sit above it); it takes three
-small helpers from kernels.py (the bf16 rounding, the power-of-two check and the strided-rows check).
+Like kernels.py, this file imports neither exl3.py nor model_glm.py (they sit above it); it takes four
+small helpers from kernels.py (the bf16 rounding, the power-of-two check, the strided-rows check and
+the split TF32 product).
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import _cast, _check_pow2, _rows
+from kernels import _cast, _check_pow2, _dot_tf32x3, _rows
 
 # ================================================================ KDA recurrence
 # Per head h the state S[h] is fp32 [d_k, d_v], indexed [key i, value j]. One token:
@@ -35,13 +36,14 @@ from kernels import _cast, _check_pow2, _rows
 # `kda_recurrent_step` runs that for one token of B sequences against a state pool (decode);
 # `kda_chunk_prefill` runs a whole sequence in the chunked WY form (§4.3.7).
 #
-# Matrix products inside the prefill kernels use `tl.dot` with DOT_PRECISION = "tf32x3": each fp32
-# operand goes to the tensor cores as a TF32 hi part plus a TF32 remainder (three products), near
-# fp32; everything else (the carried state, Γ, the solve of the 16-row diagonal blocks) is fp32.
+# Matrix products inside the prefill kernels go through `_dot` at DOT_PRECISION = "tf32x3": each fp32
+# operand goes to the tensor cores as a TF32 hi part plus a TF32 remainder (three products, split by
+# hand in `kernels._dot_tf32x3`), near fp32; everything else (the carried state, Γ, the solve of the 16-row diagonal blocks) is fp32.
 # `bench.py kda precision`, H200, T = 8192, one layer: "tf32" 9.2 ms at 1.5e-3 relative error of o,
 # "tf32x3" 11.3 ms at 1.5e-6, "ieee" (fp32 FMA) 16.3 ms at 1.5e-6. With "tf32" the fast prefill of
 # the trained default model (bf16) was 5.9e-3 nats of KL from the reference; with "tf32x3" 5.5e-4,
-# the size of that model's own move for a 1-ulp change of its input (5.4e-4).
+# the size of that model's own move for a 1-ulp change of its input (5.4e-4). (Those timings predate
+# the split by hand and the kernels' later forms: `.whl/s15_kda2.py`, T 8192, 4.1 ms at 2.4e-6.)
 # Under the CPU interpreter tl.dot is exact fp32 whatever the setting. The decode kernel has no
 # matrix product.
 
@@ -241,23 +243,10 @@ def chunk_output(f: ChunkFactors, states: torch.Tensor, out_dtype: torch.dtype,
 
 @triton.jit
 def _dot(a, b, acc, DOT: tl.constexpr):
-    """tl.dot(a, b, acc) at input precision DOT; "tf32x3" by hand: each fp32 operand split into hi (its
-    top 10 mantissa bits, exact in tf32) and lo = x - hi, then lo·hi + hi·lo + hi·hi (lo·lo, ~2^-22 of the
-    product, is dropped). Triton's own tf32x3 rounds with NaN / inf guards that cost ~40 % of the state
-    kernel's loop (sm_90 AOT: 1767 instructions against 1079); the model's inputs are finite."""
+    """tl.dot(a, b, acc) at input precision DOT, "tf32x3" by hand (`kernels._dot_tf32x3`)."""
     if DOT == "tf32x3":
-        a_hi, a_lo = _tf32_split(a)
-        b_hi, b_lo = _tf32_split(b)
-        acc = tl.dot(a_lo, b_hi, acc, input_precision="tf32")
-        acc = tl.dot(a_hi, b_lo, acc, input_precision="tf32")
-        return tl.dot(a_hi, b_hi, acc, input_precision="tf32")
+        return _dot_tf32x3(a, b, acc, False)
     return tl.dot(a, b, acc, input_precision=DOT)
-
-
-@triton.jit
-def _tf32_split(x):
-    hi = (x.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
-    return hi, x - hi
 
 
 @triton.jit
@@ -292,40 +281,36 @@ def _kda_chunk_intra_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, gamma_ptr, a_ptr, tm_
         g = tl.load(g_ptr + col, mask=valid_c[:, None], other=0.0).to(tl.float32)
         tl.store(gamma_ptr + col, tl.cumsum(g, axis=0))
     tl.debug_barrier()  # Γ is read below across rows written by other threads
-    z = tl.zeros([BC, BC], dtype=tl.float32)
-    kk00, qk00, kk10, qk10, kk11, qk11 = z, z, z, z, z, z
-    kk20, qk20, kk21, qk21, kk22, qk22 = z, z, z, z, z, z
-    kk30, qk30, kk31, qk31, kk32, qk32, kk33, qk33 = z, z, z, z, z, z, z, z
-    for i0 in range(0, DK, BKD):
-        k0, q0, g0, r0 = _intra_rows(q_ptr, k_ptr, gamma_ptr, chunk0, h, i0, T, H, DK, BC, BKD)
-        kk00, qk00 = _intra_pair(kk00, qk00, k0, q0, g0, r0, k0, g0, DOT)
-        if NC > 1:
-            k1, q1, g1, r1 = _intra_rows(q_ptr, k_ptr, gamma_ptr, chunk0 + BC, h, i0, T, H, DK, BC, BKD)
-            kk10, qk10 = _intra_pair(kk10, qk10, k1, q1, g1, r1, k0, g0, DOT)
-            kk11, qk11 = _intra_pair(kk11, qk11, k1, q1, g1, r1, k1, g1, DOT)
-        if NC > 2:
-            k2, q2, g2, r2 = _intra_rows(q_ptr, k_ptr, gamma_ptr, chunk0 + 2 * BC, h, i0, T, H, DK, BC, BKD)
-            kk20, qk20 = _intra_pair(kk20, qk20, k2, q2, g2, r2, k0, g0, DOT)
-            kk21, qk21 = _intra_pair(kk21, qk21, k2, q2, g2, r2, k1, g1, DOT)
-            kk22, qk22 = _intra_pair(kk22, qk22, k2, q2, g2, r2, k2, g2, DOT)
-            k3, q3, g3, r3 = _intra_rows(q_ptr, k_ptr, gamma_ptr, chunk0 + 3 * BC, h, i0, T, H, DK, BC, BKD)
-            kk30, qk30 = _intra_pair(kk30, qk30, k3, q3, g3, r3, k0, g0, DOT)
-            kk31, qk31 = _intra_pair(kk31, qk31, k3, q3, g3, r3, k1, g1, DOT)
-            kk32, qk32 = _intra_pair(kk32, qk32, k3, q3, g3, r3, k2, g2, DOT)
-            kk33, qk33 = _intra_pair(kk33, qk33, k3, q3, g3, r3, k3, g3, DOT)
-    # Aqk on and below the diagonal, zeros above; A = -β K K^T strictly below it.
-    _intra_store(kk00, qk00, 0, 0, chunk0, h, beta_ptr, a_ptr, aqk_ptr, T, H, BT, BC)
-    if NC > 1:
-        _intra_store(kk10, qk10, 1, 0, chunk0, h, beta_ptr, a_ptr, aqk_ptr, T, H, BT, BC)
-        _intra_store(kk11, qk11, 1, 1, chunk0, h, beta_ptr, a_ptr, aqk_ptr, T, H, BT, BC)
-    if NC > 2:
-        _intra_store(kk20, qk20, 2, 0, chunk0, h, beta_ptr, a_ptr, aqk_ptr, T, H, BT, BC)
-        _intra_store(kk21, qk21, 2, 1, chunk0, h, beta_ptr, a_ptr, aqk_ptr, T, H, BT, BC)
-        _intra_store(kk22, qk22, 2, 2, chunk0, h, beta_ptr, a_ptr, aqk_ptr, T, H, BT, BC)
-        _intra_store(kk30, qk30, 3, 0, chunk0, h, beta_ptr, a_ptr, aqk_ptr, T, H, BT, BC)
-        _intra_store(kk31, qk31, 3, 1, chunk0, h, beta_ptr, a_ptr, aqk_ptr, T, H, BT, BC)
-        _intra_store(kk32, qk32, 3, 2, chunk0, h, beta_ptr, a_ptr, aqk_ptr, T, H, BT, BC)
-        _intra_store(kk33, qk33, 3, 3, chunk0, h, beta_ptr, a_ptr, aqk_ptr, T, H, BT, BC)
+    for R in tl.static_range(NC):
+        row0 = chunk0 + R * BC
+        z = tl.zeros([BC, BC], dtype=tl.float32)
+        kk0, qk0, kk1, qk1, kk2, qk2, kk3, qk3 = z, z, z, z, z, z, z, z
+        for i0 in range(0, DK, BKD):
+            k_r, q_r, g_r, first = _intra_rows(q_ptr, k_ptr, gamma_ptr, row0, h, i0, T, H, DK, BC, BKD)
+            if R == 0:
+                kk0, qk0 = _intra_pair(kk0, qk0, k_r, q_r, g_r, first, k_r, g_r, DOT)
+            else:
+                k_p, _, g_p, _ = _intra_rows(q_ptr, k_ptr, gamma_ptr, chunk0, h, i0, T, H, DK, BC, BKD)
+                kk0, qk0 = _intra_pair(kk0, qk0, k_r, q_r, g_r, first, k_p, g_p, DOT)
+            if R == 1:
+                kk1, qk1 = _intra_pair(kk1, qk1, k_r, q_r, g_r, first, k_r, g_r, DOT)
+            if R > 1:
+                k_p, _, g_p, _ = _intra_rows(q_ptr, k_ptr, gamma_ptr, chunk0 + BC, h, i0, T, H, DK, BC, BKD)
+                kk1, qk1 = _intra_pair(kk1, qk1, k_r, q_r, g_r, first, k_p, g_p, DOT)
+            if R == 2:
+                kk2, qk2 = _intra_pair(kk2, qk2, k_r, q_r, g_r, first, k_r, g_r, DOT)
+            if R > 2:
+                k_p, _, g_p, _ = _intra_rows(q_ptr, k_ptr, gamma_ptr, chunk0 + 2 * BC, h, i0, T, H, DK, BC, BKD)
+                kk2, qk2 = _intra_pair(kk2, qk2, k_r, q_r, g_r, first, k_p, g_p, DOT)
+                kk3, qk3 = _intra_pair(kk3, qk3, k_r, q_r, g_r, first, k_r, g_r, DOT)
+        # Aqk on and below the diagonal, zeros above; A = -β K K^T strictly below it.
+        _intra_store(kk0, qk0, R, 0, chunk0, h, beta_ptr, a_ptr, aqk_ptr, T, H, BT, BC)
+        if R > 0:
+            _intra_store(kk1, qk1, R, 1, chunk0, h, beta_ptr, a_ptr, aqk_ptr, T, H, BT, BC)
+        if R > 1:
+            _intra_store(kk2, qk2, R, 2, chunk0, h, beta_ptr, a_ptr, aqk_ptr, T, H, BT, BC)
+        if R > 2:
+            _intra_store(kk3, qk3, R, 3, chunk0, h, beta_ptr, a_ptr, aqk_ptr, T, H, BT, BC)
     tl.debug_barrier()  # A's blocks, written by other threads; such read-backs go through L2 (.cg)
     for R in range(NC):
         block_rows = ((chunk0 + R * BC + rc).to(tl.int64)[:, None] * H + h) * BT  # row offsets into a and tm

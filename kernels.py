@@ -887,6 +887,29 @@ def _dot_f32(a, b, TC: tl.constexpr, acc=None):
 
 
 @triton.jit
+def _dot_tf32x3(a, b, acc, B_EXACT: tl.constexpr):
+    """acc + a · b for fp32 a, b near fp32 on TF32 tensor cores: each operand split into hi (its top 10
+    mantissa bits, exact in TF32) and lo = x - hi, then lo·hi + hi·lo + hi·hi (lo·lo, ~2^-22 of the
+    product, dropped); B_EXACT: b holds values TF32 keeps exact (bf16, fp16), so only a is split and
+    two products do. Triton's own "tf32x3" rounds with NaN / inf guards that cost ~40 % of the KDA
+    state kernel's loop (sm_90 AOT: 1767 instructions against 1079); finite inputs need none."""
+    a_hi, a_lo = _tf32_split(a)
+    if B_EXACT:
+        acc = tl.dot(a_lo, b, acc, input_precision="tf32")
+        return tl.dot(a_hi, b, acc, input_precision="tf32")
+    b_hi, b_lo = _tf32_split(b)
+    acc = tl.dot(a_lo, b_hi, acc, input_precision="tf32")
+    acc = tl.dot(a_hi, b_lo, acc, input_precision="tf32")
+    return tl.dot(a_hi, b_hi, acc, input_precision="tf32")
+
+
+@triton.jit
+def _tf32_split(x):
+    hi = (x.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
+    return hi, x - hi
+
+
+@triton.jit
 def _rms_norm_row(x_ptr, w_ptr, eps, N: tl.constexpr, NP: tl.constexpr, OUT_DT: tl.constexpr):
     # model_glm.rms_norm of one row of N, with its roundings (to x's dtype, then to OUT_DT), as fp32.
     i = tl.arange(0, NP)
@@ -1152,8 +1175,9 @@ def dsa_sparse_attention(q_hat: torch.Tensor, latent: torch.Tensor, tables: torc
 # The smallest pieces go first, so that the larger ones are added to their sum; still, the tensor
 # cores' sums truncate, and on the H200 the results are 5.6-7.4e-7 of Σ|products| off (tf32x3:
 # 0.8e-7), for 2.2-6.2x less time at 8192 rows (`.whl/s12_pre.py`). Decode rows and other weights
-# take tf32x3 (each fp32 operand as a TF32 value plus a TF32 remainder: ~2^-21 relative per product;
-# three TF32 MMAs): at 1 and 16 rows the pieces were 0.93-1.73x its speed (eager calls), no clear win.
+# take `_dot_tf32x3` (fp32 a as a TF32 value plus a TF32 remainder: ~2^-21 relative per product; two
+# TF32 MMAs against bf16 / fp16 weights, which TF32 holds exactly, three against fp32 ones): at 1 and
+# 16 rows the bf16 pieces were 0.93-1.73x triton's tf32x3 (eager calls), no clear win.
 # One program: BM rows x BN columns of one head.
 HEAD_MM_BLOCK_K = 32
 
@@ -1173,7 +1197,7 @@ def _head_matmul_kernel(a_ptr, a_sb, a_sh, a_sk, w_ptr, w_sh, w_sk, w_sn, o_ptr,
         w = tl.load(w_ptr + h * w_sh + ks[:, None] * w_sk + cols[None, :] * w_sn,
                     mask=(ks[:, None] < K) & (cols[None, :] < N), other=0.0)
         if PIECES == 0:
-            acc = tl.dot(a, w.to(tl.float32), acc, input_precision="tf32x3")
+            acc = _dot_tf32x3(a, w.to(tl.float32), acc, w.dtype != tl.float32)
         else:
             hi = a.to(tl.bfloat16)
             if PIECES > 1:
