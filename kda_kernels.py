@@ -173,17 +173,17 @@ class ChunkFactors:
 
 def chunk_factors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                   beta: torch.Tensor, chunk: int, precision: str = DOT_PRECISION,
-                  num_warps: int = 2, num_stages: int = 2) -> ChunkFactors:
+                  num_warps: int = 1, num_stages: int = 2) -> ChunkFactors:
     """Two launches: `_kda_chunk_intra_kernel` per (chunk, head) builds Γ, Aqk and
     Tm = (I - A)^{-1} one 16-row block at a time; `_kda_chunk_wy_kernel` per (32 columns of
     [K | V], chunk, head) multiplies W = Tm (K_β ⊙ exp(Γ)), U = Tm V_β as [chunk, chunk] x
-    [chunk, 32] products. H200, T 8192, H 64, d 128, fp32 (`.whl/s11_kda.py`): 3.2 ms, against 4.7 ms
-    while the diagonal blocks were summed pair by pair per key channel, and 8.9 ms for one kernel
-    doing both (session 5). num_warps and num_stages launch the intra kernel: 2 and 2 took 1.83 ms
-    on the H200 against 2.43-2.46 at 4 and 1, with the same output bit for bit, and 4.1-5.3 ms at 8
-    warps (`.whl/s11_kda_sweep.py`). sm_90 AOT (triton 3.6, d = 128, chunk 64, pointers and sizes
-    specialized as the JIT does): 232 registers, no spills at 2 warps and 2 stages; 128 at 4 and 1.
-    Transient memory: A and Tm, [rows, H, chunk] fp32 each."""
+    [chunk, 32] products. num_warps and num_stages launch the intra kernel. H200, T 8192, H 64, d 128,
+    fp32 (`.whl/s15_kda3.py`): both launches 1.71-1.81 ms at 1 warp and 2 stages, 2.39-2.44 at 2 and 2,
+    3.39-3.40 at 4 and 2 (main before, whose intra kernel reloaded all the chunk's keys for each row
+    block: 2.61-2.69 at its best, 2 and 2). sm_90 AOT (triton 3.6, d = 128, chunk 64, pointers and
+    sizes specialized as the JIT does) at 1 warp: 255 registers, 296 B spilled, a 1744-instruction
+    loop a 16-channel slice; grouping the pairs by row block (4 passes over the channels) spills none
+    but took 1.96-2.02 ms. Transient memory: A and Tm, [rows, H, chunk] fp32 each."""
     T, H, dk = q.shape
     dv = v.shape[-1]
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
@@ -281,36 +281,40 @@ def _kda_chunk_intra_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, gamma_ptr, a_ptr, tm_
         g = tl.load(g_ptr + col, mask=valid_c[:, None], other=0.0).to(tl.float32)
         tl.store(gamma_ptr + col, tl.cumsum(g, axis=0))
     tl.debug_barrier()  # Γ is read below across rows written by other threads
-    for R in tl.static_range(NC):
-        row0 = chunk0 + R * BC
-        z = tl.zeros([BC, BC], dtype=tl.float32)
-        kk0, qk0, kk1, qk1, kk2, qk2, kk3, qk3 = z, z, z, z, z, z, z, z
-        for i0 in range(0, DK, BKD):
-            k_r, q_r, g_r, first = _intra_rows(q_ptr, k_ptr, gamma_ptr, row0, h, i0, T, H, DK, BC, BKD)
-            if R == 0:
-                kk0, qk0 = _intra_pair(kk0, qk0, k_r, q_r, g_r, first, k_r, g_r, DOT)
-            else:
-                k_p, _, g_p, _ = _intra_rows(q_ptr, k_ptr, gamma_ptr, chunk0, h, i0, T, H, DK, BC, BKD)
-                kk0, qk0 = _intra_pair(kk0, qk0, k_r, q_r, g_r, first, k_p, g_p, DOT)
-            if R == 1:
-                kk1, qk1 = _intra_pair(kk1, qk1, k_r, q_r, g_r, first, k_r, g_r, DOT)
-            if R > 1:
-                k_p, _, g_p, _ = _intra_rows(q_ptr, k_ptr, gamma_ptr, chunk0 + BC, h, i0, T, H, DK, BC, BKD)
-                kk1, qk1 = _intra_pair(kk1, qk1, k_r, q_r, g_r, first, k_p, g_p, DOT)
-            if R == 2:
-                kk2, qk2 = _intra_pair(kk2, qk2, k_r, q_r, g_r, first, k_r, g_r, DOT)
-            if R > 2:
-                k_p, _, g_p, _ = _intra_rows(q_ptr, k_ptr, gamma_ptr, chunk0 + 2 * BC, h, i0, T, H, DK, BC, BKD)
-                kk2, qk2 = _intra_pair(kk2, qk2, k_r, q_r, g_r, first, k_p, g_p, DOT)
-                kk3, qk3 = _intra_pair(kk3, qk3, k_r, q_r, g_r, first, k_r, g_r, DOT)
-        # Aqk on and below the diagonal, zeros above; A = -β K K^T strictly below it.
-        _intra_store(kk0, qk0, R, 0, chunk0, h, beta_ptr, a_ptr, aqk_ptr, T, H, BT, BC)
-        if R > 0:
-            _intra_store(kk1, qk1, R, 1, chunk0, h, beta_ptr, a_ptr, aqk_ptr, T, H, BT, BC)
-        if R > 1:
-            _intra_store(kk2, qk2, R, 2, chunk0, h, beta_ptr, a_ptr, aqk_ptr, T, H, BT, BC)
-        if R > 2:
-            _intra_store(kk3, qk3, R, 3, chunk0, h, beta_ptr, a_ptr, aqk_ptr, T, H, BT, BC)
+    z = tl.zeros([BC, BC], dtype=tl.float32)
+    kk00, qk00, kk10, qk10, kk11, qk11 = z, z, z, z, z, z
+    kk20, qk20, kk21, qk21, kk22, qk22 = z, z, z, z, z, z
+    kk30, qk30, kk31, qk31, kk32, qk32, kk33, qk33 = z, z, z, z, z, z, z, z
+    for i0 in range(0, DK, BKD):
+        k0, q0, g0, r0 = _intra_rows(q_ptr, k_ptr, gamma_ptr, chunk0, h, i0, T, H, DK, BC, BKD)
+        kk00, qk00 = _intra_pair(kk00, qk00, k0, q0, g0, r0, k0, g0, DOT)
+        if NC > 1:
+            k1, q1, g1, r1 = _intra_rows(q_ptr, k_ptr, gamma_ptr, chunk0 + BC, h, i0, T, H, DK, BC, BKD)
+            kk10, qk10 = _intra_pair(kk10, qk10, k1, q1, g1, r1, k0, g0, DOT)
+            kk11, qk11 = _intra_pair(kk11, qk11, k1, q1, g1, r1, k1, g1, DOT)
+        if NC > 2:
+            k2, q2, g2, r2 = _intra_rows(q_ptr, k_ptr, gamma_ptr, chunk0 + 2 * BC, h, i0, T, H, DK, BC, BKD)
+            kk20, qk20 = _intra_pair(kk20, qk20, k2, q2, g2, r2, k0, g0, DOT)
+            kk21, qk21 = _intra_pair(kk21, qk21, k2, q2, g2, r2, k1, g1, DOT)
+            kk22, qk22 = _intra_pair(kk22, qk22, k2, q2, g2, r2, k2, g2, DOT)
+            k3, q3, g3, r3 = _intra_rows(q_ptr, k_ptr, gamma_ptr, chunk0 + 3 * BC, h, i0, T, H, DK, BC, BKD)
+            kk30, qk30 = _intra_pair(kk30, qk30, k3, q3, g3, r3, k0, g0, DOT)
+            kk31, qk31 = _intra_pair(kk31, qk31, k3, q3, g3, r3, k1, g1, DOT)
+            kk32, qk32 = _intra_pair(kk32, qk32, k3, q3, g3, r3, k2, g2, DOT)
+            kk33, qk33 = _intra_pair(kk33, qk33, k3, q3, g3, r3, k3, g3, DOT)
+    # Aqk on and below the diagonal, zeros above; A = -β K K^T strictly below it.
+    _intra_store(kk00, qk00, 0, 0, chunk0, h, beta_ptr, a_ptr, aqk_ptr, T, H, BT, BC)
+    if NC > 1:
+        _intra_store(kk10, qk10, 1, 0, chunk0, h, beta_ptr, a_ptr, aqk_ptr, T, H, BT, BC)
+        _intra_store(kk11, qk11, 1, 1, chunk0, h, beta_ptr, a_ptr, aqk_ptr, T, H, BT, BC)
+    if NC > 2:
+        _intra_store(kk20, qk20, 2, 0, chunk0, h, beta_ptr, a_ptr, aqk_ptr, T, H, BT, BC)
+        _intra_store(kk21, qk21, 2, 1, chunk0, h, beta_ptr, a_ptr, aqk_ptr, T, H, BT, BC)
+        _intra_store(kk22, qk22, 2, 2, chunk0, h, beta_ptr, a_ptr, aqk_ptr, T, H, BT, BC)
+        _intra_store(kk30, qk30, 3, 0, chunk0, h, beta_ptr, a_ptr, aqk_ptr, T, H, BT, BC)
+        _intra_store(kk31, qk31, 3, 1, chunk0, h, beta_ptr, a_ptr, aqk_ptr, T, H, BT, BC)
+        _intra_store(kk32, qk32, 3, 2, chunk0, h, beta_ptr, a_ptr, aqk_ptr, T, H, BT, BC)
+        _intra_store(kk33, qk33, 3, 3, chunk0, h, beta_ptr, a_ptr, aqk_ptr, T, H, BT, BC)
     tl.debug_barrier()  # A's blocks, written by other threads; such read-backs go through L2 (.cg)
     for R in range(NC):
         block_rows = ((chunk0 + R * BC + rc).to(tl.int64)[:, None] * H + h) * BT  # row offsets into a and tm
