@@ -38,7 +38,8 @@ from kernels import _cast, _check_pow2, _dot_tf32x3, _rows
 #
 # Matrix products inside the prefill kernels go through `_dot` at DOT_PRECISION = "tf32x3": each fp32
 # operand goes to the tensor cores as a TF32 hi part plus a TF32 remainder (three products, split by
-# hand in `kernels._dot_tf32x3`), near fp32; everything else (the carried state, Γ, the solve of the 16-row diagonal blocks) is fp32.
+# hand in `kernels._dot_tf32x3`), near fp32; everything else (the carried state, Γ, the solve of the
+# 16-row diagonal blocks) is fp32.
 # `bench.py kda precision`, H200, T = 8192, one layer: "tf32" 9.2 ms at 1.5e-3 relative error of o,
 # "tf32x3" 11.3 ms at 1.5e-6, "ieee" (fp32 FMA) 16.3 ms at 1.5e-6. With "tf32" the fast prefill of
 # the trained default model (bf16) was 5.9e-3 nats of KL from the reference; with "tf32x3" 5.5e-4,
@@ -179,7 +180,7 @@ def chunk_factors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     [K | V], chunk, head) multiplies W = Tm (K_β ⊙ exp(Γ)), U = Tm V_β as [chunk, chunk] x
     [chunk, 32] products. num_warps and num_stages launch the intra kernel. H200, T 8192, H 64, d 128,
     fp32 (`.whl/s15_kda3.py`): both launches 1.71-1.81 ms at 1 warp and 2 stages, 2.39-2.44 at 2 and 2,
-    3.39-3.40 at 4 and 2 (main before, whose intra kernel reloaded all the chunk's keys for each row
+    3.39-3.40 at 4 and 2 (the previous intra kernel, which reloaded all the chunk's keys for each row
     block: 2.61-2.69 at its best, 2 and 2). sm_90 AOT (triton 3.6, d = 128, chunk 64, pointers and
     sizes specialized as the JIT does) at 1 warp: 255 registers, 296 B spilled, a 1744-instruction
     loop a 16-channel slice; grouping the pairs by row block (4 passes over the channels) spills none
@@ -286,22 +287,22 @@ def _kda_chunk_intra_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, gamma_ptr, a_ptr, tm_
     kk20, qk20, kk21, qk21, kk22, qk22 = z, z, z, z, z, z
     kk30, qk30, kk31, qk31, kk32, qk32, kk33, qk33 = z, z, z, z, z, z, z, z
     for i0 in range(0, DK, BKD):
-        k0, q0, g0, r0 = _intra_rows(q_ptr, k_ptr, gamma_ptr, chunk0, h, i0, T, H, DK, BC, BKD)
-        kk00, qk00 = _intra_pair(kk00, qk00, k0, q0, g0, r0, k0, g0, DOT)
+        k0, q0, g0, f0 = _intra_rows(q_ptr, k_ptr, gamma_ptr, chunk0, h, i0, T, H, DK, BC, BKD)
+        kk00, qk00 = _intra_pair(kk00, qk00, k0, q0, g0, f0, k0, g0, DOT)
         if NC > 1:
-            k1, q1, g1, r1 = _intra_rows(q_ptr, k_ptr, gamma_ptr, chunk0 + BC, h, i0, T, H, DK, BC, BKD)
-            kk10, qk10 = _intra_pair(kk10, qk10, k1, q1, g1, r1, k0, g0, DOT)
-            kk11, qk11 = _intra_pair(kk11, qk11, k1, q1, g1, r1, k1, g1, DOT)
+            k1, q1, g1, f1 = _intra_rows(q_ptr, k_ptr, gamma_ptr, chunk0 + BC, h, i0, T, H, DK, BC, BKD)
+            kk10, qk10 = _intra_pair(kk10, qk10, k1, q1, g1, f1, k0, g0, DOT)
+            kk11, qk11 = _intra_pair(kk11, qk11, k1, q1, g1, f1, k1, g1, DOT)
         if NC > 2:
-            k2, q2, g2, r2 = _intra_rows(q_ptr, k_ptr, gamma_ptr, chunk0 + 2 * BC, h, i0, T, H, DK, BC, BKD)
-            kk20, qk20 = _intra_pair(kk20, qk20, k2, q2, g2, r2, k0, g0, DOT)
-            kk21, qk21 = _intra_pair(kk21, qk21, k2, q2, g2, r2, k1, g1, DOT)
-            kk22, qk22 = _intra_pair(kk22, qk22, k2, q2, g2, r2, k2, g2, DOT)
-            k3, q3, g3, r3 = _intra_rows(q_ptr, k_ptr, gamma_ptr, chunk0 + 3 * BC, h, i0, T, H, DK, BC, BKD)
-            kk30, qk30 = _intra_pair(kk30, qk30, k3, q3, g3, r3, k0, g0, DOT)
-            kk31, qk31 = _intra_pair(kk31, qk31, k3, q3, g3, r3, k1, g1, DOT)
-            kk32, qk32 = _intra_pair(kk32, qk32, k3, q3, g3, r3, k2, g2, DOT)
-            kk33, qk33 = _intra_pair(kk33, qk33, k3, q3, g3, r3, k3, g3, DOT)
+            k2, q2, g2, f2 = _intra_rows(q_ptr, k_ptr, gamma_ptr, chunk0 + 2 * BC, h, i0, T, H, DK, BC, BKD)
+            kk20, qk20 = _intra_pair(kk20, qk20, k2, q2, g2, f2, k0, g0, DOT)
+            kk21, qk21 = _intra_pair(kk21, qk21, k2, q2, g2, f2, k1, g1, DOT)
+            kk22, qk22 = _intra_pair(kk22, qk22, k2, q2, g2, f2, k2, g2, DOT)
+            k3, q3, g3, f3 = _intra_rows(q_ptr, k_ptr, gamma_ptr, chunk0 + 3 * BC, h, i0, T, H, DK, BC, BKD)
+            kk30, qk30 = _intra_pair(kk30, qk30, k3, q3, g3, f3, k0, g0, DOT)
+            kk31, qk31 = _intra_pair(kk31, qk31, k3, q3, g3, f3, k1, g1, DOT)
+            kk32, qk32 = _intra_pair(kk32, qk32, k3, q3, g3, f3, k2, g2, DOT)
+            kk33, qk33 = _intra_pair(kk33, qk33, k3, q3, g3, f3, k3, g3, DOT)
     # Aqk on and below the diagonal, zeros above; A = -β K K^T strictly below it.
     _intra_store(kk00, qk00, 0, 0, chunk0, h, beta_ptr, a_ptr, aqk_ptr, T, H, BT, BC)
     if NC > 1:
