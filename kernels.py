@@ -889,10 +889,13 @@ def _dot_f32(a, b, TC: tl.constexpr, acc=None):
 @triton.jit
 def _dot_tf32x3(a, b, acc, B_EXACT: tl.constexpr):
     """acc + a · b for fp32 a, b near fp32 on TF32 tensor cores: each operand split into hi (its top 10
-    mantissa bits, exact in TF32) and lo = x - hi, then lo·hi + hi·lo + hi·hi (lo·lo, ~2^-22 of the
-    product, dropped); B_EXACT: b holds values TF32 keeps exact (bf16, fp16), so only a is split and
-    two products do. Triton's own "tf32x3" rounds with NaN / inf guards that cost ~40 % of the KDA
-    state kernel's loop (sm_90 AOT: 1767 instructions against 1079); finite inputs need none."""
+    mantissa bits, truncated: exact in TF32) and lo = x - hi, |lo| < 2^-10 |x|, then lo·hi + hi·lo + hi·hi;
+    B_EXACT: b holds values TF32 keeps exact (bf16, fp16), so only a is split and two products do.
+    Per product the dropped lo·lo is < 2^-20 of |a·b|, and the tensor cores truncate each lo to TF32,
+    < 2^-20 more per split operand (`_tf32`'s rounding, as `_hc_mix_dot_kernel` splits, would bring
+    both to ~2^-22 for two more integer adds an element: not measured). Triton's own "tf32x3" rounds,
+    with NaN / inf guards that cost ~40 % of the KDA state kernel's loop (sm_90 AOT: 1767 instructions
+    against 1079); finite inputs need none."""
     a_hi, a_lo = _tf32_split(a)
     if B_EXACT:
         acc = tl.dot(a_lo, b, acc, input_precision="tf32")
@@ -1175,7 +1178,7 @@ def dsa_sparse_attention(q_hat: torch.Tensor, latent: torch.Tensor, tables: torc
 # The smallest pieces go first, so that the larger ones are added to their sum; still, the tensor
 # cores' sums truncate, and on the H200 the results are 5.6-7.4e-7 of Σ|products| off (tf32x3:
 # 0.8e-7), for 2.2-6.2x less time at 8192 rows (`.whl/s12_pre.py`). Decode rows and other weights
-# take `_dot_tf32x3` (fp32 a as a TF32 value plus a TF32 remainder: ~2^-21 relative per product; two
+# take `_dot_tf32x3` (fp32 a as a TF32 value plus a TF32 remainder: < 2^-20 relative per product; two
 # TF32 MMAs against bf16 / fp16 weights, which TF32 holds exactly, three against fp32 ones; H200, full
 # size, 1-16 rows in CUDA graphs, `.whl/s15_head.py`: q · W_UK 8.0-8.4 us, o · W_UVᵀ 11.0-11.3, against
 # 11.8-12.2 and 12.9-13.3 with triton's own tf32x3; error 6-7e-7 of the largest output, against 1.2-1.5e-7).
