@@ -287,6 +287,30 @@ def test_bf16_inputs_give_bf16_output():
     assert (step.float() - step_ref.float()).abs().max() <= 1e-2 * step_ref.float().abs().max()
 
 
+@triton.jit
+def _tf32_split_kernel(x_ptr, hi_ptr, lo_ptr, N: tl.constexpr):
+    i = tl.arange(0, N)
+    hi, lo = kernels._tf32_split(tl.load(x_ptr + i))
+    tl.store(hi_ptr + i, hi)
+    tl.store(lo_ptr + i, lo)
+
+
+def test_tf32_split_gives_a_tf32_head_and_an_exact_remainder():
+    """kernels._dot_tf32x3's operand split: hi must be a TF32 value (its 13 low mantissa bits zero, else
+    the tensor cores drop part of it), hi + lo must be x exactly, and |lo| < 2^-10 |x| (what bounds the
+    dropped lo·lo). The interpreter's fp32 dot would not notice a wrong split; this does."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1024, generator=g) * torch.exp2(torch.randint(-60, 60, (1024,), generator=g).float())
+    x[:4] = torch.tensor([1.0, -1.0, 1 + 2 ** -10, -(1 + 2 ** -11 + 2 ** -20)])
+    x = x.to(DEVICE)
+    hi, lo = torch.empty_like(x), torch.empty_like(x)
+    _tf32_split_kernel[(1,)](x, hi, lo, N=1024)
+    assert ((hi.view(torch.int32) & 0x1FFF) == 0).all()
+    assert torch.equal(hi.double() + lo.double(), x.double())
+    assert (lo.abs() < 2.0 ** -10 * x.abs()).all()
+    assert lo[2] == 0 and lo[3] == -(2 ** -11 + 2 ** -20)
+
+
 def test_errors_name_the_tensor():
     q, k, v, g, beta = _inputs((8,), 2, 16, 16, seed=0)
     with pytest.raises(ValueError, match="g shape"):
