@@ -44,7 +44,7 @@ from kernels import _cast, _check_pow2, _dot_tf32x3, _rows
 # "tf32x3" 11.3 ms at 1.5e-6, "ieee" (fp32 FMA) 16.3 ms at 1.5e-6. With "tf32" the fast prefill of
 # the trained default model (bf16) was 5.9e-3 nats of KL from the reference; with "tf32x3" 5.5e-4,
 # the size of that model's own move for a 1-ulp change of its input (5.4e-4). (Those timings predate
-# the split by hand and the kernels' later forms: `.whl/s15_kda2.py`, T 8192, 4.1 ms at 2.4e-6.)
+# the split by hand and the kernels' later forms: `.whl/s15_kda2.py`, T 8192, 3.5 ms at 2.4e-6.)
 # Under the CPU interpreter tl.dot is exact fp32 whatever the setting. The decode kernel has no
 # matrix product.
 

@@ -1181,7 +1181,7 @@ def dsa_sparse_attention(q_hat: torch.Tensor, latent: torch.Tensor, tables: torc
 # take `_dot_tf32x3` (fp32 a as a TF32 value plus a TF32 remainder: < 2^-20 relative per product; two
 # TF32 MMAs against bf16 / fp16 weights, which TF32 holds exactly, three against fp32 ones; H200, full
 # size, 1-16 rows in CUDA graphs, `.whl/s15_head.py`: q · W_UK 8.0-8.4 us, o · W_UVᵀ 11.0-11.3, against
-# 11.8-12.2 and 12.9-13.3 with triton's own tf32x3; error 6-7e-7 of the largest output, against 1.2-1.5e-7).
+# 11.8-12.2 and 12.9-13.3 with triton's own tf32x3; error 5.6-6.9e-7 of the largest output, against 1.2-1.5e-7).
 # At 1 and 16 rows the bf16 pieces were 0.93-1.73x triton's tf32x3 (eager calls), no clear win.
 # One program: BM rows x BN columns of one head.
 HEAD_MM_BLOCK_K = 32
