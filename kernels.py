@@ -750,8 +750,8 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
 # experts and of D, so that at full size (288 x 4096, 4.7 MB) ~150 programs stream gate_w at once;
 # each holds its gate_w block in registers for every row of h. `_route_topk_kernel`: one program
 # per row adds the partial sums in a fixed order, applies the sigmoid and takes the top-k of s + bias
-# by k rounds of argmax (ties to the lower expert), the weights coming from s, then normalizes and
-# scales them. The logits never exist as a separate tensor, and there is no torch op in between.
+# by k rounds of one max over packed (choice, expert) keys (ties to the lower expert), the weights
+# coming from s, then normalizes and scales them. The logits never exist as a separate tensor, and there is no torch op in between.
 
 ROUTE_BLOCK_E = 16
 ROUTE_BLOCK_K = 512
@@ -780,14 +780,19 @@ def _route_topk_kernel(part_ptr, bias_ptr, ids_ptr, wt_ptr, E, S, scaling,
                    other=0.0)
     score = tl.sigmoid(tl.sum(part, axis=0))
     choice = tl.where(inside, score + tl.load(bias_ptr + e, mask=inside, other=0.0), -float("inf"))
+    # One max a pick: the key is choice's fp32 bits made to order as signed integers (negative values'
+    # magnitude bits flipped) in the high word and EP - 1 - e in the low one, so that equal choices go
+    # to the lower expert; a picked key drops to the bottom.
+    bits = choice.to(tl.int32, bitcast=True)
+    key = ((bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64) << 32) | (EP - 1 - e).to(tl.int64)
     j = tl.arange(0, KP)
     ids = tl.zeros([KP], dtype=tl.int32)
-    w = tl.zeros([KP], dtype=tl.float32)
     for r in tl.static_range(TOPK):
-        pick = tl.min(tl.where(choice == tl.max(choice, axis=0), e, EP), axis=0)
-        ids = tl.where(j == r, pick, ids)
-        w = tl.where(j == r, tl.sum(tl.where(e == pick, score, 0.0), axis=0), w)
-        choice = tl.where(e == pick, -float("inf"), choice)
+        best = tl.max(key, axis=0)
+        ids = tl.where(j == r, EP - 1 - (best & 0xFFFFFFFF).to(tl.int32), ids)
+        key = tl.where(key == best, -9223372036854775807, key)
+    w = tl.sum(tl.where(e[None, :] == ids[:, None], score[None, :], 0.0), axis=1)  # s of each pick
+    w = tl.where(j < TOPK, w, 0.0)
     if NORM:
         w = w / (tl.sum(w, axis=0) + 1e-20)
     tl.store(ids_ptr + b * TOPK + j, ids, mask=j < TOPK)

@@ -223,6 +223,21 @@ def test_moe_route_matches_model_glm(dtype, E, D, k, norm):
     torch.testing.assert_close(w.gather(1, order.indices), want_w.gather(1, want_order.indices), rtol=1e-5, atol=1e-6)
 
 
+def test_moe_route_breaks_ties_to_the_lower_expert_and_handles_negative_choices():
+    # Equal s + bias: the lower expert wins (the kernel's packed keys); all choices negative: the keys'
+    # sign handling must still rank -0.5 above -0.9.
+    E, D = 12, 64
+    h = torch.zeros(3, D, device=DEVICE)
+    gate_w = torch.zeros(E, D, device=DEVICE)  # s = sigmoid(0) = 0.5 for every expert
+    bias = torch.full((E,), -1.4, device=DEVICE)
+    bias[[9, 3, 7]] = -1.0  # three equal choices -0.5 (the rest -0.9)
+    ids, w = kernels.moe_route(h, gate_w, bias, 2, False, 1.0)
+    assert ids.tolist() == [[3, 7]] * 3
+    torch.testing.assert_close(w, torch.full((3, 2), 0.5, device=DEVICE))
+    ids, _ = kernels.moe_route(h, gate_w, bias, 4, False, 1.0)
+    assert ids.tolist() == [[3, 7, 9, 0]] * 3
+
+
 def test_glue_kernels_name_bad_operands():
     h = torch.zeros(2, 64, device=DEVICE)
     with pytest.raises(ValueError, match=r"gate_w must be contiguous fp32 \(E, 64\)"):
