@@ -171,6 +171,7 @@ class Layer:
     post_norm: torch.Tensor
     proj: Fused  # KDA: q, k, v, f_a, g_a, b; DSA: q_a, kv_a, indexer wk, indexer gate
     proj2: list[Fused]  # KDA: [f_b], [g_b]; DSA: [q_b, indexer wq_b]
+    gates: tuple[kda_kernels.LowRank, kda_kernels.LowRank] | None  # KDA: f_b, g_b applied inside the KDA kernels
     attn: dict[str, torch.Tensor]  # the small tensors of the mixer
     o_proj: Weight
     mlp: Fused | None  # dense MLP or shared expert: gate, up
@@ -279,11 +280,14 @@ class FastDecoder:
             kind, row = "kda", self.cache.kda_index(L)
             proj = fuse(m, [a + f"{n}_proj.weight" for n in ("q", "k", "v", "f_a", "g_a", "b")])
             proj2 = [fuse(m, [a + "f_b_proj.weight"]), fuse(m, [a + "g_b_proj.weight"])]
+            gates = (_low_rank_factor(m.w(a + "f_b_proj.weight"), m.dtype),
+                     _low_rank_factor(m.w(a + "g_b_proj.weight"), m.dtype))
+            gates = None if None in gates else gates
             attn = {"conv": torch.stack([m.w(a + f"{n}_conv1d.weight").squeeze(1) for n in "qkv"]).contiguous(),
                     "A_log": m.w(a + "A_log").float().contiguous(), "dt_bias": m.w(a + "dt_bias").float().contiguous(),
                     "o_norm": m.w(a + "o_norm.weight").float().contiguous()}
         else:
-            kind, row = "dsa", self.cache.dsa_index(L)
+            kind, row, gates = "dsa", self.cache.dsa_index(L), None
             i = a + "indexer."
             proj = fuse(m, [a + "q_a_proj.weight", a + "kv_a_proj_with_mqa.weight", i + "wk.weight",
                             i + "index_kpool_compress_gate"])
@@ -305,7 +309,7 @@ class FastDecoder:
             experts = stack_experts(m, L)
             router = (m.w(f + "gate.weight").float(), m.w(f + "gate.e_score_correction_bias").float())
         return Layer(kind, row, hc("attn"), hc("ffn"), m.w(p + "input_layernorm.weight"),
-                     m.w(p + "post_attention_layernorm.weight"), proj, proj2, attn, m.w(a + "o_proj.weight"),
+                     m.w(p + "post_attention_layernorm.weight"), proj, proj2, gates, attn, m.w(a + "o_proj.weight"),
                      mlp, down, experts, router, m.placement.device(L))
 
     # -- the public step ----------------------------------------------------------------------
@@ -472,14 +476,16 @@ class FastDecoder:
     def kda(self, layer: Layer, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
         H, d = cfg.linear_num_heads, cfg.linear_head_dim
-        q_pre, k_pre, v_pre, f_a, g_a, b = layer.proj(x)
-        (f,), (o_g,) = layer.proj2[0](f_a), layer.proj2[1](g_a)
+        q_pre, k_pre, v_pre, f, o_g, b = layer.proj(x)
+        f_b, g_b = layer.gates or (None, None)
+        if layer.gates is None:  # f_b and g_b as GEMVs of their own
+            (f,), (o_g,) = layer.proj2[0](f), layer.proj2[1](o_g)
         a = layer.attn
         q, k, v, g, beta = kda_kernels.kda_decode_inputs(
             (q_pre, k_pre, v_pre), self.cache.conv_state[layer.row], slots, a["conv"], f, a["A_log"],
-            a["dt_bias"], b, cfg.linear_lower_bound, H, d)
+            a["dt_bias"], b, cfg.linear_lower_bound, H, d, f_b=f_b)
         o = kda_kernels.kda_recurrent_step(q, k, v, g, beta, self.cache.kda_state[layer.row], slots)
-        o = kda_kernels.kda_output_gate(o, o_g, a["o_norm"], cfg.rms_norm_eps, x.dtype)
+        o = kda_kernels.kda_output_gate(o, o_g, a["o_norm"], cfg.rms_norm_eps, x.dtype, g_b=g_b)
         return linear(o, layer.o_proj)
 
     # -- §4.4 DSA ------------------------------------------------------------------------------
@@ -568,6 +574,17 @@ class FastDecoder:
         main.wait_stream(beside)
         shared.record_stream(main)  # made on the second stream, read and freed on the main one
         return out, shared
+
+
+def _low_rank_factor(w: Weight, dtype: torch.dtype) -> kda_kernels.LowRank | None:
+    """A KDA gate's second low-rank factor (f_b, g_b: [H·d, 128], 1 MB at FP8) as the KDA decode kernels
+    apply it themselves: FP8 block-128 or a dense weight in the model's dtype, else None (its own GEMV).
+    H200, decode B=1: the two GEMVs took ~4.9 us each, at full size 34 layers of them."""
+    if isinstance(w, fp8.FP8Linear):
+        return kda_kernels.LowRank(w.weight, w.scale_inv)
+    if isinstance(w, torch.Tensor) and w.dtype == dtype and w.is_contiguous():
+        return kda_kernels.LowRank(w)
+    return None
 
 
 def fp32_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -545,10 +545,29 @@ def _qkv(j: tl.constexpr, q, k, v):
 
 
 @triton.jit
-def _kda_inputs_kernel(q_ptr, k_ptr, v_ptr, x_stride, conv_ptr, slots_ptr, w_ptr, f_ptr, f_stride,
-                       alog_ptr, dtb_ptr, b_ptr, b_stride, qo_ptr, ko_ptr, vo_ptr, go_ptr, beta_ptr,
+def _low_rank(x_ptr, w_ptr, s_ptr, rows, R, LR: tl.constexpr, DT: tl.constexpr):
+    # Rows `rows` of W · x (W [n, R] row-major, x [R]) rounded to DT, as fastdecode's linear gives them:
+    # fp32 sums; for FP8 block-128 (LR 1, scale_inv s [ceil(n/128), ceil(R/128)]) each 128-wide block's
+    # dot times its scale, the blocks added in order, as kernels.fp8_gemv does; LR 2: a dense W.
+    acc = tl.zeros([rows.shape[0]], dtype=tl.float32)
+    j0 = tl.arange(0, 128)
+    for k0 in range(0, R, 128):
+        j = k0 + j0
+        x = tl.load(x_ptr + j, mask=j < R, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + rows[:, None] * R + j[None, :], mask=j[None, :] < R, other=0.0).to(tl.float32)
+        dot = tl.sum(w * x[None, :], axis=1)
+        if LR == 1:
+            dot = dot * tl.load(s_ptr + (rows // 128) * tl.cdiv(R, 128) + k0 // 128)
+        acc += dot
+    return _cast(acc, DT).to(tl.float32)
+
+
+@triton.jit
+def _kda_inputs_kernel(q_ptr, k_ptr, v_ptr, x_stride, conv_ptr, slots_ptr, w_ptr, f_ptr, f_stride, fw_ptr, fs_ptr,
+                       R, alog_ptr, dtb_ptr, b_ptr, b_stride, qo_ptr, ko_ptr, vo_ptr, go_ptr, beta_ptr,
                        lower, scale, cs_slot, cs_j, cs_row,
-                       H: tl.constexpr, DH: tl.constexpr, KW: tl.constexpr, KP: tl.constexpr):
+                       H: tl.constexpr, DH: tl.constexpr, KW: tl.constexpr, KP: tl.constexpr, LR: tl.constexpr):
+    # LR 0: f_ptr holds f (f_b's output); 1, 2: f_a's output, and f = f_b · it here (see _low_rank).
     bi = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(slots_ptr + bi).to(tl.int64)
@@ -573,45 +592,86 @@ def _kda_inputs_kernel(q_ptr, k_ptr, v_ptr, x_stride, conv_ptr, slots_ptr, w_ptr
         else:
             tl.store(vo_ptr + out, act)
     a = tl.exp(tl.load(alog_ptr + h))
-    f = tl.load(f_ptr + bi * f_stride + c).to(tl.float32)
+    if LR == 0:
+        f = tl.load(f_ptr + bi * f_stride + c).to(tl.float32)
+    else:
+        f = _low_rank(f_ptr + bi * f_stride, fw_ptr, fs_ptr, c, R, LR, f_ptr.dtype.element_ty)
     tl.store(go_ptr + out, lower * tl.sigmoid(a * (f + tl.load(dtb_ptr + c))))
     tl.store(beta_ptr + bi * H + h, tl.sigmoid(tl.load(b_ptr + bi * b_stride + h).to(tl.float32)))
 
 
+@dataclass
+class LowRank:
+    """The second factor W [n, r] of a low-rank projection (f_b, g_b), for a decode kernel to apply to
+    the first factor's output itself instead of a GEMV launch of its own: FP8 block-128 (weight
+    float8_e4m3fn, scale_inv [ceil(n/128), ceil(r/128)] fp32) or a dense weight (scale_inv None)."""
+    weight: torch.Tensor
+    scale_inv: torch.Tensor | None = None
+
+    def check(self, name: str, x: torch.Tensor, rows: int, n: int) -> int:
+        """Checks W against its input x [rows, r]; returns the kernels' LR switch (1 FP8, 2 dense)."""
+        w, s = self.weight, self.scale_inv
+        r = w.shape[-1]
+        fp8 = w.dtype == torch.float8_e4m3fn
+        if w.dim() != 2 or w.shape[0] != n or not w.is_contiguous() or \
+                not (fp8 or (s is None and w.dtype in (torch.bfloat16, torch.float16, torch.float32))):
+            raise ValueError(f"{name}: the low-rank weight must be contiguous FP8 (with scale_inv), bf16, fp16 or "
+                             f"fp32 ({n}, r), got {w.dtype} {tuple(w.shape)}")
+        if fp8 and (s is None or tuple(s.shape) != ((n + 127) // 128, (r + 127) // 128) or s.dtype != torch.float32
+                    or not s.is_contiguous()):
+            raise ValueError(f"{name}: scale_inv must be contiguous fp32 ({(n + 127) // 128}, {(r + 127) // 128}), "
+                             f"got {None if s is None else (s.dtype, tuple(s.shape))}")
+        _rows(x, f"{name}: the low-rank input", rows, r)
+        if not fp8 and x.dtype != w.dtype:  # linear would convert x and round its output to W's dtype
+            raise ValueError(f"{name}: a dense low-rank weight must have its input's dtype {x.dtype}, got {w.dtype}")
+        return 1 if fp8 else 2
+
+
+def _low_rank_args(lr: LowRank | None, x: torch.Tensor) -> tuple:
+    # The kernels' weight and scale pointers and rank r (x itself where unused).
+    if lr is None:
+        return x, x, 0
+    return lr.weight, x if lr.scale_inv is None else lr.scale_inv, lr.weight.shape[1]
+
+
 def _check_kda_inputs(name: str, pre_conv: tuple[torch.Tensor, torch.Tensor, torch.Tensor], conv_w: torch.Tensor,
-                      f: torch.Tensor, b: torch.Tensor, H: int, d: int) -> tuple[int, int, int]:
-    # kda_decode_inputs' and kda_chunk_inputs' shared operands: returns (rows, H·d, conv width K).
+                      f: torch.Tensor, b: torch.Tensor, H: int, d: int,
+                      f_b: LowRank | None = None) -> tuple[int, int, int, int]:
+    # kda_decode_inputs' and kda_chunk_inputs' shared operands: returns (rows, H·d, conv width K, LR).
     n, HD = pre_conv[0].shape[0], H * d
     for qkv, t in zip("qkv", pre_conv):
         _rows(t, f"{name}: {qkv}", n, HD)
     if pre_conv[0].stride(0) != pre_conv[1].stride(0) or pre_conv[0].stride(0) != pre_conv[2].stride(0):
         raise ValueError(f"{name}: q, k, v must share a row stride")
-    _rows(f, f"{name}: f", n, HD)
+    if f_b is None:
+        _rows(f, f"{name}: f", n, HD)
+    lr = 0 if f_b is None else f_b.check(f"{name}: f_b", f, n, HD)
     _rows(b, f"{name}: b", n, H)
     K = conv_w.shape[-1]
     if tuple(conv_w.shape) != (3, HD, K) or not conv_w.is_contiguous():
         raise ValueError(f"{name}: conv_w must be contiguous (3, {HD}, {K}), got {tuple(conv_w.shape)}")
-    return n, HD, K
+    return n, HD, K, lr
 
 
 def kda_decode_inputs(pre_conv: tuple[torch.Tensor, torch.Tensor, torch.Tensor], conv_state: torch.Tensor,
                       slots: torch.Tensor, conv_w: torch.Tensor, f: torch.Tensor, A_log: torch.Tensor,
-                      dt_bias: torch.Tensor, b: torch.Tensor, lower_bound: float, H: int, d: int
-                      ) -> tuple[torch.Tensor, ...]:
+                      dt_bias: torch.Tensor, b: torch.Tensor, lower_bound: float, H: int, d: int,
+                      f_b: LowRank | None = None) -> tuple[torch.Tensor, ...]:
     """§4.3.2-4.3.5 for one token of B sequences: short conv + SiLU over the slot's window (updating
     conv_state [slots, 3, K-1, H·d] in place), q and k L2-normalized (q also · d^-1/2), the gate g
-    and β. pre_conv: q̃, k̃, ṽ [B, H·d]; conv_w [3, H·d, K]; f [B, H·d] (f_b's output); A_log [H] and
-    dt_bias [H·d] fp32; b [B, H] (b_proj's output). Returns q, k, v, g [B, H, d] and β [B, H], fp32."""
-    B, HD, K = _check_kda_inputs("kda_decode_inputs", pre_conv, conv_w, f, b, H, d)
+    and β. pre_conv: q̃, k̃, ṽ [B, H·d]; conv_w [3, H·d, K]; f [B, H·d] (f_b's output), or with f_b
+    f_a's output [B, r], f_b applied here; A_log [H] and dt_bias [H·d] fp32; b [B, H] (b_proj's
+    output). Returns q, k, v, g [B, H, d] and β [B, H], fp32."""
+    B, HD, K, lr = _check_kda_inputs("kda_decode_inputs", pre_conv, conv_w, f, b, H, d, f_b)
     if tuple(conv_state.shape[1:]) != (3, K - 1, HD) or conv_state.stride(-1) != 1:
         raise ValueError(f"kda_decode_inputs: conv_state must be (slots, 3, {K - 1}, {HD}), got {tuple(conv_state.shape)}")
     q, k, v, g = (torch.empty(B, H, d, dtype=torch.float32, device=f.device) for _ in range(4))
     beta = torch.empty(B, H, dtype=torch.float32, device=f.device)
     _kda_inputs_kernel[(B, H)](
         *pre_conv, pre_conv[0].stride(0), conv_state, slots.contiguous(), conv_w, f, f.stride(0),
-        A_log.float().contiguous(), dt_bias.float().contiguous(), b, b.stride(0), q, k, v, g, beta,
-        lower_bound, d ** -0.5, conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
-        H=H, DH=d, KW=K, KP=triton.next_power_of_2(K))
+        *_low_rank_args(f_b, f), A_log.float().contiguous(), dt_bias.float().contiguous(), b, b.stride(0),
+        q, k, v, g, beta, lower_bound, d ** -0.5, conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
+        H=H, DH=d, KW=K, KP=triton.next_power_of_2(K), LR=lr)
     return q, k, v, g, beta
 
 
@@ -661,7 +721,7 @@ def kda_chunk_inputs(pre_conv: tuple[torch.Tensor, torch.Tensor, torch.Tensor], 
     window running over history [3, K-1, H·d] (the slot's conv state before the chunk, read only)
     and then the chunk's own rows. pre_conv q̃, k̃, ṽ [n, H·d]; f [n, H·d]; b [n, H]. Returns q, k, v,
     g [n, H, d] and β [n, H], fp32. Twin: model_glm's short_conv, l2_norm and kda_gate."""
-    n, HD, K = _check_kda_inputs("kda_chunk_inputs", pre_conv, conv_w, f, b, H, d)
+    n, HD, K, _ = _check_kda_inputs("kda_chunk_inputs", pre_conv, conv_w, f, b, H, d)
     if tuple(history.shape) != (3, K - 1, HD) or history.stride(-1) != 1:
         raise ValueError(f"kda_chunk_inputs: history must be (3, {K - 1}, {HD}), got {tuple(history.shape)}")
     q, k, v, g = (torch.empty(n, H, d, dtype=torch.float32, device=f.device) for _ in range(4))
@@ -674,22 +734,31 @@ def kda_chunk_inputs(pre_conv: tuple[torch.Tensor, torch.Tensor, torch.Tensor], 
 
 
 @triton.jit
-def _kda_output_kernel(o_ptr, og_ptr, og_stride, w_ptr, out_ptr, eps, H: tl.constexpr, DH: tl.constexpr):
+def _kda_output_kernel(o_ptr, og_ptr, og_stride, gw_ptr, gs_ptr, R, w_ptr, out_ptr, eps, H: tl.constexpr,
+                       DH: tl.constexpr, LR: tl.constexpr):
+    # LR 0: og_ptr holds o_g (g_b's output); 1, 2: g_a's output, and o_g = g_b · it here (see _low_rank).
     bi = tl.program_id(0)
     h = tl.program_id(1)
     i = tl.arange(0, DH)
     o = tl.load(o_ptr + (bi * H + h) * DH + i).to(tl.float32)
     y = tl.load(w_ptr + i) * (o / tl.sqrt(tl.sum(o * o, axis=0) / DH + eps))
-    gate = tl.load(og_ptr + bi * og_stride + h * DH + i).to(tl.float32)
+    if LR == 0:
+        gate = tl.load(og_ptr + bi * og_stride + h * DH + i).to(tl.float32)
+    else:
+        gate = _low_rank(og_ptr + bi * og_stride, gw_ptr, gs_ptr, h * DH + i, R, LR, og_ptr.dtype.element_ty)
     tl.store(out_ptr + bi * H * DH + h * DH + i, _cast(y * tl.sigmoid(gate), out_ptr.dtype.element_ty))
 
 
 def kda_output_gate(o: torch.Tensor, o_g: torch.Tensor, o_norm: torch.Tensor, eps: float,
-                    dtype: torch.dtype) -> torch.Tensor:
+                    dtype: torch.dtype, g_b: LowRank | None = None) -> torch.Tensor:
     """§4.3.8 before o_proj: per-head RMSNorm of o [B, H, d] (fp32 weight o_norm [d]) times
-    sigmoid(o_g [B, H·d]), in `dtype`, [B, H·d]."""
+    sigmoid(o_g [B, H·d]), in `dtype`, [B, H·d]. With g_b, o_g is g_a's output [B, r] and g_b is
+    applied here."""
     B, H, d = o.shape
-    _rows(o_g, "kda_output_gate: o_g", B, H * d)
+    if g_b is None:
+        _rows(o_g, "kda_output_gate: o_g", B, H * d)
+    lr = 0 if g_b is None else g_b.check("kda_output_gate: g_b", o_g, B, H * d)
     out = torch.empty(B, H * d, dtype=dtype, device=o.device)
-    _kda_output_kernel[(B, H)](o.contiguous(), o_g, o_g.stride(0), o_norm.float().contiguous(), out, eps, H=H, DH=d)
+    _kda_output_kernel[(B, H)](o.contiguous(), o_g, o_g.stride(0), *_low_rank_args(g_b, o_g),
+                               o_norm.float().contiguous(), out, eps, H=H, DH=d, LR=lr)
     return out

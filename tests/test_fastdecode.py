@@ -17,8 +17,8 @@ import kernels
 import fp8
 import tiny
 from cache import CachePool
-from model_glm import (GLMConfig, GLMModel, SeqChunk, hc_post, hc_pre, kda_gate, l2_norm, mla_attention, pool_keys,
-                       rms_norm, route, select_tokens, short_conv, swiglu)
+from model_glm import (GLMConfig, GLMModel, SeqChunk, hc_post, hc_pre, kda_gate, l2_norm, linear, mla_attention,
+                       pool_keys, rms_norm, route, select_tokens, short_conv, swiglu)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CACHE_TENSORS = ("latent", "index_k", "gate", "pooled", "kda_state", "conv_state")
@@ -160,6 +160,46 @@ def test_kda_inputs_and_output_match_model_glm(dtype):
     want = (rms_norm(o, w, 1e-5) * torch.sigmoid(o_g.float().view(B, H, d))).to(dtype).flatten(1)
     torch.testing.assert_close(kda_kernels.kda_output_gate(o, o_g, w, 1e-5, dtype), want, **tol)
 
+
+
+@pytest.mark.parametrize("form", ["fp8", "dense"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kda_kernels_apply_the_low_rank_gate_factors_like_linear(form, dtype):
+    # f = f_b · f_a and o_g = g_b · g_a inside the KDA decode kernels against linear's output passed in:
+    # the same up to the sum order (one rounding of f / o_g to the activations' dtype).
+    g = torch.Generator().manual_seed(3)
+    B, H, d, K, r = 2, 4, 32, 4, 160  # r: two 128-wide blocks, the second ragged
+    HD = H * d
+    pre = [torch.randn(B, HD, generator=g).to(dtype).to(DEVICE) for _ in range(3)]
+    conv_w = torch.randn(3, HD, K, generator=g).to(dtype).to(DEVICE)
+    A_log, dt_bias = torch.randn(H, generator=g).to(DEVICE), torch.randn(HD, generator=g).to(DEVICE)
+    b = torch.randn(B, H, generator=g).to(dtype).to(DEVICE)
+    f_a, g_a = (torch.randn(B, r, generator=g).to(dtype).to(DEVICE) for _ in range(2))
+    ws = [torch.randn(HD, r, generator=g) * (3.0 / r ** 0.5) for _ in range(2)]
+    if form == "fp8":
+        lins = [fp8.FP8Linear.from_weight(w.to(DEVICE)) for w in ws]
+        factors = [kda_kernels.LowRank(lin.weight, lin.scale_inv) for lin in lins]
+    else:
+        lins = [w.to(dtype).to(DEVICE) for w in ws]
+        factors = [kda_kernels.LowRank(lin) for lin in lins]
+    f, o_g = linear(f_a, lins[0]), linear(g_a, lins[1])
+    state = [torch.randn(3, 3, K - 1, HD, generator=g).to(dtype).to(DEVICE)] * 2
+    state[1] = state[0].clone()
+    slots = torch.tensor([2, 0], device=DEVICE)
+    want = kda_kernels.kda_decode_inputs(pre, state[0], slots, conv_w, f, A_log, dt_bias, b, -5.0, H, d)
+    got = kda_kernels.kda_decode_inputs(pre, state[1], slots, conv_w, f_a, A_log, dt_bias, b, -5.0, H, d,
+                                        f_b=factors[0])
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=1e-3)
+    for name, x, y in zip(("q", "k", "v", "g", "beta"), got, want):
+        torch.testing.assert_close(x, y, **(tol if name == "g" else dict(rtol=0, atol=0)), msg=name)
+    o = torch.randn(B, H, d, generator=g).to(DEVICE)
+    w = (1 + 0.1 * torch.randn(d, generator=g)).to(DEVICE)
+    torch.testing.assert_close(kda_kernels.kda_output_gate(o, g_a, w, 1e-5, dtype, g_b=factors[1]),
+                               kda_kernels.kda_output_gate(o, o_g, w, 1e-5, dtype), **tol)
+    with pytest.raises(ValueError, match="a dense low-rank weight must have its input's dtype"):
+        kda_kernels.kda_output_gate(o, g_a.half(), w, 1e-5, dtype, g_b=kda_kernels.LowRank(ws[1].to(DEVICE)))
+    with pytest.raises(ValueError, match=rf"the low-rank input must be \({B}, {r}\)"):
+        kda_kernels.kda_output_gate(o, g_a[:, 1:], w, 1e-5, dtype, g_b=factors[1])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
