@@ -20,16 +20,17 @@ exl3_moe_prefill is the MoE layer for many rows: pairs sorted by expert, grouped
 each trellis tile in registers once per tile of up to 256 rows of that expert.
 
 Like kernels.py, this file imports neither exl3.py nor model_glm.py (they sit above it); it takes
-a few helpers from kernels.py (the result buffer and block_n check the FP8 GEMV shares, the launch
-options of `pdl`).
+two small helpers from kernels.py (the result buffer and the block_n check the FP8 GEMV shares).
 """
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels import _COMPILED, _check_block_n, _out_buffer, _pdl_start, pdl
+from kernels import _check_block_n, _out_buffer
 
 CODEBOOKS = ("3inst", "mcg", "mul1")
 
@@ -62,6 +63,10 @@ def _state(words_ptr, tile_word0, w, o, K2: tl.constexpr):
     # (lo >> 1) >> (31 - o) is lo >> (32 - o) without a 32-bit shift when o == 0.
     window = (hi << o) | ((lo >> 1) >> (31 - o))
     return window >> 16
+
+
+# Compiled for an NVIDIA GPU (inline PTX), not run by the CPU interpreter (which has no inline asm).
+_COMPILED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
 
 
 @triton.jit
@@ -110,8 +115,7 @@ def _opaque_zero(k):
 
 @triton.jit
 def _decode_kernel(words_ptr, out_ptr, tiles_k, tiles_n,
-                   K2: tl.constexpr, CB: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, PDL: tl.constexpr):
-    _pdl_start(PDL)
+                   K2: tl.constexpr, CB: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
     NW: tl.constexpr = 4 * K2
     tile_row0 = tl.program_id(0) * (BR // 16)
     tile_col0 = tl.program_id(1) * (BC // 16)
@@ -137,11 +141,10 @@ def _times_hadamard(z, ROWS: tl.constexpr):
 
 
 @triton.jit
-def _rotate_input_kernel(x_ptr, suh_ptr, xh_ptr, m, k, PDL: tl.constexpr):
+def _rotate_input_kernel(x_ptr, suh_ptr, xh_ptr, m, k):
     # xh = (x ⊙ suh) · H128 for one 128-block of k, in fp32, stored in the gemv's row order:
     # inside every 16-row tile, row r = 8 * j1 + 2 * ll + j0 goes to slot 4 * ll + 2 * j1 + j0, so
     # that the rows one mma lane needs (spec §3) are 4 neighbours.
-    _pdl_start(PDL)
     rows = tl.arange(0, 16)[:, None]
     i = tl.arange(0, 128)
     x = tl.load(x_ptr + rows * k + tl.program_id(0) * 128 + i[None, :], mask=rows < m, other=0.0)
@@ -366,9 +369,7 @@ def _gemv_products(xh_ptr, words_ptr, m, k, n, steps, pid_n, pid_k,
 @triton.jit
 def _gemv_kernel(xh_ptr, svh_ptr, words_ptr, partial_ptr, arrivals_ptr, y_ptr,
                  m, k, n, steps, arrivals,
-                 K2: tl.constexpr, CB: tl.constexpr, MP: tl.constexpr, RT: tl.constexpr, CT: tl.constexpr,
-                 PDL: tl.constexpr):
-    _pdl_start(PDL)
+                 K2: tl.constexpr, CB: tl.constexpr, MP: tl.constexpr, RT: tl.constexpr, CT: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     z = _gemv_products(xh_ptr, words_ptr, m, k, n, steps, pid_n, pid_k, K2, CB, MP, RT, CT)
@@ -424,7 +425,7 @@ def exl3_decode(trellis: torch.Tensor, codebook: str, out: torch.Tensor | None =
     block_rows, block_cols = 64, 128
     grid = (triton.cdiv(tiles_k * 16, block_rows), triton.cdiv(tiles_n * 16, block_cols))
     _decode_kernel[grid](words, out, tiles_k, tiles_n, K2=k2, CB=CODEBOOKS.index(codebook),
-                         BR=block_rows, BC=block_cols, **pdl())
+                         BR=block_rows, BC=block_cols)
     return out
 
 
@@ -485,11 +486,11 @@ def exl3_gemv(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: to
     for row in range(0, m, GEMV_ROWS):
         rows = min(GEMV_ROWS, m - row)
         xh = torch.empty((rows, k), dtype=torch.float32, device=x.device)
-        _rotate_input_kernel[(k // 128,)](x[row:], suh, xh, rows, k, **pdl())
+        _rotate_input_kernel[(k // 128,)](x[row:], suh, xh, rows, k)
         _gemv_kernel[(n // block_n, split)](
             xh, svh, words, partial, counters, out[row:], rows, k, n, tiles_k // (split * row_tiles),
             split * 128 // block_n, K2=k2, CB=CODEBOOKS.index(codebook), MP=triton.next_power_of_2(rows),
-            RT=row_tiles, CT=block_n // 16, num_warps=num_warps, num_stages=num_stages, **pdl())
+            RT=row_tiles, CT=block_n // 16, num_warps=num_warps, num_stages=num_stages)
     return out
 
 
@@ -509,11 +510,10 @@ def exl3_gemv(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: to
 
 
 @triton.jit
-def _moe_rotate_kernel(x_ptr, ids_ptr, suh_gate_ptr, suh_up_ptr, xh_ptr, y_ptr, k, top_k, pairs, PDL: tl.constexpr):
+def _moe_rotate_kernel(x_ptr, ids_ptr, suh_gate_ptr, suh_up_ptr, xh_ptr, y_ptr, k, top_k, pairs):
     # xh[0 | 1, p, block] = (x[token] ⊙ suh_gate | suh_up [e]) · H128 / sqrt(128), in the gemv's row order;
     # a token's first pair also zeroes its block of the output y (k = D columns), which the down launch
     # adds into, two launches later (a memset launch fewer).
-    _pdl_start(PDL)
     blk = tl.program_id(0)
     p = tl.program_id(1)
     e = tl.load(ids_ptr + p).to(tl.int64)
@@ -532,11 +532,9 @@ def _moe_rotate_kernel(x_ptr, ids_ptr, suh_gate_ptr, suh_up_ptr, xh_ptr, y_ptr, 
 @triton.jit
 def _moe_gemv_kernel(xh_ptr, words_ptr, words_up_ptr, ids_ptr, partial_ptr, arrivals_ptr, k, n, steps, arrivals,
                      expert_words, pairs, svh_a_ptr, svh_b_ptr, suh_next_ptr, route_ptr, out_ptr, top_k, limit,
-                     K2: tl.constexpr, CB: tl.constexpr, RT: tl.constexpr, CT: tl.constexpr, DOWN: tl.constexpr,
-                     PDL: tl.constexpr):
+                     K2: tl.constexpr, CB: tl.constexpr, RT: tl.constexpr, CT: tl.constexpr, DOWN: tl.constexpr):
     # Program (pid_n, pid_k, q): one row, its expert's trellis. Gate and up share a launch: q is
     # half * pairs + p with half 0 for gate (words_ptr) and 1 for up (words_up_ptr); down has q = p.
-    _pdl_start(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     q = tl.program_id(2)
@@ -670,13 +668,13 @@ def exl3_moe_decode(x: torch.Tensor, ids: torch.Tensor, route: torch.Tensor,
 
     xh = torch.empty((2, P, D), dtype=torch.float32, device=dev)
     y = torch.empty((m, D), dtype=torch.float32, device=dev)  # zeroed by the rotation
-    _moe_rotate_kernel[(D // 128, P)](x, ids, gate[1], up[1], xh, y, D, top_k, P, **pdl())
+    _moe_rotate_kernel[(D // 128, P)](x, ids, gate[1], up[1], xh, y, D, top_k, P)
 
     act_h = torch.empty((P, I), dtype=torch.float32, device=dev)
     steps = D // 16 // row_tiles
     split = _moe_split(dev, I, 2 * P, steps, block_n)
     partial, counters = _moe_buffers(dev, P, I, 2)
-    launch = dict(K2=k2, CB=cb, RT=row_tiles, CT=block_n // 16, num_warps=num_warps, **pdl())
+    launch = dict(K2=k2, CB=cb, RT=row_tiles, CT=block_n // 16, num_warps=num_warps)
     _moe_gemv_kernel[(I // block_n, split, 2 * P)](
         xh, words[0], words[1], ids, partial, counters, D, I, steps // split, 2 * split * 128 // block_n,
         (D // 16) * (I // 16) * NW, P, gate[2], up[2], down[1], route, act_h, top_k, limit, DOWN=False, **launch)
@@ -767,9 +765,8 @@ def _prefill_rotate(x_ptr, suh_ptr, tok, e, ok, D, out_ptr, inv_ptr, s, RB: tl.c
 
 @triton.jit
 def _prefill_rotate_kernel(x_ptr, order_ptr, ids_ptr, suh_gate_ptr, suh_up_ptr, xs_gate_ptr, xs_up_ptr,
-                           inv_gate_ptr, inv_up_ptr, P, D, top_k, RB: tl.constexpr, PDL: tl.constexpr):
+                           inv_gate_ptr, inv_up_ptr, P, D, top_k, RB: tl.constexpr):
     # Rows s of xs_gate and xs_up for the sorted pairs s of this program: rotated, scaled rows.
-    _pdl_start(PDL)
     s = tl.program_id(0) * RB + tl.arange(0, RB)
     ok = s < P
     pair = tl.load(order_ptr + s, mask=ok, other=0)
@@ -781,9 +778,8 @@ def _prefill_rotate_kernel(x_ptr, order_ptr, ids_ptr, suh_gate_ptr, suh_up_ptr, 
 
 
 @triton.jit
-def _prefill_scale_kernel(a_ptr, out_ptr, inv_ptr, P, n, RB: tl.constexpr, PDL: tl.constexpr):
+def _prefill_scale_kernel(a_ptr, out_ptr, inv_ptr, P, n, RB: tl.constexpr):
     # out[s] = fp16(a[s] · scale), inv[s] = 1 / scale, for RB rows of a [P, n] fp32.
-    _pdl_start(PDL)
     s = (tl.program_id(0) * RB + tl.arange(0, RB)).to(tl.int64)
     ok = s < P
     i = tl.arange(0, 128)[None, :]
@@ -854,11 +850,10 @@ def _prefill_projection(acc, row_factor, svh_ptr, e, n, c, BM: tl.constexpr):
 def _prefill_gate_up_kernel(xs_gate_ptr, xs_up_ptr, inv_gate_ptr, inv_up_ptr, gate_words_ptr, up_words_ptr,
                             tiles_ptr, svh_gate_ptr, svh_up_ptr, suh_down_ptr, act_ptr, D, I, expert_words, limit,
                             K2: tl.constexpr, CB: tl.constexpr, RT: tl.constexpr, BM: tl.constexpr,
-                            PASS: tl.constexpr, PDL: tl.constexpr):
+                            PASS: tl.constexpr):
     # Program (128-column block, tile): act[pairs of the tile, block] = (swiglu(gate, up) ⊙ suh_down) · H128.
     # PASS 0 computes both projections. At 256-row tiles their two accumulators do not fit the registers
     # together, so they take two launches: PASS 1 stores silu(gate) in act, PASS 2 multiplies it by up.
-    _pdl_start(PDL)
     pid_n = tl.program_id(0)
     tile = tl.program_id(1)
     rows = tl.load(tiles_ptr + 3 * tile + 2)
@@ -894,9 +889,8 @@ def _prefill_gate_up_kernel(xs_gate_ptr, xs_up_ptr, inv_gate_ptr, inv_up_ptr, ga
 @triton.jit
 def _prefill_down_kernel(acts_ptr, inv_ptr, words_ptr, tiles_ptr, order_ptr, route_ptr, svh_ptr, out_ptr,
                          I, D, top_k, expert_words,
-                         K2: tl.constexpr, CB: tl.constexpr, RT: tl.constexpr, BM: tl.constexpr, PDL: tl.constexpr):
+                         K2: tl.constexpr, CB: tl.constexpr, RT: tl.constexpr, BM: tl.constexpr):
     # Program (128-column block, tile): out[token, block] += route · (down products · H128) ⊙ svh.
-    _pdl_start(PDL)
     pid_n = tl.program_id(0)
     tile = tl.program_id(1)
     rows = tl.load(tiles_ptr + 3 * tile + 2)
@@ -966,13 +960,13 @@ def exl3_moe_prefill(x: torch.Tensor, ids: torch.Tensor, route: torch.Tensor,
     ids = ids.to(torch.int32)
     route = route.reshape(-1).float().contiguous()
     words = [t[0].contiguous().view(torch.int32) for t in (gate, up, down)]
-    launch = dict(K2=k2, CB=CODEBOOKS.index(codebook), RT=row_tiles, BM=BM, num_warps=warps, **pdl())
+    launch = dict(K2=k2, CB=CODEBOOKS.index(codebook), RT=row_tiles, BM=BM, num_warps=warps)
 
     xs = torch.empty((2, P, D), dtype=torch.float16, device=dev)
     inv = torch.empty((2, P), dtype=torch.float32, device=dev)
     _prefill_rotate_kernel[(triton.cdiv(P, PREFILL_ROTATE_ROWS),)](
         x.contiguous(), order, ids, gate[1], up[1], xs[0], xs[1], inv[0], inv[1], P, D, top_k,
-        RB=PREFILL_ROTATE_ROWS, num_warps=PREFILL_ROTATE_WARPS, **pdl())
+        RB=PREFILL_ROTATE_ROWS, num_warps=PREFILL_ROTATE_WARPS)
     act = torch.empty((P, I), dtype=torch.float32, device=dev)
     for pass_ in ((1, 2) if BM == 256 else (0,)):
         _prefill_gate_up_kernel[(I // 128, tiles.shape[0])](
@@ -981,7 +975,7 @@ def exl3_moe_prefill(x: torch.Tensor, ids: torch.Tensor, route: torch.Tensor,
     del xs
     acts = torch.empty((P, I), dtype=torch.float16, device=dev)
     inv = torch.empty((P,), dtype=torch.float32, device=dev)
-    _prefill_scale_kernel[(triton.cdiv(P, PREFILL_ROWS),)](act, acts, inv, P, I, RB=PREFILL_ROWS, **pdl())
+    _prefill_scale_kernel[(triton.cdiv(P, PREFILL_ROWS),)](act, acts, inv, P, I, RB=PREFILL_ROWS)
     del act
     _prefill_down_kernel[(D // 128, tiles.shape[0])](
         acts, inv, words[2], tiles, order, route, down[2], y, I, D, top_k, (I // 16) * (D // 16) * 4 * k2, **launch)

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import _cast, _check_pow2, _dot_tf32x3, _pdl_start, _rows, pdl
+from kernels import _cast, _check_pow2, _dot_tf32x3, _rows
 
 # ================================================================ KDA recurrence
 # Per head h the state S[h] is fp32 [d_k, d_v], indexed [key i, value j]. One token:
@@ -85,15 +85,14 @@ def kda_recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     o = torch.empty(B, H, dv, dtype=q.dtype, device=q.device)
     _kda_step_kernel[(B * H, dv // bv)](
         q, k, v, g, beta, state, slots.to(torch.int64).contiguous(), o,
-        *state.stride(), H=H, DK=dk, DV=dv, BV=bv, num_warps=num_warps, **pdl())
+        *state.stride(), H=H, DK=dk, DV=dv, BV=bv, num_warps=num_warps)
     return o
 
 
 @triton.jit
 def _kda_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slots_ptr, o_ptr,
                      s_slot, s_head, s_key, s_val,
-                     H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, PDL: tl.constexpr):
-    _pdl_start(PDL)
+                     H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr):
     bh = tl.program_id(0)
     b = bh // H
     h = bh % H
@@ -199,11 +198,11 @@ def chunk_factors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     tm = torch.empty(rows, H, chunk, **f32)
     _kda_chunk_intra_kernel[(n_chunks, H)](
         q, k, g, beta, f.gamma, a, tm, f.aqk, T, H=H, DK=dk, BT=chunk, BC=SUB_CHUNK, BKD=16,
-        DOT=precision, num_warps=num_warps, num_stages=num_stages, **pdl())
+        DOT=precision, num_warps=num_warps, num_stages=num_stages)
     bd = min(dk, dv, 32)
     _kda_chunk_wy_kernel[((dk + dv) // bd, n_chunks, H)](
         q, k, v, beta, f.gamma, tm, f.w, f.u, f.qg, f.kd, T, H=H, DK=dk, DV=dv, BT=chunk, BD=bd,
-        DOT=precision, num_warps=4, num_stages=1, **pdl())
+        DOT=precision, num_warps=4, num_stages=1)
     return f
 
 
@@ -225,7 +224,7 @@ def chunk_states(f: ChunkFactors, initial_state: torch.Tensor | None, block_v: i
     _kda_chunk_state_kernel[(dv // bv, H)](
         f.w, f.u, f.kd, f.gamma, init, states, n_chunks,
         H=H, DK=dk, DV=dv, BT=f.chunk, BV=bv, HAS_INIT=initial_state is not None, DOT=precision,
-        num_warps=num_warps, num_stages=num_stages, **pdl())
+        num_warps=num_warps, num_stages=num_stages)
     return states
 
 
@@ -239,7 +238,7 @@ def chunk_output(f: ChunkFactors, states: torch.Tensor, out_dtype: torch.dtype,
     _kda_chunk_output_kernel[(rows // f.chunk, H, dv // bv)](
         f.qg, f.aqk, f.u, states, o, f.T,
         H=H, DK=dk, DV=dv, BT=f.chunk, BV=bv, BK=min(dk, OUT_BLOCK_K), DOT=precision,
-        num_warps=4, num_stages=3, **pdl())
+        num_warps=4, num_stages=3)
     return o
 
 
@@ -254,8 +253,7 @@ def _dot(a, b, acc, DOT: tl.constexpr):
 @triton.jit
 def _kda_chunk_intra_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, gamma_ptr, a_ptr, tm_ptr, aqk_ptr, T,
                             H: tl.constexpr, DK: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-                            BKD: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr):
-    _pdl_start(PDL)
+                            BKD: tl.constexpr, DOT: tl.constexpr):
     """One (chunk, head): Γ (the chunk's cumulative sum of g), then Aqk and Tm = (I - A)^{-1},
     BC x BC blocks at a time (BT = BC · NC, NC = 1, 2 or 4). Row block R:
 
@@ -385,8 +383,7 @@ def _intra_store(kk, qk, R: tl.constexpr, P: tl.constexpr, chunk0, h, beta_ptr, 
 @triton.jit
 def _kda_chunk_wy_kernel(q_ptr, k_ptr, v_ptr, beta_ptr, gamma_ptr, tm_ptr, w_ptr, u_ptr, qg_ptr, kd_ptr, T,
                          H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr,
-                         BD: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr):
-    _pdl_start(PDL)
+                         BD: tl.constexpr, DOT: tl.constexpr):
     """One (chunk, head, BD columns of [K | V]): W = Tm (K_β ⊙ exp(Γ)) with qg and kd, or U = Tm V_β."""
     j0 = tl.program_id(0) * BD  # fastest: the programs of one chunk read its Tm while it is in L2
     c = tl.program_id(1)
@@ -426,8 +423,7 @@ def _unit_lower_inverse(a, BC: tl.constexpr):
 @triton.jit
 def _kda_chunk_state_kernel(w_ptr, u_ptr, kd_ptr, gamma_ptr, init_ptr, states_ptr, n_chunks,
                             H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr,
-                            BV: tl.constexpr, HAS_INIT: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr):
-    _pdl_start(PDL)
+                            BV: tl.constexpr, HAS_INIT: tl.constexpr, DOT: tl.constexpr):
     """One (value tile, head), chunk after chunk, with S [d_k, BV] in registers:
 
         states[c] = S;   U' = U - W S;   S <- diag(exp(Γ_last)) S + (K ⊙ exp(Γ_last - Γ))^T U'
@@ -478,8 +474,7 @@ def _kda_chunk_state_kernel(w_ptr, u_ptr, kd_ptr, gamma_ptr, init_ptr, states_pt
 @triton.jit
 def _kda_chunk_output_kernel(qg_ptr, aqk_ptr, u_ptr, states_ptr, o_ptr, T,
                              H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BT: tl.constexpr,
-                             BV: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr):
-    _pdl_start(PDL)
+                             BV: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr):
     """One (chunk, head, value tile): O = (Q ⊙ exp(Γ)) S_c + Aqk U'."""
     c = tl.program_id(0)
     h = tl.program_id(1)
@@ -571,10 +566,8 @@ def _low_rank(x_ptr, w_ptr, s_ptr, rows, R, LR: tl.constexpr, DT: tl.constexpr):
 def _kda_inputs_kernel(q_ptr, k_ptr, v_ptr, x_stride, conv_ptr, slots_ptr, w_ptr, f_ptr, f_stride, fw_ptr, fs_ptr,
                        R, alog_ptr, dtb_ptr, b_ptr, b_stride, qo_ptr, ko_ptr, vo_ptr, go_ptr, beta_ptr,
                        lower, scale, cs_slot, cs_j, cs_row,
-                       H: tl.constexpr, DH: tl.constexpr, KW: tl.constexpr, KP: tl.constexpr, LR: tl.constexpr,
-                       PDL: tl.constexpr):
+                       H: tl.constexpr, DH: tl.constexpr, KW: tl.constexpr, KP: tl.constexpr, LR: tl.constexpr):
     # LR 0: f_ptr holds f (f_b's output); 1, 2: f_a's output, and f = f_b · it here (see _low_rank).
-    _pdl_start(PDL)
     bi = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(slots_ptr + bi).to(tl.int64)
@@ -678,7 +671,7 @@ def kda_decode_inputs(pre_conv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
         *pre_conv, pre_conv[0].stride(0), conv_state, slots.contiguous(), conv_w, f, f.stride(0),
         *_low_rank_args(f_b, f), A_log.float().contiguous(), dt_bias.float().contiguous(), b, b.stride(0),
         q, k, v, g, beta, lower_bound, d ** -0.5, conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
-        H=H, DH=d, KW=K, KP=triton.next_power_of_2(K), LR=lr, **pdl())
+        H=H, DH=d, KW=K, KP=triton.next_power_of_2(K), LR=lr)
     return q, k, v, g, beta
 
 
@@ -689,10 +682,9 @@ KDA_INPUT_ROWS = 16  # chunk rows per program of the prefill inputs kernel
 def _kda_chunk_inputs_kernel(q_ptr, k_ptr, v_ptr, x_stride, hist_ptr, hist_j, hist_row, w_ptr, f_ptr, f_stride,
                              alog_ptr, dtb_ptr, b_ptr, b_stride, qo_ptr, ko_ptr, vo_ptr, go_ptr, beta_ptr,
                              n, lower, scale, H: tl.constexpr, DH: tl.constexpr, KW: tl.constexpr,
-                             BR: tl.constexpr, PDL: tl.constexpr):
+                             BR: tl.constexpr):
     # Rows r of one sequence's chunk: window row r + t (tap t) is history row r + t for r + t < K-1,
     # else chunk row r + t - (K-1); taps added in short_conv's order, 0 first.
-    _pdl_start(PDL)
     r = tl.program_id(0) * BR + tl.arange(0, BR)
     h = tl.program_id(1)
     c = h * DH + tl.arange(0, DH)
@@ -737,15 +729,14 @@ def kda_chunk_inputs(pre_conv: tuple[torch.Tensor, torch.Tensor, torch.Tensor], 
     _kda_chunk_inputs_kernel[(triton.cdiv(n, KDA_INPUT_ROWS), H)](
         *pre_conv, pre_conv[0].stride(0), history, history.stride(0), history.stride(1), conv_w, f, f.stride(0),
         A_log.float().contiguous(), dt_bias.float().contiguous(), b, b.stride(0), q, k, v, g, beta, n,
-        lower_bound, d ** -0.5, H=H, DH=d, KW=K, BR=KDA_INPUT_ROWS, **pdl())
+        lower_bound, d ** -0.5, H=H, DH=d, KW=K, BR=KDA_INPUT_ROWS)
     return q, k, v, g, beta
 
 
 @triton.jit
 def _kda_output_kernel(o_ptr, og_ptr, og_stride, gw_ptr, gs_ptr, R, w_ptr, out_ptr, eps, H: tl.constexpr,
-                       DH: tl.constexpr, LR: tl.constexpr, PDL: tl.constexpr):
+                       DH: tl.constexpr, LR: tl.constexpr):
     # LR 0: og_ptr holds o_g (g_b's output); 1, 2: g_a's output, and o_g = g_b · it here (see _low_rank).
-    _pdl_start(PDL)
     bi = tl.program_id(0)
     h = tl.program_id(1)
     i = tl.arange(0, DH)
@@ -769,5 +760,5 @@ def kda_output_gate(o: torch.Tensor, o_g: torch.Tensor, o_norm: torch.Tensor, ep
     lr = 0 if g_b is None else g_b.check("kda_output_gate: g_b", o_g, B, H * d)
     out = torch.empty(B, H * d, dtype=dtype, device=o.device)
     _kda_output_kernel[(B, H)](o.contiguous(), o_g, o_g.stride(0), *_low_rank_args(g_b, o_g),
-                               o_norm.float().contiguous(), out, eps, H=H, DH=d, LR=lr, **pdl())
+                               o_norm.float().contiguous(), out, eps, H=H, DH=d, LR=lr)
     return out

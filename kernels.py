@@ -23,45 +23,9 @@ kda_kernels.py import a few of its helpers.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-
-
-# ---------------------------------------------------------------- programmatic dependent launch
-# Every kernel of kernels.py, exl3_kernels.py and kda_kernels.py starts with `_pdl_start(PDL)` and is launched
-# with `**pdl()`. On sm_90+ (compiled, not interpreted) the launch then lets the kernel's programs be scheduled
-# while the kernel before it in the stream (or the CUDA graph) finishes, and each program waits in
-# griddepcontrol.wait until that kernel has completed and its writes are visible: the launch latency and the
-# programs' set-up overlap the previous kernel's tail. Nothing may touch memory before the wait (a kernel that
-# reads the previous one's output, or reuses its scratch, must see it finished), and every kernel launched this
-# way must wait, since a kernel after it waits only for it. H200: a CUDA graph of 92 FP8 GEMVs of the decode
-# step's shapes, each followed by a small dependent kernel, 1.04x (`.whl/s16_pdl.py`).
-
-# Kernels compiled for a GPU, not run by the CPU interpreter (which has neither inline asm nor griddepcontrol).
-_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
-_COMPILED = tl.constexpr(not _INTERPRETED)
-_PDL_DEVICES: dict[int, bool] = {}
-
-
-def pdl() -> dict[str, bool]:
-    """The launch options (PDL constexpr, launch_pdl) for the current CUDA device: on from sm_90 on."""
-    if _INTERPRETED or not torch.cuda.is_available():
-        return {"PDL": False, "launch_pdl": False}
-    device = torch.cuda.current_device()
-    if device not in _PDL_DEVICES:
-        _PDL_DEVICES[device] = torch.cuda.get_device_capability(device)[0] >= 9
-    return {"PDL": _PDL_DEVICES[device], "launch_pdl": _PDL_DEVICES[device]}
-
-
-@triton.jit
-def _pdl_start(PDL: tl.constexpr):
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
 
 
 # ---------------------------------------------------------------- argument checks
@@ -163,8 +127,7 @@ def _fp8_finish(y, out_ptr, part_ptr, arrivals_ptr, pid_n, pid_k, m, n, split, M
 
 @triton.jit
 def _fp8_gemv_mma_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, arrivals_ptr, m, n, k, k_blocks, blocks_per_split,
-                         split, BN: tl.constexpr, MP: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
-    _pdl_start(PDL)
+                         split, BN: tl.constexpr, MP: tl.constexpr, STAGES: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = tl.arange(0, MP)
@@ -205,12 +168,11 @@ def _fp8_row_dots(wa, wb, x_ptr, k0, k, G: tl.constexpr, K_TAIL: tl.constexpr):
 @triton.jit
 def _fp8_gemv_fma_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, arrivals_ptr, m, n, k, k_blocks, chunks_per_split,
                          split, BN: tl.constexpr, KB: tl.constexpr, ROWS: tl.constexpr, K_TAIL: tl.constexpr,
-                         STAGES: tl.constexpr, PDL: tl.constexpr):
+                         STAGES: tl.constexpr):
     # ROWS (1..4) activation rows, one accumulator each; K_TAIL: k is not a whole number of chunks,
     # so the loads are masked (the model's shapes are not). STAGES > 1 prefetches chunks through
     # shared memory (cp.async: ~10% more instructions, more bytes in flight per warp); 1 keeps them
     # in registers.
-    _pdl_start(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     G: tl.constexpr = KB * 8
@@ -325,7 +287,7 @@ def _fp8_gemv_fma(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor
     part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
     _fp8_gemv_fma_kernel[(n_tiles, split)](
         x, weight, scale_inv, out, part, _fp8_arrivals(x.device, n_tiles), m, n, k, k_blocks, per_split, split,
-        BN=block_n, KB=kb, ROWS=m, K_TAIL=k % (kb * FP8_BLOCK) != 0, STAGES=num_stages, num_warps=num_warps, **pdl())
+        BN=block_n, KB=kb, ROWS=m, K_TAIL=k % (kb * FP8_BLOCK) != 0, STAGES=num_stages, num_warps=num_warps)
 
 
 def _fp8_gemv_mma(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, out: torch.Tensor,
@@ -346,14 +308,13 @@ def _fp8_gemv_mma(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor
         part = torch.empty((split, rows, n), dtype=torch.float32, device=x.device) if split > 1 else target
         _fp8_gemv_mma_kernel[(n_tiles, split)](
             x[row:row + rows], weight, scale_inv, target, part, arrivals, rows, n, k, k_blocks,
-            per_split, split, BN=block_n, MP=FP8_GEMV_ROWS, STAGES=num_stages, num_warps=num_warps, **pdl())
+            per_split, split, BN=block_n, MP=FP8_GEMV_ROWS, STAGES=num_stages, num_warps=num_warps)
 
 
 @triton.jit
-def _fp8_dequantize_kernel(w_ptr, s_ptr, out_ptr, n, k, k_blocks, BN: tl.constexpr, PDL: tl.constexpr):
+def _fp8_dequantize_kernel(w_ptr, s_ptr, out_ptr, n, k, k_blocks, BN: tl.constexpr):
     # One program: BN rows x 128 columns inside one scale block, so one scale. The fp32 product is
     # the twin's, rounded once to the output dtype: bit-identical, one read of W and one write.
-    _pdl_start(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = pid_n * BN + tl.arange(0, BN)
@@ -386,7 +347,7 @@ def fp8_dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.d
     weight, scale_inv = weight.contiguous(), scale_inv.contiguous()
     out = torch.empty((n, k), dtype=dtype, device=weight.device)
     _fp8_dequantize_kernel[(triton.cdiv(n, block_n), grid_shape[1])](
-        weight, scale_inv, out, n, k, grid_shape[1], BN=block_n, num_warps=num_warps, **pdl())
+        weight, scale_inv, out, n, k, grid_shape[1], BN=block_n, num_warps=num_warps)
     return out
 
 
@@ -407,8 +368,7 @@ def fp8_dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.d
 
 @triton.jit
 def _bf16_fp32_linear_kernel(x_ptr, w_ptr, y_ptr, m, n, k, BM: tl.constexpr, BN: tl.constexpr,
-                             BK: tl.constexpr, STAGES: tl.constexpr, TC: tl.constexpr, PDL: tl.constexpr):
-    _pdl_start(PDL)
+                             BK: tl.constexpr, STAGES: tl.constexpr, TC: tl.constexpr):
     pid_n = tl.program_id(0)  # fastest: the programs sharing a block of x rows run together
     pid_m = tl.program_id(1)
     rows = pid_m * BM + tl.arange(0, BM)
@@ -453,7 +413,7 @@ def bf16_fp32_linear(x: torch.Tensor, w: torch.Tensor, *, block_m: int = 64, blo
     x, w = x.contiguous(), w.contiguous()
     _bf16_fp32_linear_kernel[(triton.cdiv(n, block_n), triton.cdiv(m, block_m))](
         x, w, y, m, n, k, BM=block_m, BN=block_n, BK=block_k, STAGES=num_stages, TC=x.is_cuda,
-        num_warps=num_warps, **pdl())
+        num_warps=num_warps)
     return y
 
 
@@ -486,10 +446,9 @@ HC_BLOCK = 512
 
 @triton.jit
 def _hc_mix_kernel(x_ptr, fn_ptr, part_ptr, sq_ptr, B, n_in, n_out, S, NP: tl.constexpr, BK: tl.constexpr,
-                   BR: tl.constexpr, PDL: tl.constexpr):
+                   BR: tl.constexpr):
     # BR rows per program share each load of fn (a prefill chunk has thousands of rows; fn is 1.5 MB);
     # each row's sums are the one-row kernel's, in fp32 FMA (tl.dot may round its inputs to TF32)
-    _pdl_start(PDL)
     s = tl.program_id(1)
     k = s * BK + tl.arange(0, BK)
     inside = k < n_in
@@ -511,7 +470,7 @@ def _tf32(v):
 
 @triton.jit
 def _hc_mix_dot_kernel(x_ptr, fn_ptr, part_ptr, sq_ptr, B, n_in, n_out, S, steps,
-                       NP: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
+                       NP: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
     # fp32-level sums on TF32 tensor cores. x (bf16 or fp16) is a TF32 value. fn = fn_hi + fn_lo + e
     # with both parts TF32 values, so every product x·fn_hi, x·fn_lo is exact (whether the MMA rounds
     # or truncates its fp32 inputs to TF32, and under the interpreter, which multiplies in fp32).
@@ -519,7 +478,6 @@ def _hc_mix_dot_kernel(x_ptr, fn_ptr, part_ptr, sq_ptr, B, n_in, n_out, S, steps
     # bits, and fn_lo rounds it to 11: |e| <= 2^-23 |fn|, one fp32 ulp. So the sums differ from Σ x·fn
     # by the fp32 accumulation's rounding plus at most 2^-23 Σ |x·fn|. A plain tl.dot (fn in TF32,
     # i.e. fn_hi alone) is off by up to 2^-11 |fn| per term (2^-10 where the MMA truncates).
-    _pdl_start(PDL)
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     s = tl.program_id(1)
     row_ok = rows < B
@@ -544,8 +502,7 @@ def _hc_mix_dot_kernel(x_ptr, fn_ptr, part_ptr, sq_ptr, B, n_in, n_out, S, steps
 @triton.jit
 def _hc_pre_kernel(x_ptr, part_ptr, sq_ptr, base_ptr, scale_ptr, u_ptr, usq_ptr, post_ptr, c_ptr,
                    D, S, NB, rms_eps, hc_eps, iters,
-                   HC: tl.constexpr, NP: tl.constexpr, SP: tl.constexpr, BD: tl.constexpr, PDL: tl.constexpr):
-    _pdl_start(PDL)
+                   HC: tl.constexpr, NP: tl.constexpr, SP: tl.constexpr, BD: tl.constexpr):
     b = tl.program_id(0)
     blk = tl.program_id(1)
     s = tl.arange(0, SP)
@@ -581,10 +538,8 @@ def _hc_pre_kernel(x_ptr, part_ptr, sq_ptr, base_ptr, scale_ptr, u_ptr, usq_ptr,
 
 
 @triton.jit
-def _hc_norm_kernel(u_ptr, usq_ptr, norm_ptr, out_ptr, D, NB, rms_eps, NBP: tl.constexpr, BD: tl.constexpr,
-                    PDL: tl.constexpr):
+def _hc_norm_kernel(u_ptr, usq_ptr, norm_ptr, out_ptr, D, NB, rms_eps, NBP: tl.constexpr, BD: tl.constexpr):
     # RMSNorm(u) · weight with model_glm.rms_norm's roundings.
-    _pdl_start(PDL)
     b = tl.program_id(0)
     blocks = tl.arange(0, NBP)
     usq = tl.load(usq_ptr + b * NB + blocks, mask=blocks < NB, other=0.0)
@@ -622,21 +577,18 @@ def _hc_post_block(x_ptr, y_ptr, y2_ptr, post_ptr, c_ptr, out_ptr, b, d, D, HC: 
 
 @triton.jit
 def _hc_post_kernel(x_ptr, y_ptr, y2_ptr, post_ptr, c_ptr, out_ptr, D, HC: tl.constexpr, BD: tl.constexpr,
-                    SUM: tl.constexpr, PDL: tl.constexpr):
-    _pdl_start(PDL)
+                    SUM: tl.constexpr):
     d = tl.program_id(1) * BD + tl.arange(0, BD)
     _hc_post_block(x_ptr, y_ptr, y2_ptr, post_ptr, c_ptr, out_ptr, tl.program_id(0), d, D, HC, SUM)
 
 
 @triton.jit
 def _hc_post_mix_kernel(x_ptr, y_ptr, y2_ptr, post_ptr, c_ptr, out_ptr, fn_ptr, part_ptr, sq_ptr, B, D, n_out, S,
-                        HC: tl.constexpr, BD: tl.constexpr, NP: tl.constexpr, BR: tl.constexpr, SUM: tl.constexpr,
-                        PDL: tl.constexpr):
+                        HC: tl.constexpr, BD: tl.constexpr, NP: tl.constexpr, BR: tl.constexpr, SUM: tl.constexpr):
     # `_hc_post_block` for BR rows and one block of BD columns of every stream, then `_hc_mix_kernel`'s
     # partial sums over those HC x BD elements of the flattened row (split s = the column block), from
     # X' as stored. They group the products by column block instead of by runs of the flattened row:
     # the same sums up to fp32 rounding.
-    _pdl_start(PDL)
     s = tl.program_id(1)
     d = s * BD + tl.arange(0, BD)
     i = tl.arange(0, HC)
@@ -663,13 +615,13 @@ def _hc_mix(x: torch.Tensor, fn: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
         part = torch.empty(B, S, NP, dtype=torch.float32, device=x.device)
         sq = torch.empty(B, S, dtype=torch.float32, device=x.device)
         _hc_mix_dot_kernel[(triton.cdiv(B, HC_DOT_ROWS), S)](x, fn, part, sq, B, n_in, n_out, S, steps, NP=NP,
-                                                             BM=HC_DOT_ROWS, BK=HC_DOT_BLOCK, **pdl())
+                                                             BM=HC_DOT_ROWS, BK=HC_DOT_BLOCK)
     else:
         S = triton.cdiv(n_in, HC_MIX_BLOCK)
         part = torch.empty(B, S, NP, dtype=torch.float32, device=x.device)
         sq = torch.empty(B, S, dtype=torch.float32, device=x.device)
         _hc_mix_kernel[(triton.cdiv(B, HC_MIX_ROWS), S)](x, fn, part, sq, B, n_in, n_out, S, NP=NP, BK=HC_MIX_BLOCK,
-                                                         BR=HC_MIX_ROWS, **pdl())
+                                                         BR=HC_MIX_ROWS)
     return part, sq
 
 
@@ -706,8 +658,8 @@ def _hc_finish(X: torch.Tensor, part: torch.Tensor, sq: torch.Tensor, base: torc
     C = torch.empty(B, hc, hc, dtype=torch.float32, device=X.device)
     _hc_pre_kernel[(B, NB)](X, part, sq, base.float().contiguous(), scale.float().contiguous(), u, usq, post, C,
                             D, S, NB, rms_eps, hc_eps, iters, HC=hc, NP=NP, SP=triton.next_power_of_2(S), BD=BD,
-                            num_warps=1, **pdl())
-    _hc_norm_kernel[(B, NB)](u, usq, norm, x, D, NB, rms_eps, NBP=triton.next_power_of_2(NB), BD=BD, **pdl())
+                            num_warps=1)
+    _hc_norm_kernel[(B, NB)](u, usq, norm, x, D, NB, rms_eps, NBP=triton.next_power_of_2(NB), BD=BD)
     return x, post, C
 
 
@@ -720,7 +672,7 @@ def hc_post(X: torch.Tensor, y: torch.Tensor, post: torch.Tensor, C: torch.Tenso
     X, y, y2, post, C = _hc_post_operands("hc_post", X, y, y2, post, C)
     out = torch.empty_like(X)
     BD = min(512, triton.next_power_of_2(D))
-    _hc_post_kernel[(B, triton.cdiv(D, BD))](X, y, y2, post, C, out, D, HC=hc, BD=BD, SUM=y2 is not y, **pdl())
+    _hc_post_kernel[(B, triton.cdiv(D, BD))](X, y, y2, post, C, out, D, HC=hc, BD=BD, SUM=y2 is not y)
     return out
 
 
@@ -754,7 +706,7 @@ def hc_post_pre(X: torch.Tensor, y: torch.Tensor, post: torch.Tensor, C: torch.T
     sq = torch.empty(B, S, dtype=torch.float32, device=X.device)
     _hc_post_mix_kernel[(triton.cdiv(B, HC_MIX_ROWS), S)](X, y, y2, post, C, out, fn, part, sq, B, D, fn.shape[0], S,
                                                          HC=hc, BD=HC_POST_MIX_BLOCK, NP=NP, BR=HC_MIX_ROWS,
-                                                         SUM=y2 is not y, **pdl())
+                                                         SUM=y2 is not y)
     return out, *_hc_finish(out, part, sq, base, scale, norm, rms_eps, hc_eps, iters)
 
 
@@ -764,9 +716,8 @@ SWIGLU_BLOCK = 1024
 
 
 @triton.jit
-def _swiglu_kernel(g_ptr, g_stride, u_ptr, u_stride, out_ptr, I, limit, BI: tl.constexpr, PDL: tl.constexpr):
+def _swiglu_kernel(g_ptr, g_stride, u_ptr, u_stride, out_ptr, I, limit, BI: tl.constexpr):
     # model_glm.swiglu with its roundings: SiLU's output in the activations' dtype, then the product.
-    _pdl_start(PDL)
     b = tl.program_id(0)
     c = tl.program_id(1) * BI + tl.arange(0, BI)
     inside = c < I
@@ -790,7 +741,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     out = torch.empty(B, I, dtype=gate.dtype, device=gate.device)
     if B:
         _swiglu_kernel[(B, triton.cdiv(I, SWIGLU_BLOCK))](gate, gate.stride(0), up, up.stride(0), out, I, limit,
-                                                          BI=SWIGLU_BLOCK, **pdl())
+                                                          BI=SWIGLU_BLOCK)
     return out
 
 
@@ -807,9 +758,7 @@ ROUTE_BLOCK_K = 512
 
 
 @triton.jit
-def _route_logits_kernel(h_ptr, h_stride, w_ptr, part_ptr, B, E, D, BE: tl.constexpr, BK: tl.constexpr,
-                         PDL: tl.constexpr):
-    _pdl_start(PDL)
+def _route_logits_kernel(h_ptr, h_stride, w_ptr, part_ptr, B, E, D, BE: tl.constexpr, BK: tl.constexpr):
     e = tl.program_id(0) * BE + tl.arange(0, BE)
     s = tl.program_id(1)
     k = s * BK + tl.arange(0, BK)
@@ -822,8 +771,7 @@ def _route_logits_kernel(h_ptr, h_stride, w_ptr, part_ptr, B, E, D, BE: tl.const
 @triton.jit
 def _route_topk_kernel(part_ptr, bias_ptr, ids_ptr, wt_ptr, E, S, scaling,
                        NORM: tl.constexpr, TOPK: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr,
-                       SP: tl.constexpr, PDL: tl.constexpr):
-    _pdl_start(PDL)
+                       SP: tl.constexpr):
     b = tl.program_id(0)
     e = tl.arange(0, EP)
     s = tl.arange(0, SP)
@@ -870,12 +818,12 @@ def moe_route(h: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, top_k: 
     S = triton.cdiv(D, ROUTE_BLOCK_K)
     part = torch.empty(B, S, E, dtype=torch.float32, device=h.device)
     _route_logits_kernel[(triton.cdiv(E, ROUTE_BLOCK_E), S)](h, h.stride(0), gate_w, part, B, E, D,
-                                                             BE=ROUTE_BLOCK_E, BK=ROUTE_BLOCK_K, **pdl())
+                                                             BE=ROUTE_BLOCK_E, BK=ROUTE_BLOCK_K)
     ids = torch.empty(B, top_k, dtype=torch.int32, device=h.device)
     weights = torch.empty(B, top_k, dtype=torch.float32, device=h.device)
     _route_topk_kernel[(B,)](part, bias.float().contiguous(), ids, weights, E, S, float(scaling),
                              NORM=bool(norm_topk_prob), TOPK=top_k, KP=triton.next_power_of_2(top_k),
-                             EP=triton.next_power_of_2(E), SP=triton.next_power_of_2(S), **pdl())
+                             EP=triton.next_power_of_2(E), SP=triton.next_power_of_2(S))
     return ids, weights
 
 
@@ -983,8 +931,7 @@ def _rms_norm_row(x_ptr, w_ptr, eps, N: tl.constexpr, NP: tl.constexpr, OUT_DT: 
 def _dsa_inputs_kernel(qa_ptr, qa_stride, kv_ptr, kv_stride, wk_ptr, wk_stride, g_ptr, g_stride, qn_ptr, kvn_ptr,
                        knw_ptr, knb_ptr, ape_ptr, qr_ptr, lat_ptr, ik_ptr, gate_ptr, pool_ptr, tables_ptr, t_stride,
                        pos_ptr, rms_eps, bs, Q: tl.constexpr, QP: tl.constexpr, R: tl.constexpr, DI: tl.constexpr,
-                       KPOOL: tl.constexpr, C_DT: tl.constexpr, PDL: tl.constexpr):
-    _pdl_start(PDL)
+                       KPOOL: tl.constexpr, C_DT: tl.constexpr):
     b = tl.program_id(0)
     i = tl.arange(0, QP)
     q_r = _rms_norm_row(qa_ptr + b * qa_stride, qn_ptr, rms_eps, Q, QP, qr_ptr.dtype.element_ty)
@@ -1065,15 +1012,14 @@ def dsa_decode_inputs(q_a: torch.Tensor, kv_a: torch.Tensor, wk: torch.Tensor, g
                              q_norm, kv_norm, k_norm_w, k_norm_b, ape.float().contiguous(), q_r, latent, index_k,
                              gate, pooled, tables, tables.stride(0), positions, rms_eps, bs, Q=Q,
                              QP=triton.next_power_of_2(Q), R=R, DI=d, KPOOL=kpool,
-                             C_DT=_TL_DTYPES[torch.promote_types(kv_norm.dtype, kv_a.dtype)], **pdl())
+                             C_DT=_TL_DTYPES[torch.promote_types(kv_norm.dtype, kv_a.dtype)])
     return q_r
 
 
 @triton.jit
 def _dsa_scores_kernel(q_ptr, q_stride, w_ptr, pool_ptr, tables_ptr, t_stride, pos_ptr, out_ptr, P, ppb,
                        q_scale, w_scale, HI: tl.constexpr, DI: tl.constexpr, KPOOL: tl.constexpr,
-                       BP: tl.constexpr, TC: tl.constexpr, PDL: tl.constexpr):
-    _pdl_start(PDL)
+                       BP: tl.constexpr, TC: tl.constexpr):
     b = tl.program_id(0)
     p = tl.program_id(1) * BP + tl.arange(0, BP)
     candidate = p < (tl.load(pos_ptr + b) + 1) // KPOOL
@@ -1107,7 +1053,7 @@ def dsa_index_scores(q_idx: torch.Tensor, w_idx: torch.Tensor, pooled: torch.Ten
     out = torch.empty(B, P, dtype=torch.float32, device=q_idx.device)
     _dsa_scores_kernel[(B, triton.cdiv(P, DSA_SCORE_BLOCK))](
         q_idx, q_idx.stride(0), w_idx.float().contiguous(), pooled, tables, tables.stride(0), positions, out, P, ppb,
-        d ** 0.5, Hi ** 0.5, HI=Hi, DI=d, KPOOL=kpool, BP=DSA_SCORE_BLOCK, TC=q_idx.is_cuda, **pdl())
+        d ** 0.5, Hi ** 0.5, HI=Hi, DI=d, KPOOL=kpool, BP=DSA_SCORE_BLOCK, TC=q_idx.is_cuda)
     return out
 
 
@@ -1128,8 +1074,7 @@ def _online_softmax_step(q_hi, q_lo, lat, valid, scale, m, l, acc, TC: tl.conste
 def _dsa_attn_kernel(q_ptr, q_sb, q_sh, lat_ptr, tables_ptr, t_stride, pos_ptr, top_ptr, top_stride,
                      m_ptr, l_ptr, acc_ptr, H, NT, steps, bs, scale,
                      R: tl.constexpr, KPOOL: tl.constexpr, TAIL: tl.constexpr, ALL: tl.constexpr,
-                     BH: tl.constexpr, BW: tl.constexpr, TC: tl.constexpr, PDL: tl.constexpr):
-    _pdl_start(PDL)
+                     BH: tl.constexpr, BW: tl.constexpr, TC: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1) * BH + tl.arange(0, BH)
     split = tl.program_id(2)
@@ -1169,9 +1114,7 @@ def _dsa_attn_kernel(q_ptr, q_sb, q_sh, lat_ptr, tables_ptr, t_stride, pos_ptr, 
 
 
 @triton.jit
-def _dsa_combine_kernel(m_ptr, l_ptr, acc_ptr, o_ptr, o_sb, o_sh, H, NS, R: tl.constexpr, SP: tl.constexpr,
-                        PDL: tl.constexpr):
-    _pdl_start(PDL)
+def _dsa_combine_kernel(m_ptr, l_ptr, acc_ptr, o_ptr, o_sb, o_sh, H, NS, R: tl.constexpr, SP: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, SP)
@@ -1223,10 +1166,10 @@ def dsa_sparse_attention(q_hat: torch.Tensor, latent: torch.Tensor, tables: torc
     _dsa_attn_kernel[(B, head_blocks, splits)](
         q_hat, q_hat.stride(0), q_hat.stride(1), latent, tables, tables.stride(0), positions, top, top.stride(0),
         m, l, acc, H, NT, steps, bs, scale, R=R, KPOOL=kpool, TAIL=bool(select_tail), ALL=every,
-        BH=DSA_ATTN_HEADS, BW=DSA_ATTN_BLOCK, TC=q_hat.is_cuda, num_warps=DSA_ATTN_WARPS, **pdl())
+        BH=DSA_ATTN_HEADS, BW=DSA_ATTN_BLOCK, TC=q_hat.is_cuda, num_warps=DSA_ATTN_WARPS)
     o = torch.empty_like(q_hat)
     _dsa_combine_kernel[(B, H)](m, l, acc, o, o.stride(0), o.stride(1), H, splits, R=R,
-                                SP=triton.next_power_of_2(splits), **pdl())
+                                SP=triton.next_power_of_2(splits))
     return o
 
 
@@ -1252,8 +1195,7 @@ HEAD_MM_BLOCK_K = 32
 @triton.jit
 def _head_matmul_kernel(a_ptr, a_sb, a_sh, a_sk, w_ptr, w_sh, w_sk, w_sn, o_ptr, o_sb, o_sh, o_sn, B, K, N,
                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PIECES: tl.constexpr,
-                        TC: tl.constexpr, PDL: tl.constexpr):
-    _pdl_start(PDL)
+                        TC: tl.constexpr):
     h = tl.program_id(0)
     rows = tl.program_id(1) * BM + tl.arange(0, BM)
     cols = tl.program_id(2) * BN + tl.arange(0, BN)
@@ -1300,7 +1242,7 @@ def head_matmul(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = Non
     pieces = {torch.bfloat16: 1, torch.float16: 2}.get(a.dtype, 3) if w.dtype == torch.bfloat16 and B > 16 else 0
     _head_matmul_kernel[(H, triton.cdiv(B, BM), triton.cdiv(N, BN))](
         a, *a.stride(), w, *w.stride(), out, *out.stride(), B, K, N, BM=BM, BN=BN, BK=HEAD_MM_BLOCK_K,
-        PIECES=pieces, TC=a.is_cuda, **pdl())
+        PIECES=pieces, TC=a.is_cuda)
     return out
 
 
@@ -1344,8 +1286,7 @@ DSA_PREFILL_STAGES = 2
 @triton.jit
 def _dsa_prefill_kernel(q_ptr, q_sn, q_sh, lat_ptr, slots_ptr, slots_stride, m_ptr, l_ptr, o_ptr, o_sn, o_sh,
                         start, H, NT, scale, R: tl.constexpr, KPOOL: tl.constexpr, TAIL: tl.constexpr,
-                        BH: tl.constexpr, BK: tl.constexpr, ONE: tl.constexpr, TC: tl.constexpr, PDL: tl.constexpr):
-    _pdl_start(PDL)
+                        BH: tl.constexpr, BK: tl.constexpr, ONE: tl.constexpr, TC: tl.constexpr):
     row = tl.program_id(0)
     h = tl.program_id(1) * BH + tl.arange(0, BH)
     split = tl.program_id(2)
@@ -1382,11 +1323,10 @@ def _dsa_prefill_kernel(q_ptr, q_sn, q_sh, lat_ptr, slots_ptr, slots_stride, m_p
 
 @triton.jit
 def _dsa_prefill_slots_kernel(top_ptr, top_stride, table_ptr, slots_ptr, W, start, NT, bs, KPOOL: tl.constexpr,
-                              TAIL: tl.constexpr, HAS_TOP: tl.constexpr, BW: tl.constexpr, PDL: tl.constexpr):
+                              TAIL: tl.constexpr, HAS_TOP: tl.constexpr, BW: tl.constexpr):
     # One row's slots (see the section comment): a row with more complete pools than NT takes its
     # picks in top-k order (a pick not complete at the row: -1), otherwise every complete pool in
     # order; then the tail; -1 past the row's last slot.
-    _pdl_start(PDL)
     row = tl.program_id(0)
     pos = start + row
     n_cand = (pos + 1) // KPOOL
@@ -1441,7 +1381,7 @@ def dsa_prefill_attention(q_hat: torch.Tensor, latent: torch.Tensor, table: torc
     slots = torch.empty(n, W, dtype=torch.int32, device=q_hat.device)
     _dsa_prefill_slots_kernel[(n,)](table if top is None else top, 0 if top is None else top.stride(0), table, slots,
                                     W, start, NT, bs, KPOOL=kpool, TAIL=bool(select_tail), HAS_TOP=top is not None,
-                                    BW=min(256, triton.next_power_of_2(W)), **pdl())
+                                    BW=min(256, triton.next_power_of_2(W)))
     BH = min(DSA_PREFILL_HEADS, max(16, triton.next_power_of_2(H)))  # tl.dot needs >= 16 rows
     head_blocks = triton.cdiv(H, BH)
     if splits is None:
@@ -1461,8 +1401,8 @@ def dsa_prefill_attention(q_hat: torch.Tensor, latent: torch.Tensor, table: torc
         q_hat, q_hat.stride(0), q_hat.stride(1), latent, slots, slots.stride(0), m, l, out, out.stride(0),
         out.stride(1), start, H, NT, scale, R=R, KPOOL=kpool, TAIL=bool(select_tail), BH=BH,
         BK=DSA_PREFILL_BLOCK, ONE=one, TC=q_hat.is_cuda, num_warps=DSA_PREFILL_WARPS,
-        num_stages=DSA_PREFILL_STAGES, **pdl())
+        num_stages=DSA_PREFILL_STAGES)
     if not one:
         _dsa_combine_kernel[(n, H)](m, l, acc, o, o.stride(0), o.stride(1), H, splits, R=R,
-                                    SP=triton.next_power_of_2(splits), **pdl())
+                                    SP=triton.next_power_of_2(splits))
     return o

@@ -570,38 +570,3 @@ def test_bf16_fp32_linear_bad_input_is_named():
     with pytest.raises(ValueError, match="block_k = 48"):
         kernels.bf16_fp32_linear(x, w, block_k=48)
     assert kernels.bf16_fp32_linear(x[:0], w).shape == (0, 32)
-
-
-def _kernels_and_launches(module):
-    """(name, first statement, PDL parameter?) of each @triton.jit *_kernel function of a module, and
-    (kernel name, passes **pdl()?) of each `kernel[grid](...)` launch in it."""
-    import ast
-    import inspect
-    tree = ast.parse(inspect.getsource(module))
-    kernels_, launches = [], []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.FunctionDef) and node.name.endswith("_kernel") and any(
-                ast.unparse(d) == "triton.jit" for d in node.decorator_list):
-            kernels_.append((node.name, ast.unparse(node.body[0]), "PDL" in [a.arg for a in node.args.args]))
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript) and \
-                isinstance(node.func.value, ast.Name) and node.func.value.id.endswith("_kernel"):
-            spread = [ast.unparse(k.value) for k in node.keywords if k.arg is None]
-            launch_dicts = {ast.unparse(t.targets[0]): ast.unparse(t.value) for t in ast.walk(tree)
-                            if isinstance(t, ast.Assign) and len(t.targets) == 1}
-            launches.append((node.func.value.id, "pdl()" in spread or any(
-                "**pdl()" in launch_dicts.get(s, "") for s in spread)))
-    return kernels_, launches
-
-
-@pytest.mark.parametrize("module", [kernels, exl3_kernels, kda_kernels], ids=lambda m: m.__name__)
-def test_every_kernel_waits_for_the_one_before_and_is_launched_with_pdl(module):
-    # A kernel launched with launch_pdl may start before the previous kernel in the stream ends; it is
-    # only safe if it waits (griddepcontrol.wait in _pdl_start) before touching memory, and the kernel
-    # after it then waits for it in turn: one kernel without the wait breaks the chain.
-    kernels_, launches = _kernels_and_launches(module)
-    assert len(kernels_) >= 8 and len(launches) >= len(kernels_)
-    for name, first, has_pdl in kernels_:
-        assert has_pdl and first == "_pdl_start(PDL)", f"{name} must take PDL and start with _pdl_start(PDL)"
-    for name, with_pdl in launches:
-        assert with_pdl, f"a launch of {name} must pass **pdl()"
-    assert {name for name, _ in launches} == {name for name, _, _ in kernels_}
