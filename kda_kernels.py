@@ -622,8 +622,12 @@ class LowRank:
             raise ValueError(f"{name}: scale_inv must be contiguous fp32 ({(n + 127) // 128}, {(r + 127) // 128}), "
                              f"got {None if s is None else (s.dtype, tuple(s.shape))}")
         _rows(x, f"{name}: the low-rank input", rows, r)
-        if not fp8 and x.dtype != w.dtype:  # linear would convert x and round its output to W's dtype
+        # What linear does on a GPU: a dense W converts x to its dtype and rounds to it; fp8.FP8Linear
+        # rounds an fp32 x to bf16 first. Inputs that linear would convert are refused.
+        if not fp8 and x.dtype != w.dtype:
             raise ValueError(f"{name}: a dense low-rank weight must have its input's dtype {x.dtype}, got {w.dtype}")
+        if fp8 and x.dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(f"{name}: an FP8 low-rank weight needs a bf16 or fp16 input, got {x.dtype}")
         return 1 if fp8 else 2
 
 

@@ -162,8 +162,8 @@ def test_kda_inputs_and_output_match_model_glm(dtype):
 
 
 
-@pytest.mark.parametrize("form", ["fp8", "dense"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("form,dtype", [("fp8", torch.bfloat16), ("dense", torch.bfloat16),
+                                        ("dense", torch.float32)])
 def test_kda_kernels_apply_the_low_rank_gate_factors_like_linear(form, dtype):
     # f = f_b · f_a and o_g = g_b · g_a inside the KDA decode kernels against linear's output passed in:
     # the same up to the sum order (one rounding of f / o_g to the activations' dtype).
@@ -200,6 +200,9 @@ def test_kda_kernels_apply_the_low_rank_gate_factors_like_linear(form, dtype):
         kda_kernels.kda_output_gate(o, g_a.half(), w, 1e-5, dtype, g_b=kda_kernels.LowRank(ws[1].to(DEVICE)))
     with pytest.raises(ValueError, match=rf"the low-rank input must be \({B}, {r}\)"):
         kda_kernels.kda_output_gate(o, g_a[:, 1:], w, 1e-5, dtype, g_b=factors[1])
+    lin = fp8.FP8Linear.from_weight(ws[1].to(DEVICE))
+    with pytest.raises(ValueError, match="an FP8 low-rank weight needs a bf16 or fp16 input"):
+        kda_kernels.kda_output_gate(o, g_a.float(), w, 1e-5, dtype, g_b=kda_kernels.LowRank(lin.weight, lin.scale_inv))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
