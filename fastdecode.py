@@ -171,7 +171,7 @@ class Layer:
     post_norm: torch.Tensor
     proj: Fused  # KDA: q, k, v, f_a, g_a, b; DSA: q_a, kv_a, indexer wk, indexer gate
     proj2: list[Fused]  # KDA: [f_b], [g_b]; DSA: [q_b, indexer wq_b]
-    gates: tuple[kda_kernels.LowRank, kda_kernels.LowRank] | None  # KDA: f_b, g_b applied inside the KDA kernels
+    gates: tuple[kda_kernels.LowRank, kda_kernels.LowRank] | None  # KDA: f_b, g_b applied by the inputs kernel
     attn: dict[str, torch.Tensor]  # the small tensors of the mixer
     o_proj: Weight
     mlp: Fused | None  # dense MLP or shared expert: gate, up
@@ -477,15 +477,17 @@ class FastDecoder:
         cfg = self.cfg
         H, d = cfg.linear_num_heads, cfg.linear_head_dim
         q_pre, k_pre, v_pre, f, o_g, b = layer.proj(x)
-        f_b, g_b = layer.gates or (None, None)
         if layer.gates is None:  # f_b and g_b as GEMVs of their own
             (f,), (o_g,) = layer.proj2[0](f), layer.proj2[1](o_g)
+            low_rank = {}
+        else:  # applied by the inputs kernel, which also returns o_g
+            low_rank = dict(f_b=layer.gates[0], o_gate=(o_g, layer.gates[1]))
         a = layer.attn
-        q, k, v, g, beta = kda_kernels.kda_decode_inputs(
+        q, k, v, g, beta, *rest = kda_kernels.kda_decode_inputs(
             (q_pre, k_pre, v_pre), self.cache.conv_state[layer.row], slots, a["conv"], f, a["A_log"],
-            a["dt_bias"], b, cfg.linear_lower_bound, H, d, f_b=f_b)
+            a["dt_bias"], b, cfg.linear_lower_bound, H, d, **low_rank)
         o = kda_kernels.kda_recurrent_step(q, k, v, g, beta, self.cache.kda_state[layer.row], slots)
-        o = kda_kernels.kda_output_gate(o, o_g, a["o_norm"], cfg.rms_norm_eps, x.dtype, g_b=g_b)
+        o = kda_kernels.kda_output_gate(o, rest[0] if rest else o_g, a["o_norm"], cfg.rms_norm_eps, x.dtype)
         return linear(o, layer.o_proj)
 
     # -- §4.4 DSA ------------------------------------------------------------------------------

@@ -564,14 +564,24 @@ def _low_rank(x_ptr, w_ptr, s_ptr, rows, R, LR: tl.constexpr, DT: tl.constexpr):
 
 @triton.jit
 def _kda_inputs_kernel(q_ptr, k_ptr, v_ptr, x_stride, conv_ptr, slots_ptr, w_ptr, f_ptr, f_stride, fw_ptr, fs_ptr,
-                       R, alog_ptr, dtb_ptr, b_ptr, b_stride, qo_ptr, ko_ptr, vo_ptr, go_ptr, beta_ptr,
-                       lower, scale, cs_slot, cs_j, cs_row,
-                       H: tl.constexpr, DH: tl.constexpr, KW: tl.constexpr, KP: tl.constexpr, LR: tl.constexpr):
-    # LR 0: f_ptr holds f (f_b's output); 1, 2: f_a's output, and f = f_b · it here (see _low_rank).
+                       ga_ptr, ga_stride, gw_ptr, gs_ptr, og_ptr, R, alog_ptr, dtb_ptr, b_ptr, b_stride,
+                       qo_ptr, ko_ptr, vo_ptr, go_ptr, beta_ptr, lower, scale, cs_slot, cs_j, cs_row,
+                       H: tl.constexpr, DH: tl.constexpr, KW: tl.constexpr, KP: tl.constexpr, LR: tl.constexpr,
+                       LRG: tl.constexpr):
+    # LR 0: f_ptr holds f (f_b's output); 1, 2: f_a's output, and f = f_b · it here (see _low_rank). LRG 1, 2:
+    # also o_g = g_b · g_a (ga_ptr) into og_ptr [B, H·d] for the output gate. They come first: their weight
+    # loads then overlap the convolutions (after them, H200: +3.4 us a call).
     bi = tl.program_id(0)
     h = tl.program_id(1)
-    slot = tl.load(slots_ptr + bi).to(tl.int64)
     c = h * DH + tl.arange(0, DH)
+    if LR == 0:
+        f = tl.load(f_ptr + bi * f_stride + c).to(tl.float32)
+    else:
+        f = _low_rank(f_ptr + bi * f_stride, fw_ptr, fs_ptr, c, R, LR, f_ptr.dtype.element_ty)
+    if LRG != 0:
+        o_g = _low_rank(ga_ptr + bi * ga_stride, gw_ptr, gs_ptr, c, R, LRG, ga_ptr.dtype.element_ty)
+        tl.store(og_ptr + bi * (H * DH) + c, o_g.to(og_ptr.dtype.element_ty))
+    slot = tl.load(slots_ptr + bi).to(tl.int64)
     t = tl.arange(0, KP)[:, None]  # window rows: 0 .. KW-2 the history, KW-1 this token
     out = (bi * H + h) * DH + tl.arange(0, DH)
     for j in tl.static_range(3):
@@ -592,10 +602,6 @@ def _kda_inputs_kernel(q_ptr, k_ptr, v_ptr, x_stride, conv_ptr, slots_ptr, w_ptr
         else:
             tl.store(vo_ptr + out, act)
     a = tl.exp(tl.load(alog_ptr + h))
-    if LR == 0:
-        f = tl.load(f_ptr + bi * f_stride + c).to(tl.float32)
-    else:
-        f = _low_rank(f_ptr + bi * f_stride, fw_ptr, fs_ptr, c, R, LR, f_ptr.dtype.element_ty)
     tl.store(go_ptr + out, lower * tl.sigmoid(a * (f + tl.load(dtb_ptr + c))))
     tl.store(beta_ptr + bi * H + h, tl.sigmoid(tl.load(b_ptr + bi * b_stride + h).to(tl.float32)))
 
@@ -660,23 +666,32 @@ def _check_kda_inputs(name: str, pre_conv: tuple[torch.Tensor, torch.Tensor, tor
 def kda_decode_inputs(pre_conv: tuple[torch.Tensor, torch.Tensor, torch.Tensor], conv_state: torch.Tensor,
                       slots: torch.Tensor, conv_w: torch.Tensor, f: torch.Tensor, A_log: torch.Tensor,
                       dt_bias: torch.Tensor, b: torch.Tensor, lower_bound: float, H: int, d: int,
-                      f_b: LowRank | None = None) -> tuple[torch.Tensor, ...]:
+                      f_b: LowRank | None = None, o_gate: tuple[torch.Tensor, LowRank] | None = None
+                      ) -> tuple[torch.Tensor, ...]:
     """§4.3.2-4.3.5 for one token of B sequences: short conv + SiLU over the slot's window (updating
     conv_state [slots, 3, K-1, H·d] in place), q and k L2-normalized (q also · d^-1/2), the gate g
     and β. pre_conv: q̃, k̃, ṽ [B, H·d]; conv_w [3, H·d, K]; f [B, H·d] (f_b's output), or with f_b
     f_a's output [B, r], f_b applied here; A_log [H] and dt_bias [H·d] fp32; b [B, H] (b_proj's
-    output). Returns q, k, v, g [B, H, d] and β [B, H], fp32."""
+    output). Returns q, k, v, g [B, H, d] and β [B, H], fp32; with o_gate = (g_a's output [B, r], g_b)
+    also o_g = g_b · g_a [B, H·d] in g_a's dtype (kda_output_gate's input), as linear gives it."""
     B, HD, K, lr = _check_kda_inputs("kda_decode_inputs", pre_conv, conv_w, f, b, H, d, f_b)
     if tuple(conv_state.shape[1:]) != (3, K - 1, HD) or conv_state.stride(-1) != 1:
         raise ValueError(f"kda_decode_inputs: conv_state must be (slots, 3, {K - 1}, {HD}), got {tuple(conv_state.shape)}")
     q, k, v, g = (torch.empty(B, H, d, dtype=torch.float32, device=f.device) for _ in range(4))
     beta = torch.empty(B, H, dtype=torch.float32, device=f.device)
+    g_a, g_b = o_gate or (f, None)
+    lrg = 0 if g_b is None else g_b.check("kda_decode_inputs: g_b", g_a, B, HD)
+    o_g = torch.empty(B, HD, dtype=g_a.dtype, device=f.device) if g_b is not None else g_a
+    f_args, g_args = _low_rank_args(f_b, f), _low_rank_args(g_b, g_a)
+    if f_b is not None and g_b is not None and f_args[2] != g_args[2]:
+        raise ValueError(f"kda_decode_inputs: f_b and g_b must share their rank, got {f_args[2]} and {g_args[2]}")
     _kda_inputs_kernel[(B, H)](
-        *pre_conv, pre_conv[0].stride(0), conv_state, slots.contiguous(), conv_w, f, f.stride(0),
-        *_low_rank_args(f_b, f), A_log.float().contiguous(), dt_bias.float().contiguous(), b, b.stride(0),
-        q, k, v, g, beta, lower_bound, d ** -0.5, conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
-        H=H, DH=d, KW=K, KP=triton.next_power_of_2(K), LR=lr)
-    return q, k, v, g, beta
+        *pre_conv, pre_conv[0].stride(0), conv_state, slots.contiguous(), conv_w, f, f.stride(0), *f_args[:2],
+        g_a, g_a.stride(0), *g_args[:2], o_g, max(f_args[2], g_args[2]), A_log.float().contiguous(),
+        dt_bias.float().contiguous(), b, b.stride(0), q, k, v, g, beta, lower_bound, d ** -0.5,
+        conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
+        H=H, DH=d, KW=K, KP=triton.next_power_of_2(K), LR=lr, LRG=lrg)
+    return (q, k, v, g, beta) + ((o_g,) if g_b is not None else ())
 
 
 KDA_INPUT_ROWS = 16  # chunk rows per program of the prefill inputs kernel
@@ -738,31 +753,22 @@ def kda_chunk_inputs(pre_conv: tuple[torch.Tensor, torch.Tensor, torch.Tensor], 
 
 
 @triton.jit
-def _kda_output_kernel(o_ptr, og_ptr, og_stride, gw_ptr, gs_ptr, R, w_ptr, out_ptr, eps, H: tl.constexpr,
-                       DH: tl.constexpr, LR: tl.constexpr):
-    # LR 0: og_ptr holds o_g (g_b's output); 1, 2: g_a's output, and o_g = g_b · it here (see _low_rank).
+def _kda_output_kernel(o_ptr, og_ptr, og_stride, w_ptr, out_ptr, eps, H: tl.constexpr, DH: tl.constexpr):
     bi = tl.program_id(0)
     h = tl.program_id(1)
     i = tl.arange(0, DH)
     o = tl.load(o_ptr + (bi * H + h) * DH + i).to(tl.float32)
     y = tl.load(w_ptr + i) * (o / tl.sqrt(tl.sum(o * o, axis=0) / DH + eps))
-    if LR == 0:
-        gate = tl.load(og_ptr + bi * og_stride + h * DH + i).to(tl.float32)
-    else:
-        gate = _low_rank(og_ptr + bi * og_stride, gw_ptr, gs_ptr, h * DH + i, R, LR, og_ptr.dtype.element_ty)
+    gate = tl.load(og_ptr + bi * og_stride + h * DH + i).to(tl.float32)
     tl.store(out_ptr + bi * H * DH + h * DH + i, _cast(y * tl.sigmoid(gate), out_ptr.dtype.element_ty))
 
 
 def kda_output_gate(o: torch.Tensor, o_g: torch.Tensor, o_norm: torch.Tensor, eps: float,
-                    dtype: torch.dtype, g_b: LowRank | None = None) -> torch.Tensor:
+                    dtype: torch.dtype) -> torch.Tensor:
     """§4.3.8 before o_proj: per-head RMSNorm of o [B, H, d] (fp32 weight o_norm [d]) times
-    sigmoid(o_g [B, H·d]), in `dtype`, [B, H·d]. With g_b, o_g is g_a's output [B, r] and g_b is
-    applied here."""
+    sigmoid(o_g [B, H·d]), in `dtype`, [B, H·d]."""
     B, H, d = o.shape
-    if g_b is None:
-        _rows(o_g, "kda_output_gate: o_g", B, H * d)
-    lr = 0 if g_b is None else g_b.check("kda_output_gate: g_b", o_g, B, H * d)
+    _rows(o_g, "kda_output_gate: o_g", B, H * d)
     out = torch.empty(B, H * d, dtype=dtype, device=o.device)
-    _kda_output_kernel[(B, H)](o.contiguous(), o_g, o_g.stride(0), *_low_rank_args(g_b, o_g),
-                               o_norm.float().contiguous(), out, eps, H=H, DH=d, LR=lr)
+    _kda_output_kernel[(B, H)](o.contiguous(), o_g, o_g.stride(0), o_norm.float().contiguous(), out, eps, H=H, DH=d)
     return out

@@ -165,8 +165,8 @@ def test_kda_inputs_and_output_match_model_glm(dtype):
 @pytest.mark.parametrize("form,dtype", [("fp8", torch.bfloat16), ("dense", torch.bfloat16),
                                         ("dense", torch.float32)])
 def test_kda_kernels_apply_the_low_rank_gate_factors_like_linear(form, dtype):
-    # f = f_b · f_a and o_g = g_b · g_a inside the KDA decode kernels against linear's output passed in:
-    # the same up to the sum order (one rounding of f / o_g to the activations' dtype).
+    # f = f_b · f_a and o_g = g_b · g_a inside the KDA inputs kernel against linear's outputs: the same up
+    # to the sum order (one rounding of f / o_g to the activations' dtype).
     g = torch.Generator().manual_seed(3)
     B, H, d, K, r = 2, 4, 32, 4, 160  # r: two 128-wide blocks, the second ragged
     HD = H * d
@@ -186,23 +186,23 @@ def test_kda_kernels_apply_the_low_rank_gate_factors_like_linear(form, dtype):
     state = [torch.randn(3, 3, K - 1, HD, generator=g).to(dtype).to(DEVICE)] * 2
     state[1] = state[0].clone()
     slots = torch.tensor([2, 0], device=DEVICE)
-    want = kda_kernels.kda_decode_inputs(pre, state[0], slots, conv_w, f, A_log, dt_bias, b, -5.0, H, d)
+    want = kda_kernels.kda_decode_inputs(pre, state[0], slots, conv_w, f, A_log, dt_bias, b, -5.0, H, d) + (o_g,)
     got = kda_kernels.kda_decode_inputs(pre, state[1], slots, conv_w, f_a, A_log, dt_bias, b, -5.0, H, d,
-                                        f_b=factors[0])
+                                        f_b=factors[0], o_gate=(g_a, factors[1]))
     tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=1e-3)
-    for name, x, y in zip(("q", "k", "v", "g", "beta"), got, want):
-        torch.testing.assert_close(x, y, **(tol if name == "g" else dict(rtol=0, atol=0)), msg=name)
-    o = torch.randn(B, H, d, generator=g).to(DEVICE)
-    w = (1 + 0.1 * torch.randn(d, generator=g)).to(DEVICE)
-    torch.testing.assert_close(kda_kernels.kda_output_gate(o, g_a, w, 1e-5, dtype, g_b=factors[1]),
-                               kda_kernels.kda_output_gate(o, o_g, w, 1e-5, dtype), **tol)
+    for name, x, y in zip(("q", "k", "v", "g", "beta", "o_g"), got, want, strict=True):
+        torch.testing.assert_close(x, y, **(tol if name in ("g", "o_g") else dict(rtol=0, atol=0)), msg=name)
+    assert got[-1].dtype == dtype
     with pytest.raises(ValueError, match="a dense low-rank weight must have its input's dtype"):
-        kda_kernels.kda_output_gate(o, g_a.half(), w, 1e-5, dtype, g_b=kda_kernels.LowRank(ws[1].to(DEVICE)))
+        kda_kernels.kda_decode_inputs(pre, state[1], slots, conv_w, f_a.half(), A_log, dt_bias, b, -5.0, H, d,
+                                      f_b=kda_kernels.LowRank(ws[0].to(DEVICE)))
     with pytest.raises(ValueError, match=rf"the low-rank input must be \({B}, {r}\)"):
-        kda_kernels.kda_output_gate(o, g_a[:, 1:], w, 1e-5, dtype, g_b=factors[1])
+        kda_kernels.kda_decode_inputs(pre, state[1], slots, conv_w, f, A_log, dt_bias, b, -5.0, H, d,
+                                      o_gate=(g_a[:, 1:], factors[1]))
     lin = fp8.FP8Linear.from_weight(ws[1].to(DEVICE))
     with pytest.raises(ValueError, match="an FP8 low-rank weight needs a bf16 or fp16 input"):
-        kda_kernels.kda_output_gate(o, g_a.float(), w, 1e-5, dtype, g_b=kda_kernels.LowRank(lin.weight, lin.scale_inv))
+        kda_kernels.kda_decode_inputs(pre, state[1], slots, conv_w, f_a.float(), A_log, dt_bias, b, -5.0, H, d,
+                                      f_b=kda_kernels.LowRank(lin.weight, lin.scale_inv))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
