@@ -579,10 +579,10 @@ class FastDecoder:
 
 
 def _low_rank_factor(w: Weight, dtype: torch.dtype) -> kda_kernels.LowRank | None:
-    """A KDA gate's second low-rank factor (f_b, g_b: [H·d, 128], 1 MB at FP8) as the KDA decode kernels
-    apply it themselves: FP8 block-128 in a 16-bit model or a dense weight in the model's dtype (see
-    kda_kernels.LowRank.check), else None (its own GEMV). H200, decode B=1: the two GEMVs took ~4.9 us
-    each, at full size 34 layers of them."""
+    """A KDA gate's second low-rank factor (f_b, g_b: [H·d, 128], 1 MB at FP8) as the KDA inputs kernel
+    applies it: FP8 block-128 in a 16-bit model or a dense weight in the model's dtype (see
+    kda_kernels.LowRank.check), else None (a GEMV of its own). H200, full size, decode B=1: the two
+    GEMVs took 9.8 us a layer, the inputs kernel grew by 3.9 us (`.whl/s16_trace.py`)."""
     if isinstance(w, fp8.FP8Linear) and dtype in (torch.bfloat16, torch.float16):
         return kda_kernels.LowRank(w.weight, w.scale_inv)
     if isinstance(w, torch.Tensor) and w.dtype == dtype and w.is_contiguous():

@@ -751,7 +751,8 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
 # each holds its gate_w block in registers for every row of h. `_route_topk_kernel`: one program
 # per row adds the partial sums in a fixed order, applies the sigmoid and takes the top-k of s + bias
 # by k rounds of one max over packed (choice, expert) keys (ties to the lower expert), the weights
-# coming from s, then normalizes and scales them. The logits never exist as a separate tensor, and there is no torch op in between.
+# coming from s, then normalizes and scales them. The logits never exist as a separate tensor, and
+# there is no torch op in between.
 
 ROUTE_BLOCK_E = 16
 ROUTE_BLOCK_K = 512
