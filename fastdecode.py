@@ -477,17 +477,17 @@ class FastDecoder:
         cfg = self.cfg
         H, d = cfg.linear_num_heads, cfg.linear_head_dim
         q_pre, k_pre, v_pre, f, o_g, b = layer.proj(x)
-        if layer.gates is None:  # f_b and g_b as GEMVs of their own
-            (f,), (o_g,) = layer.proj2[0](f), layer.proj2[1](o_g)
-            low_rank = {}
-        else:  # applied by the inputs kernel, which also returns o_g
-            low_rank = dict(f_b=layer.gates[0], o_gate=(o_g, layer.gates[1]))
         a = layer.attn
-        q, k, v, g, beta, *rest = kda_kernels.kda_decode_inputs(
+        inputs = lambda f, **low_rank: kda_kernels.kda_decode_inputs(
             (q_pre, k_pre, v_pre), self.cache.conv_state[layer.row], slots, a["conv"], f, a["A_log"],
             a["dt_bias"], b, cfg.linear_lower_bound, H, d, **low_rank)
+        if layer.gates is None:  # f_b and g_b as GEMVs of their own
+            (f,), (o_g,) = layer.proj2[0](f), layer.proj2[1](o_g)
+            q, k, v, g, beta = inputs(f)
+        else:  # applied by the inputs kernel, which then also returns o_g
+            q, k, v, g, beta, o_g = inputs(f, f_b=layer.gates[0], o_gate=(o_g, layer.gates[1]))
         o = kda_kernels.kda_recurrent_step(q, k, v, g, beta, self.cache.kda_state[layer.row], slots)
-        o = kda_kernels.kda_output_gate(o, rest[0] if rest else o_g, a["o_norm"], cfg.rms_norm_eps, x.dtype)
+        o = kda_kernels.kda_output_gate(o, o_g, a["o_norm"], cfg.rms_norm_eps, x.dtype)
         return linear(o, layer.o_proj)
 
     # -- §4.4 DSA ------------------------------------------------------------------------------
