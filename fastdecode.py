@@ -451,25 +451,35 @@ class FastDecoder:
                     done = (self.mlp(layer, h), None, post, C)
             if done is not None:
                 y, y2, post, C = done
+                self._join(X.device)
                 X = kernels.hc_post(X, y, post, C, y2)
             if not span.head:
                 return (X,)
             h = rms_norm(X.float().mean(1).to(X.dtype), self.norm, cfg.rms_norm_eps)
             return linear(h, self.head).float(), h
 
-    def _hc_pre(self, X: torch.Tensor, hc: tuple, norm: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def _hc_pre(self, X: torch.Tensor, hc: tuple, norm: torch.Tensor,
+                beside: "torch.cuda.Stream | None" = None) -> tuple[torch.Tensor, ...]:
         cfg = self.cfg
-        return kernels.hc_pre(X, *hc, norm, cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
+        return kernels.hc_pre(X, *hc, norm, cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters, beside)
 
     def _mhc(self, X: torch.Tensor, done: tuple | None, hc: tuple, norm: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """§4.2 between two sub-layers: hc_post of the one before (done = (y, y2, post, C); None before
-        the first) and hc_pre of the next: (X', x, post', C')."""
+        the first) and hc_pre of the next: (X', x, post', C'). On a GPU the Sinkhorn (post', C') runs on
+        the second stream beside the sub-layer (kernels.hc_pre's `beside`), joined before the next mHC."""
         cfg = self.cfg
+        beside = self._beside.get(X.device)
         if done is None:
-            return X, *self._hc_pre(X, hc, norm)
+            return X, *self._hc_pre(X, hc, norm, beside)
         y, y2, post, C = done
+        self._join(X.device)  # post and C of the sub-layer before
         return kernels.hc_post_pre(X, y, post, C, *hc, norm, cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters,
-                                   y2=y2)
+                                   y2=y2, beside=beside)
+
+    def _join(self, device: torch.device) -> None:
+        """This device's stream waits for its second stream (the Sinkhorn, the shared expert)."""
+        if device in self._beside:
+            torch.cuda.current_stream(device).wait_stream(self._beside[device])
 
     # -- §4.3 KDA ------------------------------------------------------------------------------
 

@@ -425,7 +425,8 @@ def bf16_fp32_linear(x: torch.Tensor, w: torch.Tensor, *, block_m: int = 64, blo
 # program, fp32 FMA) for the decode step's few rows and for fp32 X; `_hc_mix_dot_kernel` (tiles of
 # BM rows on the tensor cores, fp32-level) from HC_DOT_MIN_ROWS 16-bit rows on (prefill chunks).
 # In `_hc_pre_kernel`, parallel over blocks of D, every program adds those partial sums and computes
-# pre itself (cheaper than another launch; the first program of a row also computes post and C),
+# pre itself (cheaper than another launch; the first program of a row also computes post and C, unless
+# `_hc_sinkhorn_kernel` does so on a second stream),
 # then its block of u and the block's Σ u²; `_hc_norm_kernel` adds the Σ u² partial sums and applies
 # the RMSNorm to its block. Partial sums are added in a fixed order: deterministic. `_hc_pre_kernel`
 # runs one warp per program: the 39 normalizations of the 4x4 Sinkhorn matrix are a serial chain of
@@ -500,34 +501,49 @@ def _hc_mix_dot_kernel(x_ptr, fn_ptr, part_ptr, sq_ptr, B, n_in, n_out, S, steps
 
 
 @triton.jit
+def _hc_rms_factor(sq_ptr, b, s, on, S, D, rms_eps, HC: tl.constexpr):
+    # r = rsqrt(mean(X_flat²) + eps) of row b from its S partial sums of squares.
+    return 1.0 / tl.sqrt(tl.sum(tl.load(sq_ptr + b * S + s, mask=on, other=0.0), axis=0) / (HC * D) + rms_eps)
+
+
+@triton.jit
+def _hc_post_and_c(part_ptr, row, on, r, base_ptr, scale_ptr, post_ptr, c_ptr, b, hc_eps, iters, HC: tl.constexpr):
+    # post and the Sinkhorn matrix C of row b from its mix partial sums (rows `row` of part, S of them).
+    i = tl.arange(0, HC)
+    ij = i[:, None] * HC + i[None, :]
+    m_post = tl.sum(tl.load(part_ptr + row[:, None] + HC + i[None, :], mask=on[:, None], other=0.0), axis=0) * r
+    m_c = tl.sum(tl.load(part_ptr + row[:, None, None] + 2 * HC + ij[None, :, :], mask=on[:, None, None],
+                         other=0.0), axis=0) * r
+    post = 2 * tl.sigmoid(tl.load(scale_ptr + 1) * m_post + tl.load(base_ptr + HC + i))
+    cl = tl.load(scale_ptr + 2) * m_c + tl.load(base_ptr + 2 * HC + ij)
+    # Sinkhorn (model_glm.sinkhorn): softmax over j, then columns, then rows and columns alternately.
+    e = tl.exp(cl - tl.max(cl, axis=1)[:, None])
+    C = e / tl.sum(e, axis=1)[:, None] + hc_eps
+    C = C / (tl.sum(C, axis=0)[None, :] + hc_eps)
+    for _ in range(iters - 1):
+        C = C / (tl.sum(C, axis=1)[:, None] + hc_eps)
+        C = C / (tl.sum(C, axis=0)[None, :] + hc_eps)
+    tl.store(post_ptr + b * HC + i, post)
+    tl.store(c_ptr + b * HC * HC + ij, C)
+
+
+@triton.jit
 def _hc_pre_kernel(x_ptr, part_ptr, sq_ptr, base_ptr, scale_ptr, u_ptr, usq_ptr, post_ptr, c_ptr,
                    D, S, NB, rms_eps, hc_eps, iters,
-                   HC: tl.constexpr, NP: tl.constexpr, SP: tl.constexpr, BD: tl.constexpr):
+                   HC: tl.constexpr, NP: tl.constexpr, SP: tl.constexpr, BD: tl.constexpr, SINKHORN: tl.constexpr):
+    # SINKHORN: the first program of a row also computes post and C (else `_hc_sinkhorn_kernel` does).
     b = tl.program_id(0)
     blk = tl.program_id(1)
     s = tl.arange(0, SP)
     on = s < S
     row = (b * S + s) * NP
-    r = 1.0 / tl.sqrt(tl.sum(tl.load(sq_ptr + b * S + s, mask=on, other=0.0), axis=0) / (HC * D) + rms_eps)
+    r = _hc_rms_factor(sq_ptr, b, s, on, S, D, rms_eps, HC)
     i = tl.arange(0, HC)
-    ij = i[:, None] * HC + i[None, :]
     m_pre = tl.sum(tl.load(part_ptr + row[:, None] + i[None, :], mask=on[:, None], other=0.0), axis=0) * r
     pre = tl.sigmoid(tl.load(scale_ptr) * m_pre + tl.load(base_ptr + i)) + hc_eps
-    if blk == 0:
-        m_post = tl.sum(tl.load(part_ptr + row[:, None] + HC + i[None, :], mask=on[:, None], other=0.0), axis=0) * r
-        m_c = tl.sum(tl.load(part_ptr + row[:, None, None] + 2 * HC + ij[None, :, :], mask=on[:, None, None],
-                             other=0.0), axis=0) * r
-        post = 2 * tl.sigmoid(tl.load(scale_ptr + 1) * m_post + tl.load(base_ptr + HC + i))
-        cl = tl.load(scale_ptr + 2) * m_c + tl.load(base_ptr + 2 * HC + ij)
-        # Sinkhorn (model_glm.sinkhorn): softmax over j, then columns, then rows and columns alternately.
-        e = tl.exp(cl - tl.max(cl, axis=1)[:, None])
-        C = e / tl.sum(e, axis=1)[:, None] + hc_eps
-        C = C / (tl.sum(C, axis=0)[None, :] + hc_eps)
-        for _ in range(iters - 1):
-            C = C / (tl.sum(C, axis=1)[:, None] + hc_eps)
-            C = C / (tl.sum(C, axis=0)[None, :] + hc_eps)
-        tl.store(post_ptr + b * HC + i, post)
-        tl.store(c_ptr + b * HC * HC + ij, C)
+    if SINKHORN:
+        if blk == 0:
+            _hc_post_and_c(part_ptr, row, on, r, base_ptr, scale_ptr, post_ptr, c_ptr, b, hc_eps, iters, HC)
     # u in X's dtype (model_glm.hc_pre's rounding); Σ u² of the rounded values for the RMSNorm.
     d = blk * BD + tl.arange(0, BD)
     inside = d < D
@@ -535,6 +551,17 @@ def _hc_pre_kernel(x_ptr, part_ptr, sq_ptr, base_ptr, scale_ptr, u_ptr, usq_ptr,
     u = _cast(tl.sum(pre[:, None] * X.to(tl.float32), axis=0), u_ptr.dtype.element_ty)
     tl.store(u_ptr + b * D + d, u, mask=inside)
     tl.store(usq_ptr + b * NB + blk, tl.sum(u.to(tl.float32) * u.to(tl.float32), axis=0))
+
+
+@triton.jit
+def _hc_sinkhorn_kernel(part_ptr, sq_ptr, base_ptr, scale_ptr, post_ptr, c_ptr, D, S, rms_eps, hc_eps, iters,
+                        HC: tl.constexpr, NP: tl.constexpr, SP: tl.constexpr):
+    # hc_pre's post and C of row b on their own, for a second stream (see _hc_finish).
+    b = tl.program_id(0)
+    s = tl.arange(0, SP)
+    on = s < S
+    r = _hc_rms_factor(sq_ptr, b, s, on, S, D, rms_eps, HC)
+    _hc_post_and_c(part_ptr, (b * S + s) * NP, on, r, base_ptr, scale_ptr, post_ptr, c_ptr, b, hc_eps, iters, HC)
 
 
 @triton.jit
@@ -626,13 +653,16 @@ def _hc_mix(x: torch.Tensor, fn: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 
 def hc_pre(X: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm: torch.Tensor,
-           rms_eps: float, hc_eps: float, iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+           rms_eps: float, hc_eps: float, iters: int, beside: "torch.cuda.Stream | None" = None
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """model_glm.hc_pre followed by rms_norm(u, norm): X [B, hc, D] -> (x [B, D], post [B, hc] fp32,
-    C [B, hc, hc] fp32). fn [3hc + hc², hc·D] fp32, base [3hc + hc²] and scale [3] fp32."""
+    C [B, hc, hc] fp32). fn [3hc + hc², hc·D] fp32, base [3hc + hc²] and scale [3] fp32. With a CUDA
+    stream `beside`, post and C (the Sinkhorn) are computed on it, beside x: the caller makes its
+    stream wait for `beside` before it reads them."""
     B, hc, D = X.shape
     _hc_check("hc_pre", X, fn)
     X = X.contiguous()
-    return _hc_finish(X, *_hc_mix(X.view(B, hc * D), fn), base, scale, norm, rms_eps, hc_eps, iters)
+    return _hc_finish(X, *_hc_mix(X.view(B, hc * D), fn), base, scale, norm, rms_eps, hc_eps, iters, beside)
 
 
 def _hc_check(name: str, X: torch.Tensor, fn: torch.Tensor) -> None:
@@ -645,22 +675,43 @@ def _hc_check(name: str, X: torch.Tensor, fn: torch.Tensor) -> None:
 
 
 def _hc_finish(X: torch.Tensor, part: torch.Tensor, sq: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
-               norm: torch.Tensor, rms_eps: float, hc_eps: float, iters: int) -> tuple[torch.Tensor, ...]:
-    """hc_pre after the mix: (x, post, C) from its partial sums part [B, S, NP] and sq [B, S]."""
+               norm: torch.Tensor, rms_eps: float, hc_eps: float, iters: int,
+               beside: "torch.cuda.Stream | None" = None) -> tuple[torch.Tensor, ...]:
+    """hc_pre after the mix: (x, post, C) from its partial sums part [B, S, NP] and sq [B, S]; with
+    `beside`, post and C come from `_hc_sinkhorn_kernel` on that stream (see hc_pre). The Sinkhorn's
+    ~40 dependent normalizations are then off the path to x (H200, decode B=1: ~1.3 % of a step with
+    20 iterations against 1)."""
     B, hc, D = X.shape
     S, NP = part.shape[1:]
     BD = min(HC_BLOCK, triton.next_power_of_2(D))
     NB = triton.cdiv(D, BD)
+    SP = triton.next_power_of_2(S)
+    base, scale = base.float().contiguous(), scale.float().contiguous()
     u = torch.empty(B, D, dtype=X.dtype, device=X.device)
     usq = torch.empty(B, NB, dtype=torch.float32, device=X.device)
     x = torch.empty(B, D, dtype=torch.promote_types(norm.dtype, X.dtype), device=X.device)
     post = torch.empty(B, hc, dtype=torch.float32, device=X.device)
     C = torch.empty(B, hc, hc, dtype=torch.float32, device=X.device)
-    _hc_pre_kernel[(B, NB)](X, part, sq, base.float().contiguous(), scale.float().contiguous(), u, usq, post, C,
-                            D, S, NB, rms_eps, hc_eps, iters, HC=hc, NP=NP, SP=triton.next_power_of_2(S), BD=BD,
-                            num_warps=1)
+    if beside is not None:
+        beside.wait_stream(torch.cuda.current_stream(X.device))
+        with torch.cuda.stream(beside):
+            _hc_sinkhorn(part, sq, base, scale, post, C, D, rms_eps, hc_eps, iters)
+        for t in (part, sq, base, scale, post, C):  # made on this stream, used on the other one
+            t.record_stream(beside)
+    _hc_pre_kernel[(B, NB)](X, part, sq, base, scale, u, usq, post, C, D, S, NB, rms_eps, hc_eps, iters, HC=hc,
+                            NP=NP, SP=SP, BD=BD, SINKHORN=beside is None, num_warps=1)
     _hc_norm_kernel[(B, NB)](u, usq, norm, x, D, NB, rms_eps, NBP=triton.next_power_of_2(NB), BD=BD)
     return x, post, C
+
+
+def _hc_sinkhorn(part: torch.Tensor, sq: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, post: torch.Tensor,
+                 C: torch.Tensor, D: int, rms_eps: float, hc_eps: float, iters: int) -> None:
+    """hc_pre's post [B, hc] and C [B, hc, hc] from the mix's partial sums, into post and C, in a launch
+    of their own (the same sums in the same order as `_hc_pre_kernel`'s own)."""
+    B, hc = post.shape
+    S, NP = part.shape[1:]
+    _hc_sinkhorn_kernel[(B,)](part, sq, base, scale, post, C, D, S, rms_eps, hc_eps, iters, HC=hc, NP=NP,
+                              SP=triton.next_power_of_2(S), num_warps=1)
 
 
 def hc_post(X: torch.Tensor, y: torch.Tensor, post: torch.Tensor, C: torch.Tensor,
@@ -689,15 +740,16 @@ def _hc_post_operands(name: str, X: torch.Tensor, y: torch.Tensor, y2: torch.Ten
 
 def hc_post_pre(X: torch.Tensor, y: torch.Tensor, post: torch.Tensor, C: torch.Tensor, fn: torch.Tensor,
                 base: torch.Tensor, scale: torch.Tensor, norm: torch.Tensor, rms_eps: float, hc_eps: float,
-                iters: int, y2: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+                iters: int, y2: torch.Tensor | None = None, beside: "torch.cuda.Stream | None" = None
+                ) -> tuple[torch.Tensor, ...]:
     """hc_post(X, y, post, C, y2) followed by the next sub-layer's hc_pre(X', fn, base, scale, norm, ...):
     (X', x, post', C'). Below HC_DOT_MIN_ROWS rows (the decode step's) hc_post and hc_pre's mix share
-    one launch (`_hc_post_mix_kernel`); more rows run the two functions."""
+    one launch (`_hc_post_mix_kernel`); more rows run the two functions. `beside`: see hc_pre."""
     B, hc, D = X.shape
     _hc_check("hc_post_pre", X, fn)
     if B >= HC_DOT_MIN_ROWS or D % HC_POST_MIX_BLOCK:
         X = hc_post(X, y, post, C, y2)
-        return X, *hc_pre(X, fn, base, scale, norm, rms_eps, hc_eps, iters)
+        return X, *hc_pre(X, fn, base, scale, norm, rms_eps, hc_eps, iters, beside)
     X, y, y2, post, C = _hc_post_operands("hc_post_pre", X, y, y2, post, C)
     out = torch.empty_like(X)
     S = D // HC_POST_MIX_BLOCK
@@ -707,7 +759,7 @@ def hc_post_pre(X: torch.Tensor, y: torch.Tensor, post: torch.Tensor, C: torch.T
     _hc_post_mix_kernel[(triton.cdiv(B, HC_MIX_ROWS), S)](X, y, y2, post, C, out, fn, part, sq, B, D, fn.shape[0], S,
                                                          HC=hc, BD=HC_POST_MIX_BLOCK, NP=NP, BR=HC_MIX_ROWS,
                                                          SUM=y2 is not y)
-    return out, *_hc_finish(out, part, sq, base, scale, norm, rms_eps, hc_eps, iters)
+    return out, *_hc_finish(out, part, sq, base, scale, norm, rms_eps, hc_eps, iters, beside)
 
 
 # ================================================================ the clamped SwiGLU (§4.5)

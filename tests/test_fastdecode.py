@@ -115,6 +115,24 @@ def test_hc_mix_tensor_core_sums_are_fp32_exact(dtype):
     torch.testing.assert_close(sq.double().sum(1), x64.pow(2).sum(1), rtol=1e-6, atol=0)
 
 
+@pytest.mark.parametrize("B", [1, 3])
+def test_hc_sinkhorn_apart_gives_hc_pre_post_and_c(B):
+    # The decode step computes post and C on its second stream (kernels.hc_pre's `beside`): the launch it
+    # uses there must give hc_pre's own values bit for bit.
+    cfg = GLMConfig.from_dict(tiny.tiny_config_dict())
+    g = torch.Generator().manual_seed(B)
+    hc, D = cfg.hc_mult, cfg.hidden_size
+    X = torch.randn(B, hc, D, generator=g).to(DEVICE)
+    fn = (0.02 * torch.randn(2 * hc + hc * hc, hc * D, generator=g)).to(DEVICE)
+    base, scale = torch.randn(2 * hc + hc * hc, generator=g).to(DEVICE), (torch.rand(3, generator=g) + 0.5).to(DEVICE)
+    norm = (1 + 0.1 * torch.randn(D, generator=g)).to(DEVICE)
+    _, post, C = kernels.hc_pre(X, fn, base, scale, norm, cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
+    part, sq = kernels._hc_mix(X.view(B, hc * D), fn)
+    post2, C2 = torch.full_like(post, float("nan")), torch.full_like(C, float("nan"))
+    kernels._hc_sinkhorn(part, sq, base, scale, post2, C2, D, cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
+    assert torch.equal(post2, post) and torch.equal(C2, C)
+
+
 def test_hc_pre_rejects_a_wrong_fn():
     X = torch.zeros(1, 4, 128, device=DEVICE)
     with pytest.raises(ValueError, match=r"fn must be contiguous fp32 \(24, 512\)"):
