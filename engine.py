@@ -47,6 +47,9 @@ from cache import CachePool
 from model_glm import GLMConfig, GLMModel, SeqChunk
 
 CPU_CACHE_TOKENS = 65536  # the cache pool's size when neither the caller nor CUDA memory sets it
+# Tokens of one forward. An 8K prompt in one chunk: 6.8K tok/s against 4.8K in 2048-token chunks
+# (H200, full-size synthetic model, BENCHMARKS.md session 16); a decode step waits for the chunk beside it.
+MAX_BATCH_TOKENS = 8192
 
 
 # ---------------------------------------------------------------------------------------------
@@ -414,7 +417,7 @@ class Engine:
     def __init__(self, model: GLMModel, tokenizer: Tokenizer, *, eos_token_ids: Seq[int],
                  chat_template: str | None = None, num_blocks: int | None = None,
                  max_cache_tokens: int | None = None, memory_fraction: float = 0.9, max_num_seqs: int = 16,
-                 max_batch_tokens: int = 2048, block_size: int = 64, max_model_len: int | None = None,
+                 max_batch_tokens: int = MAX_BATCH_TOKENS, block_size: int = 64, max_model_len: int | None = None,
                  snapshot_bytes: int = 4 << 30, snapshot_device: str | torch.device = "cpu",
                  speculator: str = "none", drafter: dflash.DFlash2Drafter | None = None,
                  draft_tokens: int | None = None, draft_row_cost: float = 0.25, use_kernels: bool = True):
@@ -425,7 +428,10 @@ class Engine:
         use_kernels: on one CUDA device, plain decode steps run fastdecode.FastDecoder's kernels in
         CUDA graphs captured here (batch 1..max_num_seqs, context buckets up to max_model_len) and
         prefill chunks (and a speculator's verify passes) run fastprefill.FastPrefill's; False runs
-        every step through model_glm's reference path."""
+        every step through model_glm's reference path.
+        max_batch_tokens: the tokens of one forward (prefill chunks and decode tokens together). When
+        CUDA memory sizes the cache, one chunk of that many tokens runs first (`_chunk_peak`) and the
+        memory it takes is kept out of the pool."""
         self.model, self.tokenizer, self.chat_template = model, tokenizer, chat_template
         self.config: GLMConfig = model.config
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -446,6 +452,9 @@ class Engine:
             per_device[d][0] += b
             per_device[d][1] += s
         block_bytes, slot_bytes = sum(b for b, _ in per_device), sum(s for _, s in per_device)
+        self.chunk_peak = [0] * len(plan.devices)
+        if num_blocks is None and max_cache_tokens is None and any(d.type == "cuda" for d in plan.devices):
+            self.chunk_peak = self._chunk_peak(use_kernels)
         num_blocks = self._size_pool(num_blocks, max_cache_tokens, memory_fraction, per_device, num_slots)
         self.cache = CachePool(self.config, num_blocks, num_slots, block_size=block_size, dtype=self.dtype,
                                device=list(plan.devices), layer_device=dict(enumerate(plan.layer_device)))
@@ -459,7 +468,7 @@ class Engine:
         # Speculative steps verify several rows per sequence: FastPrefill runs them (eagerly), and no
         # decode graphs are captured.
         self.fast = self._fast_decoder(max_num_seqs) if use_kernels and speculator == "none" else None
-        self.prefill = self._fast_prefill() if use_kernels else None
+        self.prefill = self._fast_prefill(self.cache, self.max_model_len, self.fast) if use_kernels else None
         if speculator != "none" and self.device.type == "cuda":
             print(f"engine: speculator {speculator!r}: verify passes run fastprefill's kernels without CUDA "
                   "graphs; their speed against plain graph decoding is not measured yet (BENCHMARKS.md)")
@@ -491,11 +500,44 @@ class Engine:
             return drafter
         raise ValueError(f"speculator={name!r}: expected 'none', 'dflash2' or 'mtp'")
 
+    def _chunk_peak(self, use_kernels: bool) -> list[int]:
+        """Bytes that one prefill chunk of max_batch_tokens tokens takes on each device of the plan
+        above what is allocated before it (activations, scratch, and the fast path's prepared weights,
+        which live beside the cache as well), as vLLM's profile run measures them: one such chunk of
+        random tokens over a cache of just enough blocks, on the path the engine takes (fast or
+        reference). Its kernels are compiled on the way, so the first request does not wait for them."""
+        plan = self.model.placement
+        blocks = -(-self.max_batch_tokens // self.block_size)
+        cache = CachePool(self.config, blocks, 1, block_size=self.block_size, dtype=self.dtype,
+                          device=list(plan.devices), layer_device=dict(enumerate(plan.layer_device)))
+        tokens = torch.randint(self.vocab_size, (self.max_batch_tokens,), generator=torch.Generator().manual_seed(0))
+        chunk = SeqChunk(tokens.to(self.device), 0, torch.arange(blocks, device=self.device), 0)
+        cuda = [d for d in plan.devices if d.type == "cuda"]
+        for d in cuda:
+            torch.cuda.synchronize(d)
+            torch.cuda.reset_peak_memory_stats(d)
+        before = {d: torch.cuda.memory_allocated(d) for d in cuda}
+        start = time.perf_counter()
+        try:
+            prefill = self._fast_prefill(cache, blocks * self.block_size) if use_kernels else None
+            with torch.no_grad():
+                (self.model.forward([chunk], cache) if prefill is None else prefill.forward([chunk])).logits.cpu()
+        except torch.cuda.OutOfMemoryError as oom:
+            raise ValueError(f"max_batch_tokens={self.max_batch_tokens}: one prefill chunk of that many tokens does "
+                             f"not fit in the memory the weights leave ({oom}); give a smaller max_batch_tokens") from None
+        peak = [torch.cuda.max_memory_allocated(d) - before[d] if d in before else 0 for d in plan.devices]
+        del prefill, cache
+        torch.cuda.empty_cache()
+        print(f"engine: a {self.max_batch_tokens}-token prefill chunk takes "
+              f"{', '.join(f'{p / 2**30:.2f}' for p in peak)} GiB (per device) beside the weights, kept out of the "
+              f"cache (measured in {time.perf_counter() - start:.1f} s)")
+        return peak
+
     def _size_pool(self, num_blocks, max_cache_tokens, memory_fraction, per_device: list[list[int]],
                    num_slots: int) -> int:
         """Blocks in the pool: as asked, else (CUDA) what every device allows for its layers' rows:
         memory_fraction of its free memory, and no more than its budget left after the planned
-        weights; else 64K tokens."""
+        weights, less the chunk's measured peak (`_chunk_peak`); else 64K tokens."""
         if num_blocks is None and max_cache_tokens is not None:
             num_blocks = -(-max_cache_tokens // self.block_size)
         plan = self.model.placement
@@ -503,12 +545,13 @@ class Engine:
             if not 0 < memory_fraction <= 1:
                 raise ValueError(f"memory_fraction={memory_fraction} must be in (0, 1]")
             fits = []
-            for d, budget, weights, (block_bytes, slot_bytes) in zip(plan.devices, plan.budget, plan.weight_bytes,
-                                                                     per_device):
+            for d, budget, weights, (block_bytes, slot_bytes), peak in zip(plan.devices, plan.budget,
+                                                                           plan.weight_bytes, per_device,
+                                                                           self.chunk_peak):
                 room = [torch.cuda.mem_get_info(d)[0] * memory_fraction] if d.type == "cuda" else []
                 room += [budget - weights] if budget is not None else []
                 if block_bytes and room:
-                    fits.append(int((min(room) - slot_bytes * num_slots) // block_bytes))
+                    fits.append(int((min(room) - peak - slot_bytes * num_slots) // block_bytes))
             num_blocks = min(fits) if fits else None
         if num_blocks is None:
             num_blocks = CPU_CACHE_TOKENS // self.block_size
@@ -587,14 +630,15 @@ class Engine:
                            sum(b.hash[i] is not None for i in b.free), len(b.snapshots.items),
                            b.snapshots.nbytes, speculator=self.speculator_name, **self.counters)
 
-    def _fast_prefill(self) -> "fastprefill.FastPrefill | None":
-        """The kernel prefill (and verify passes) on CUDA (a layer split too), over the fast decode
-        step's prepared weights (with a speculator, over a decoder of its own: no graphs are captured)."""
+    def _fast_prefill(self, cache: CachePool, max_context: int,
+                      decoder: "fastdecode.FastDecoder | None" = None) -> "fastprefill.FastPrefill | None":
+        """The kernel prefill (and verify passes) on CUDA (a layer split too) over `cache`, with the fast
+        decode step's prepared weights (without one, e.g. with a speculator, a decoder of its own: no
+        graphs are captured)."""
         if self.device.type != "cuda":
             return None
         try:
-            decoder = self.fast or fastdecode.FastDecoder(self.model, self.cache, max_context=self.max_model_len)
-            return fastprefill.FastPrefill(decoder)
+            return fastprefill.FastPrefill(decoder or fastdecode.FastDecoder(self.model, cache, max_context=max_context))
         except fastdecode.Unsupported as why:
             print(f"engine: prefill chunks and verify passes take the reference path: {why}")
             return None
@@ -989,7 +1033,8 @@ def load(path_or_hf_id: str | Path | None = None, device: str | torch.device | N
          dtype: torch.dtype | None = None, *, devices: str | Seq[str | torch.device] | None = None,
          split_experts: bool = False, memory_per_device: int | Seq[int] | None = None,
          num_blocks: int | None = None, max_cache_tokens: int | None = None,
-         memory_fraction: float = 0.9, max_num_seqs: int = 16, max_batch_tokens: int = 2048, block_size: int = 64,
+         memory_fraction: float = 0.9, max_num_seqs: int = 16, max_batch_tokens: int = MAX_BATCH_TOKENS,
+         block_size: int = 64,
          max_model_len: int | None = None, snapshot_bytes: int = 4 << 30,
          snapshot_device: str | torch.device = "cpu", progress: bool = True, speculator: str = "none",
          drafter_path: str | Path | None = None, draft_tokens: int | None = None, use_kernels: bool = True,

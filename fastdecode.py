@@ -81,11 +81,17 @@ def _concat(model: GLMModel, names: list[str]) -> Weight:
         return parts[0]
     sizes = [_out_features(w) for w in parts]
     if isinstance(parts[0], torch.Tensor):
-        fused: Weight = torch.cat(parts)
+        fused: Weight = _adjacent(parts, (sum(sizes), *parts[0].shape[1:]))
+        if fused is None:
+            fused = torch.cat(parts)
         views = list(fused.split(sizes))
     else:
-        weight = torch.cat([w.weight.view(torch.uint8) for w in parts]).view(torch.float8_e4m3fn)
-        scale = torch.cat([w.scale_inv for w in parts])
+        weight = _adjacent([w.weight for w in parts], (sum(sizes), parts[0].weight.shape[1]))
+        scale = _adjacent([w.scale_inv for w in parts],
+                          (sum(w.scale_inv.shape[0] for w in parts), parts[0].scale_inv.shape[1]))
+        if weight is None or scale is None:
+            weight = torch.cat([w.weight.view(torch.uint8) for w in parts]).view(torch.float8_e4m3fn)
+            scale = torch.cat([w.scale_inv for w in parts])
         fused = fp8.FP8Linear(weight, scale, name="+".join(names))
         views, row = [], 0
         for n, name in zip(sizes, names):
@@ -117,16 +123,28 @@ class Experts:
     dense: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
+def _adjacent(tensors: list[torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor | None:
+    """A view of shape `shape` over the tensors when they lie back to back in one storage, in order
+    and contiguous (as bench.py builds experts, or as an earlier FastDecoder left a fused run), else
+    None: building a second FastDecoder on the same model (Engine's profile run) then copies nothing."""
+    t0 = tensors[0]
+    storage, offset = t0.untyped_storage(), t0.storage_offset()
+    for t in tensors:
+        if not (t.is_contiguous() and t.dtype == t0.dtype and t.shape[1:] == t0.shape[1:]
+                and t.untyped_storage().data_ptr() == storage.data_ptr() and t.storage_offset() == offset):
+            return None
+        offset += t.numel()
+    return t0.new_empty(0).set_(storage, t0.storage_offset(), shape)
+
+
 def _stacked(tensors: list[torch.Tensor]) -> torch.Tensor:
     """[E, ...] holding the tensors: a view of their storage when they already lie there back to
-    back in order (as bench.py builds them), else a new stack."""
+    back in order (`_adjacent`), else a new stack."""
     t0 = tensors[0]
-    storage = t0.untyped_storage()
-    if all(t.is_contiguous() and t.shape == t0.shape and t.dtype == t0.dtype
-           and t.untyped_storage().data_ptr() == storage.data_ptr()
-           and t.storage_offset() == t0.storage_offset() + e * t0.numel() for e, t in enumerate(tensors)):
-        return t0.new_empty(0).set_(storage, t0.storage_offset(), (len(tensors), *t0.shape))
-    return torch.stack(tensors)
+    if any(t.shape != t0.shape for t in tensors):
+        return torch.stack(tensors)  # (raises, naming both shapes)
+    stack = _adjacent(tensors, (len(tensors), *t0.shape))
+    return torch.stack(tensors) if stack is None else stack
 
 
 def stack_experts(model: GLMModel, L: int) -> Experts:

@@ -644,6 +644,40 @@ def test_fuse_concatenates_what_lines_up_and_keeps_each_linear():
     assert torch.equal(fake.weights["d"], ws["d"]) and fake.weights["d"]._base is fused.runs[2][0]
 
 
+def test_fusing_again_reuses_the_run_the_first_fuse_left():
+    """A second FastDecoder on the same model (the engine's profile run builds one before the real one)
+    finds each run's weights back to back in one storage and copies nothing; out of order, or apart,
+    they are copied as before."""
+    g = torch.Generator().manual_seed(4)
+    ws = {"a": fp8.FP8Linear.from_weight(torch.randn(256, 256, generator=g)),
+          "b": fp8.FP8Linear.from_weight(torch.randn(128, 256, generator=g)),
+          "d": torch.randn(32, 256, generator=g), "e": torch.randn(16, 256, generator=g)}
+    fake = GLMModel.__new__(GLMModel)
+    fake.weights = dict(ws)
+    first = fastdecode.fuse(fake, list(ws))
+    again = fastdecode.fuse(fake, list(ws))
+    for (w1, sizes1), (w2, sizes2) in zip(first.runs, again.runs):
+        assert sizes1 == sizes2
+        if isinstance(w1, fp8.FP8Linear):
+            assert w2.weight.data_ptr() == w1.weight.data_ptr() and w2.weight.shape == w1.weight.shape
+            assert w2.scale_inv.data_ptr() == w1.scale_inv.data_ptr() and w2.scale_inv.shape == w1.scale_inv.shape
+        else:
+            assert w2.data_ptr() == w1.data_ptr() and torch.equal(w2, w1)
+    x = torch.randn(3, 256, generator=g)
+    for got, want in zip(again(x), first(x)):
+        assert torch.equal(got, want)
+    swapped = fastdecode.fuse(fake, ["e", "d"])  # back to back, but not in this order: a copy
+    assert swapped.runs[0][0].data_ptr() != first.runs[1][0].data_ptr()
+    assert torch.equal(swapped.runs[0][0], torch.cat([ws["e"], ws["d"]]))
+
+    model = _model(torch.float32)
+    cache = CachePool(model.config, num_blocks=4, num_slots=1, block_size=16, dtype=model.dtype, device=DEVICE)
+    one = fastdecode.FastDecoder(model, cache, max_context=64)
+    two = fastdecode.FastDecoder(model, cache, max_context=64)
+    for a, b in zip(one.layers, two.layers):
+        assert [w.data_ptr() for w, _ in a.proj.runs] == [w.data_ptr() for w, _ in b.proj.runs]
+
+
 def test_unsupported_experts_are_named():
     model = _model(torch.float32)
     L = model.config.mlp_layer_types.index("sparse")
@@ -777,6 +811,22 @@ def test_engine_on_cuda_captures_graphs_and_matches_the_reference_path():
     assert reference.fast is None
     assert [r.token_ids for r in fast.generate(prompts, params)] == \
         [r.token_ids for r in reference.generate(prompts, params)]
+
+
+@needs_gpu
+def test_engine_keeps_one_measured_prefill_chunk_out_of_the_cache():
+    """With the pool sized from CUDA memory, the engine first runs one chunk of max_batch_tokens
+    tokens and keeps what it took out of the pool: a real prompt of that length needs no more."""
+    import engine as E
+    eng = E.load(max_batch_tokens=1024, memory_fraction=0.05, max_model_len=2048, max_num_seqs=2)
+    peak = eng.chunk_peak[0]
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    prompt = torch.randint(2, eng.vocab_size, (1024,), generator=torch.Generator().manual_seed(0)).tolist()
+    eng.generate([prompt], E.SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+    used = torch.cuda.max_memory_allocated() - before
+    assert 0 < used <= peak, (used, peak)
 
 
 def test_stacking_reuses_a_stack_the_experts_already_live_in():
