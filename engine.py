@@ -505,13 +505,17 @@ class Engine:
         above what is allocated before it (activations, scratch, and the fast path's prepared weights,
         which live beside the cache as well), as vLLM's profile run measures them: one such chunk of
         random tokens over a cache of just enough blocks, on the path the engine takes (fast or
-        reference). Its kernels are compiled on the way, so the first request does not wait for them."""
+        reference). Its kernels are compiled on the way, and those of a short chunk after it (a
+        prompt's last block is a chunk of its own when the prefix cache snapshots before it), so the
+        first request does not wait for them."""
         plan = self.model.placement
-        blocks = -(-self.max_batch_tokens // self.block_size)
-        cache = CachePool(self.config, blocks, 1, block_size=self.block_size, dtype=self.dtype,
+        T, bs = self.max_batch_tokens, self.block_size
+        blocks = -(-T // bs) + 1
+        cache = CachePool(self.config, blocks, 1, block_size=bs, dtype=self.dtype,
                           device=list(plan.devices), layer_device=dict(enumerate(plan.layer_device)))
-        tokens = torch.randint(self.vocab_size, (self.max_batch_tokens,), generator=torch.Generator().manual_seed(0))
-        chunk = SeqChunk(tokens.to(self.device), 0, torch.arange(blocks, device=self.device), 0)
+        tokens = torch.randint(self.vocab_size, (T + bs,), generator=torch.Generator().manual_seed(0)).to(self.device)
+        table = torch.arange(blocks, device=self.device)
+        chunks = [SeqChunk(tokens[:T], 0, table, 0), SeqChunk(tokens[T:], T, table, 0)]
         cuda = [d for d in plan.devices if d.type == "cuda"]
         for d in cuda:
             torch.cuda.synchronize(d)
@@ -519,16 +523,17 @@ class Engine:
         before = {d: torch.cuda.memory_allocated(d) for d in cuda}
         start = time.perf_counter()
         try:
-            prefill = self._fast_prefill(cache, blocks * self.block_size) if use_kernels else None
+            prefill = self._fast_prefill(cache, blocks * bs) if use_kernels else None
             with torch.no_grad():
-                (self.model.forward([chunk], cache) if prefill is None else prefill.forward([chunk])).logits.cpu()
+                for chunk in chunks:
+                    (self.model.forward([chunk], cache) if prefill is None else prefill.forward([chunk])).logits.cpu()
         except torch.cuda.OutOfMemoryError as oom:
             raise ValueError(f"max_batch_tokens={self.max_batch_tokens}: one prefill chunk of that many tokens does "
                              f"not fit in the memory the weights leave ({oom}); give a smaller max_batch_tokens") from None
         peak = [torch.cuda.max_memory_allocated(d) - before[d] if d in before else 0 for d in plan.devices]
         del prefill, cache
         torch.cuda.empty_cache()
-        print(f"engine: a {self.max_batch_tokens}-token prefill chunk takes "
+        print(f"engine: a {T}-token prefill chunk takes "
               f"{', '.join(f'{p / 2**30:.2f}' for p in peak)} GiB (per device) beside the weights, kept out of the "
               f"cache (measured in {time.perf_counter() - start:.1f} s)")
         return peak
