@@ -50,6 +50,7 @@ class TargetPass:
     taps: torch.Tensor | None  # [rows, n_taps * D]: contracted residual after each tap layer
     kda_inputs: dict[int, torch.Tensor]  # KDA layer -> its input x at the recorded rows, for rollback
     recorded: list[int] = field(default_factory=list)  # those rows (of the pass), in order
+    snapshots: dict = field(default_factory=dict)  # ForwardOutput.snapshots: a prefill chunk's KDA rows
 
 
 def target_forward(model: GLMModel, batch: list[SeqChunk], cache: CachePool, logit_rows: list[int],
@@ -60,7 +61,7 @@ def target_forward(model: GLMModel, batch: list[SeqChunk], cache: CachePool, log
     asked = dict(logit_rows=list(logit_rows), taps=taps, kda_input_rows=list(record_rows))
     with torch.no_grad():
         out = model.forward(batch, cache, **asked) if prefill is None else prefill.forward(batch, **asked)
-    return TargetPass(out.logits, out.hidden, out.taps, out.kda_inputs, list(record_rows))
+    return TargetPass(out.logits, out.hidden, out.taps, out.kda_inputs, list(record_rows), out.snapshots)
 
 
 def save_kda_slots(cache: CachePool, slots: list[int]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:

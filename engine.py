@@ -16,10 +16,12 @@ The cache is hybrid (glm53.md §4.3-4.4): paged DSA blocks (latent, indexer keys
 pooled keys) addressed through per-sequence block tables, plus one KDA slot (recurrent state and
 conv window) per running sequence. The prefix cache therefore needs two things for a hit at a block
 boundary: the DSA blocks before it (shared, refcounted, immutable once full, found by chained
-hashes of their token ids) and a snapshot of the KDA slot taken at that boundary. A prefill chunk
-is cut to end at each boundary the cache wants, so the snapshot is a copy of the slot after the
-forward (no per-boundary state copies inside the model, which would be ~141 MiB each on the full
-model), and a later hit resumes with exactly the arithmetic of the run that stored it.
+hashes of their token ids) and a snapshot of the KDA slot taken at that boundary. A boundary the
+cache wants inside a prefill chunk does not cut the chunk: the forward returns the KDA rows there
+(SeqChunk.snapshots; the KDA pieces end at block boundaries anyway), and at a chunk's end the
+snapshot is a copy of the slot. Either is copied to (pinned) CPU memory, ~141 MiB on the full model.
+A later hit resumes from it with the arithmetic of a run cut there (the same up to the rounding of
+products over fewer rows).
 """
 from __future__ import annotations
 
@@ -44,11 +46,12 @@ import fastdecode
 import fastprefill
 import placement
 from cache import CachePool
-from model_glm import GLMConfig, GLMModel, SeqChunk
+from model_glm import GLMConfig, GLMModel, KDASnapshot, SeqChunk
 
 CPU_CACHE_TOKENS = 65536  # the cache pool's size when neither the caller nor CUDA memory sets it
-# Tokens of one forward. An 8K prompt in one chunk: 6.8K tok/s against 4.8K in 2048-token chunks
-# (H200, full-size synthetic model, BENCHMARKS.md session 16); a decode step waits for the chunk beside it.
+# Tokens of one forward. An 8K prompt through the engine: 5.56K tok/s against 4.12K in 2048-token
+# chunks (H200, full-size synthetic model, one process, BENCHMARKS.md session 17); a decode step
+# waits for the chunk beside it.
 MAX_BATCH_TOKENS = 8192
 
 
@@ -277,6 +280,7 @@ def block_hash(prev: bytes, tokens: Seq[int]) -> bytes:
 class Snapshot:
     kda_state: torch.Tensor  # [n_kda, H, d_k, d_v] after the boundary's last token
     conv_state: torch.Tensor  # [n_kda, 3, conv_kernel - 1, H * d]
+    copied: "torch.cuda.Event | None" = None  # the GPU -> pinned CPU copies are done (SnapshotStore.get waits)
 
     @property
     def nbytes(self) -> int:
@@ -287,12 +291,29 @@ class SnapshotStore:
     """KDA snapshots at block boundaries, keyed by the hash of the boundary's last block.
 
     LRU within `max_bytes` (the full model's snapshot is ~141 MiB, so the budget bounds them).
+    With `pin` (the engine calls it when its cache is on a GPU and the store on the CPU), the store
+    is an arena of pinned slots allocated once, and a GPU slot's snapshot is copied into one without
+    blocking (`get` waits for the copy). H200, full model: a pageable copy took 90 ms, and pinning
+    fresh memory for each snapshot was slower still; a prompt takes two.
     """
 
     def __init__(self, max_bytes: int, device: torch.device):
         self.max_bytes, self.device = max_bytes, device
         self.items: OrderedDict[bytes, Snapshot] = OrderedDict()
         self.nbytes = 0
+        self.arena: tuple[torch.Tensor, torch.Tensor] | None = None  # [slots, ...] pinned, kda and conv
+        self.free: list[int] = []
+        self.slot_of: dict[bytes, int] = {}
+
+    def pin(self, kda_state: torch.Tensor, conv_state: torch.Tensor) -> None:
+        """Allocates the pinned arena for snapshots shaped like these (one sequence's slot)."""
+        slots = self.max_bytes // Snapshot(kda_state, conv_state).nbytes
+        if self.device.type != "cpu" or slots == 0:
+            return
+        self.clear()
+        self.arena = tuple(torch.empty((slots, *t.shape), dtype=t.dtype, pin_memory=True)
+                           for t in (kda_state, conv_state))
+        self.free = list(range(slots))
 
     def __contains__(self, h: bytes) -> bool:
         return h in self.items
@@ -304,23 +325,39 @@ class SnapshotStore:
         size = Snapshot(kda_state, conv_state).nbytes
         if size > self.max_bytes:
             return
-        while self.nbytes + size > self.max_bytes:
+        pinned = self.arena is not None and kda_state.is_cuda and self.arena[0].shape[1:] == kda_state.shape
+        while self.nbytes + size > self.max_bytes or (pinned and not self.free):
             self.discard(next(iter(self.items)))
-        self.items[h] = Snapshot(kda_state.to(self.device, copy=True), conv_state.to(self.device, copy=True))
+        if pinned:
+            # The GPU slot may change in the next forward: that is queued after these copies.
+            i = self.slot_of[h] = self.free.pop()
+            kda, conv = (a[i].copy_(t, non_blocking=True) for a, t in zip(self.arena, (kda_state, conv_state)))
+            copied = torch.cuda.Event()
+            copied.record(torch.cuda.current_stream(kda_state.device))
+            self.items[h] = Snapshot(kda, conv, copied)
+        else:
+            self.items[h] = Snapshot(kda_state.to(self.device, copy=True), conv_state.to(self.device, copy=True))
         self.nbytes += size
 
     def get(self, h: bytes) -> Snapshot:
         self.items.move_to_end(h)
-        return self.items[h]
+        snap = self.items[h]
+        if snap.copied is not None:
+            snap.copied.synchronize()
+        return snap
 
     def discard(self, h: bytes) -> None:
         snap = self.items.pop(h, None)
         if snap is not None:
             self.nbytes -= snap.nbytes
+            if h in self.slot_of:  # a later copy into the slot is queued after this one's
+                self.free.append(self.slot_of.pop(h))
 
     def clear(self) -> None:
         self.items.clear()
         self.nbytes = 0
+        self.slot_of.clear()
+        self.free = list(range(len(self.arena[0]))) if self.arena is not None else []
 
 
 class BlockManager:
@@ -473,6 +510,8 @@ class Engine:
             print(f"engine: speculator {speculator!r}: verify passes run fastprefill's kernels without CUDA "
                   "graphs; their speed against plain graph decoding is not measured yet (BENCHMARKS.md)")
         self.blocks = BlockManager(num_blocks, SnapshotStore(snapshot_bytes, torch.device(snapshot_device)))
+        if self.cache.kda_state.device.type == "cuda":
+            self.blocks.snapshots.pin(self.cache.kda_state[:, 0], self.cache.conv_state[:, 0])
         self.free_slots = list(range(max_num_seqs))
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -688,15 +727,17 @@ class Engine:
             return outputs + self._speculative_step(batch, chunks)
         rest = [i for i in range(len(batch)) if i not in fast]
         logits = torch.empty(len(batch), self.vocab_size, dtype=torch.float32, device=self.device)
+        captured = {}
         if fast:
             logits[fast] = self.fast.step([chunks[i] for i in fast]).logits
         if rest:
             todo = [chunks[i] for i in rest]
             out = self.model.forward(todo, self.cache) if self.prefill is None else self.prefill.forward(todo)
             logits[rest] = out.logits
+            captured = {(rest[j], p): snap for (j, p), snap in out.snapshots.items()}
         argmax = logits.argmax(-1).tolist()  # one device sync serves every plain-greedy sequence
         for i, (seq, n) in enumerate(batch):
-            self._commit(seq, n)
+            self._commit(seq, n, {p: snap for (j, p), snap in captured.items() if j == i})
             if seq.num_computed == len(seq.token_ids):
                 outputs.append(self._sample(seq, logits[i], argmax[i]))
         return outputs
@@ -705,8 +746,9 @@ class Engine:
     def _seq_chunk(seq: Sequence, n: int, device: str | torch.device) -> SeqChunk:
         """The next n positions of seq (its pending drafts after the last real token)."""
         tokens = seq.token_ids[seq.num_computed:seq.num_computed + n - seq.k] + (seq.draft.tokens if seq.draft else [])
+        inside = tuple(sorted(b for b in seq.snapshot_at if seq.num_computed < b < seq.num_computed + n))
         return SeqChunk(torch.tensor(tokens, device=device), seq.num_computed,
-                        torch.tensor(seq.block_table, device=device), seq.slot)
+                        torch.tensor(seq.block_table, device=device), seq.slot, inside)
 
     # --- speculative decoding (dflash.py) ---------------------------------------------------
 
@@ -765,7 +807,7 @@ class Engine:
                 self.blocks.release(seq.block_table[keep:])
                 del seq.block_table[keep:]
             else:
-                self._commit(seq, n)
+                self._commit(seq, n, {p: snap for (j, p), snap in verify.snapshots.items() if j == i})
             self.speculator.observe(seq.request_id, start, verify, (offsets[i], offsets[i] + n))
             if i not in emitted and seq.num_computed == len(seq.token_ids):
                 outputs.append(self._sample(seq, logits[first[i]], argmax[first[i]]))
@@ -822,9 +864,11 @@ class Engine:
         return batch
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
-        """Tokens to compute next: all that are left, within the budget, stopping at a wanted snapshot."""
-        end = min([len(seq.token_ids), seq.num_computed + budget] + [b for b in seq.snapshot_at if b > seq.num_computed])
-        return end - seq.num_computed
+        """Tokens to compute next: all that are left, within the budget. A wanted snapshot inside the
+        chunk does not cut it: the forward returns the KDA rows there (SeqChunk.snapshots). Cutting
+        cost a pass over the weights for the last block alone (H200, full-size model: 122 ms, half a
+        1K prompt's time)."""
+        return min(len(seq.token_ids), seq.num_computed + budget) - seq.num_computed
 
     def _blocks_needed(self, seq: Sequence, upto: int) -> int:
         return max(0, -(-upto // self.block_size) - len(seq.block_table))
@@ -884,17 +928,23 @@ class Engine:
         if self.speculator is not None:
             self.speculator.release(seq.request_id)
 
-    def _commit(self, seq: Sequence, n: int) -> None:
-        """Advance past the computed chunk: hash and publish full blocks, keep wanted snapshots."""
+    def _commit(self, seq: Sequence, n: int, captured: dict[int, KDASnapshot] | None = None) -> None:
+        """Advance past the computed chunk: hash and publish full blocks, keep wanted snapshots (at
+        the chunk's end from the slot; inside it, `captured` by the forward)."""
         bs, start = self.block_size, seq.num_computed
         seq.num_computed += n
         self.counters["prompt_tokens_computed"] += max(0, min(seq.num_computed, seq.prompt_len) - start)
         self._hash_blocks(seq, seq.num_computed // bs)
         for i in range(start // bs, seq.num_computed // bs):
             self.blocks.register(seq.block_table[i], seq.block_hashes[i])
+        snaps = self.blocks.snapshots
+        for p, snap in sorted((captured or {}).items()):
+            first = snap.kda_state[0].device  # (a layer split: rows on several devices, as the cache reads them)
+            snaps.put(seq.block_hashes[p // bs - 1], torch.stack([t.to(first) for t in snap.kda_state]),
+                      torch.stack([t.to(first) for t in snap.conv_state]))
         if seq.num_computed in seq.snapshot_at:
-            self.blocks.snapshots.put(seq.block_hashes[seq.num_computed // bs - 1],
-                                      self.cache.kda_state[:, seq.slot], self.cache.conv_state[:, seq.slot])
+            snaps.put(seq.block_hashes[seq.num_computed // bs - 1],
+                      self.cache.kda_state[:, seq.slot], self.cache.conv_state[:, seq.slot])
 
     def _hash_blocks(self, seq: Sequence, n: int) -> None:
         bs = self.block_size

@@ -27,7 +27,8 @@ import exl3_kernels
 import kda_kernels
 import kernels
 from fastdecode import FastDecoder, Layer, Unsupported, fp32_linear
-from model_glm import KDA_CHUNK, ForwardOutput, SeqChunk, linear, on_device, rms_norm, route_logits, write_dsa_rows
+from model_glm import (KDA_CHUNK, ForwardOutput, KDASnapshot, SeqChunk, linear, on_device, rms_norm, route_logits,
+                       write_dsa_rows)
 
 
 @dataclass
@@ -36,6 +37,7 @@ class ChunkRun:
     h: torch.Tensor | None = None
     taps: dict[int, torch.Tensor] = field(default_factory=dict)
     kda_inputs: dict[int, torch.Tensor] = field(default_factory=dict)
+    snapshots: dict[int, KDASnapshot] = field(default_factory=dict)  # position -> KDA rows (SeqChunk.snapshots)
 
 
 class FastPrefill:
@@ -79,7 +81,8 @@ class FastPrefill:
             order = torch.tensor([kept.index(r) for r in kda_input_rows], device=h.device)
             kda_inputs = {L: torch.cat([r.kda_inputs[L] for r in runs if L in r.kda_inputs])[order]
                           for L in cfg.kda_layers}
-        return ForwardOutput(logits, h, tapped, kda_inputs)
+        snapshots = {(i, p): snap for i, r in enumerate(runs) for p, snap in r.snapshots.items()}
+        return ForwardOutput(logits, h, tapped, kda_inputs, snapshots)
 
     # -- §4.1 the trunk, one chunk ------------------------------------------------------------
 
@@ -90,7 +93,7 @@ class FastPrefill:
         d, cfg = self.decoder, self.cfg
         first = d.embed.device
         tokens = c.tokens.to(first)
-        run = ChunkRun()
+        run = ChunkRun(snapshots={p: KDASnapshot.empty(len(cfg.kda_layers)) for p in c.snapshots})
         X = d.embed[tokens][:, None, :].repeat(1, cfg.hc_mult, 1).contiguous()
         for L, layer in enumerate(d.layers):
             X = X.to(layer.device)  # a layer split: each layer on its device (FastDecoder.run)
@@ -99,7 +102,7 @@ class FastPrefill:
                 if layer.kind == "kda":
                     if record:  # kept on the first device, as model_glm keeps them
                         run.kda_inputs[L] = x[torch.tensor(sorted(record), device=x.device)].to(first)
-                    y = self.kda(layer, x, c)
+                    y = self.kda(layer, x, c, run.snapshots)
                 else:
                     y = self.dsa(layer, x, c)
                 X = kernels.hc_post(X, y, post, C)
@@ -115,7 +118,8 @@ class FastPrefill:
 
     # -- §4.3 KDA ------------------------------------------------------------------------------
 
-    def kda(self, layer: Layer, x: torch.Tensor, c: SeqChunk) -> torch.Tensor:
+    def kda(self, layer: Layer, x: torch.Tensor, c: SeqChunk, snapshots: dict[int, KDASnapshot]) -> torch.Tensor:
+        """§4.3 for one chunk; the layer's rows at the chunk's snapshot positions go into `snapshots`."""
         cfg, cache, a = self.cfg, self.cache, layer.attn
         H, d, K = cfg.linear_num_heads, cfg.linear_head_dim, cfg.linear_conv_kernel
         n, row, slot = x.shape[0], layer.row, c.slot
@@ -131,22 +135,35 @@ class FastPrefill:
         keep = min(n, K - 1)
         cache.conv_state[row, slot] = torch.stack([torch.cat([history[j, keep:], t[n - keep:].to(history.dtype)])
                                                    for j, t in enumerate((q_pre, k_pre, v_pre))])
-        o, S = self.recurrence(q, k, v, g, beta, cache.kda_state[row, slot], c.start)
+        for p, snap in snapshots.items():  # the conv window before position p: the history's tail, then rows
+            r = p - c.start
+            snap.conv_state[row] = torch.stack([torch.cat([history[j], t[:r].to(history.dtype)])[-(K - 1):]
+                                                for j, t in enumerate((q_pre, k_pre, v_pre))])
+        o, S, at = self.recurrence(q, k, v, g, beta, cache.kda_state[row, slot], c.start,
+                                   [p - c.start for p in sorted(snapshots)])
+        for p, state in zip(sorted(snapshots), at):
+            snapshots[p].kda_state[row] = state
         cache.kda_state[row, slot] = S
         return linear(kda_kernels.kda_output_gate(o, o_g, a["o_norm"], cfg.rms_norm_eps, x.dtype), layer.o_proj)
 
     def recurrence(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                   beta: torch.Tensor, S: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+                   beta: torch.Tensor, S: torch.Tensor, start: int, cuts: list[int] = ()
+                   ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
         """§4.3.6-7 from state S for positions start.., chunked at the same absolute positions as
-        model_glm (a head piece up to the next chunk boundary first)."""
-        head = min((-start) % self.kda_chunk, q.shape[0])
-        outs = []
-        for r0, r1 in ((0, head), (head, q.shape[0])):
-            if r1 > r0:
-                o, S, _ = kda_kernels.kda_chunk_prefill(q[r0:r1], k[r0:r1], v[r0:r1], g[r0:r1], beta[r0:r1], S,
-                                                        chunk=self.kda_chunk)
-                outs.append(o)
-        return torch.cat(outs), S
+        model_glm (a head piece up to the next chunk boundary first). Also returns the states after
+        the rows `cuts` (ascending, each at a chunk boundary: the pieces end there, no arithmetic
+        changes), for the chunk's snapshots."""
+        n = q.shape[0]
+        head = min((-start) % self.kda_chunk, n)
+        ends = sorted({head, *cuts, n} - {0})
+        outs, at = [], []
+        for r0, r1 in zip([0] + ends[:-1], ends):
+            o, S, _ = kda_kernels.kda_chunk_prefill(q[r0:r1], k[r0:r1], v[r0:r1], g[r0:r1], beta[r0:r1], S,
+                                                    chunk=self.kda_chunk)
+            outs.append(o)
+            if r1 in cuts:
+                at.append(S)
+        return torch.cat(outs), S, at
 
     # -- §4.4 DSA ------------------------------------------------------------------------------
 

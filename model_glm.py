@@ -291,11 +291,28 @@ class SeqChunk:
 
     block_table[i] is the cache block holding positions i*block_size .. (i+1)*block_size-1;
     slot indexes the KDA state. start == 0 begins a fresh sequence (its slot state is reset).
+    snapshots: block boundaries p inside the chunk (start < p < start+n, p a multiple of the block
+    size) at which the forward also returns the sequence's KDA rows as they are after position p-1
+    (ForwardOutput.snapshots), for the prefix cache: the KDA pieces end there anyway (_kda_segments),
+    so this costs a copy, where cutting the chunk there would cost another pass over the weights.
     """
     tokens: torch.Tensor
     start: int
     block_table: torch.Tensor
     slot: int
+    snapshots: tuple[int, ...] = ()
+
+
+@dataclass
+class KDASnapshot:
+    """A sequence's KDA rows after a position: per KDA layer, in cache row order (CachePool.kda_index),
+    its state [H, d_k, d_v] fp32 and its conv window [3, K-1, H*d] in the cache's dtype."""
+    kda_state: list[torch.Tensor | None]
+    conv_state: list[torch.Tensor | None]
+
+    @classmethod
+    def empty(cls, layers: int) -> "KDASnapshot":
+        return cls([None] * layers, [None] * layers)
 
 
 @dataclass
@@ -306,6 +323,8 @@ class ForwardOutput:
     taps: torch.Tensor | None = None
     # KDA layer -> its input x at kda_input_rows (replayed by speculative decoding's rollback)
     kda_inputs: dict[int, torch.Tensor] = field(default_factory=dict)
+    # (chunk index, position) -> the KDA rows after position - 1, for each of the chunks' `snapshots`
+    snapshots: dict[tuple[int, int], KDASnapshot] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -569,6 +588,7 @@ class GLMModel:
         self._check_taps(taps)
         record = _as_index(list(kda_input_rows), tokens.device) if len(kda_input_rows) else None
         tapped, kda_inputs = {}, {}
+        snapshots = {(i, p): KDASnapshot.empty(len(cfg.kda_layers)) for i, c in enumerate(batch) for p in c.snapshots}
 
         X = self.w("embed_tokens.weight")[tokens][:, None, :].repeat(1, cfg.hc_mult, 1)
         first = X.device
@@ -584,7 +604,7 @@ class GLMModel:
                     if record is not None:
                         rows = record if isinstance(record, slice) else record.to(device)
                         kda_inputs[L] = x[rows].to(first)
-                    y = self.kda(L, x, batch, spans, cache)
+                    y = self.kda(L, x, batch, spans, cache, snapshots)
                 else:
                     y = self.dsa(L, x, batch, spans, cache)
                 X = hc_post(X, y, post, C)
@@ -607,12 +627,13 @@ class GLMModel:
                 h = rms_norm(X[rows].float().mean(1).to(X.dtype), self.w("norm.weight"), cfg.rms_norm_eps)
                 logits = linear(h, self.w("lm_head.weight")).float()
         tap_rows = torch.cat([tapped[L] for L in taps], dim=-1) if taps else None
-        return ForwardOutput(logits, h, tap_rows, kda_inputs)
+        return ForwardOutput(logits, h, tap_rows, kda_inputs, snapshots)
 
     # -- §4.3 KDA ------------------------------------------------------------------------------
 
     def kda(self, L: int, x: torch.Tensor, batch: list[SeqChunk], spans: list[tuple[int, int]],
-            cache: CachePool) -> torch.Tensor:
+            cache: CachePool, snapshots: dict[tuple[int, int], KDASnapshot] | None = None) -> torch.Tensor:
+        """§4.3 for every chunk; the KDA rows at the chunks' `snapshots` go into `snapshots`."""
         cfg = self.config
         p = f"layers.{L}.self_attn."
         H, d = cfg.linear_num_heads, cfg.linear_head_dim
@@ -630,8 +651,9 @@ class GLMModel:
             out = torch.empty(x.shape[0], H, d, dtype=torch.float32, device=x.device)
             for group in _kda_groups(batch, spans, cache.block_size):
                 rows = _as_index([r for i in group for r in range(*spans[i])], x.device)
+                wanted = [{p: snapshots[(i, p)] for p in batch[i].snapshots} for i in group] if snapshots else None
                 out[rows] = self._kda_side_by_side(row, [batch[i] for i in group], [t[rows] for t in pre_conv],
-                                                   g[rows], beta[rows], conv_w, cache)
+                                                   g[rows], beta[rows], conv_w, cache, wanted)
 
             o = rms_norm(out, self.w(p + "o_norm.weight").float(), cfg.rms_norm_eps)
             o = o * torch.sigmoid(o_g.float().view(-1, H, d))
@@ -639,11 +661,12 @@ class GLMModel:
 
     def _kda_side_by_side(self, row: int, chunks: list[SeqChunk], pre_conv: list[torch.Tensor],
                           g: torch.Tensor, beta: torch.Tensor, conv_w: list[Weight],
-                          cache: CachePool) -> torch.Tensor:
+                          cache: CachePool, wanted: list[dict[int, KDASnapshot]] | None = None) -> torch.Tensor:
         """§4.3 for B chunks of n tokens whose KDA segments line up (see _kda_groups): the equations
         are per head, so the sequences go side by side on the head axis (the depthwise conv on the
         channel axis) and one pass serves them all; B = 1 is the plain per-sequence case. Rows in
-        (chunk, token) order; returns o [B*n, H, d] before the output norm."""
+        (chunk, token) order; returns o [B*n, H, d] before the output norm. wanted[b]: position ->
+        the snapshot whose row `row` gets chunk b's state and conv window after that position - 1."""
         cfg = self.config
         H, d, K = cfg.linear_num_heads, cfg.linear_head_dim, cfg.linear_conv_kernel
         B, n = len(chunks), g.shape[0] // len(chunks)
@@ -672,6 +695,11 @@ class GLMModel:
             step = kda_recurrent if s1 - s0 == 1 else kda_chunk
             o, S = step(q[r0:r1], k[r0:r1], v[r0:r1], g[r0:r1], beta[r0:r1], S)
             seg_out.append(o)
+            for b, want in enumerate(wanted or ()):
+                pos = chunks[b].start + r1  # (a group's chunks may start apart)
+                if pos in want:  # the conv window's rows r1 .. r1+K-2 are positions pos-K+1 .. pos-1
+                    want[pos].kda_state[row] = S.reshape(B, H, d, d)[b].detach().clone()
+                    want[pos].conv_state[row] = torch.stack([w[b, r1:r1 + K - 1] for w in windows]).detach()
         # The pool keeps values, not autograd history (training runs a batch in one forward): a graph
         # through the pool would copy all of it at every write during backward.
         cache.kda_state[row, slots] = S.detach().reshape(B, H, d, d)
@@ -810,6 +838,10 @@ class GLMModel:
                                  f"positions up to {c.start + n - 1} need {need}")
             if int(c.tokens.min()) < 0 or int(c.tokens.max()) >= self.config.vocab_size:
                 raise ValueError(f"batch[{i}].tokens hold ids outside 0..{self.config.vocab_size - 1}")
+            bad = [p for p in c.snapshots if not (c.start < p < c.start + n and p % cache.block_size == 0)]
+            if bad:
+                raise ValueError(f"batch[{i}].snapshots {bad}: each must be a multiple of the block size "
+                                 f"{cache.block_size} strictly inside positions {c.start}..{c.start + n - 1}")
             spans.append((row, row + n))
             row += n
         return spans

@@ -776,7 +776,7 @@ def test_engine_sends_decode_tokens_to_the_fast_step():
 
     model = _model(torch.float32)
     tok = make_tokenizer(model.config.vocab_size)
-    prompts = [[5, 9, 13, 200, 7, 3, 77, 41, 19], [8, 8, 30, 2, 61] * 5]
+    prompts = [[5, 9, 13, 200, 7, 3, 77, 41, 19], [8, 8, 30, 2, 61] * 7]
     params = E.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     # 12 tokens per step: the short prompt decodes while the long one still prefills in chunks
     make = lambda: E.Engine(model, tok, eos_token_ids=[1], num_blocks=16, block_size=16, max_num_seqs=2,

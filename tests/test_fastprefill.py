@@ -103,6 +103,43 @@ def test_prefill_with_exl3_experts_runs_the_moe_kernel():
     _same_caches(caches, tight=EXACT)
 
 
+def test_snapshots_inside_a_chunk_are_what_a_chunk_ending_there_leaves():
+    """SeqChunk.snapshots on both paths: the KDA state and conv window at each block boundary asked
+    are those a chunk ending there leaves in its slot (up to the rounding of fewer rows' products),
+    and asking changes nothing else. Two sequences side by side at different starts, whose KDA
+    pieces line up (the reference runs them as one group)."""
+    model = _two_layers(torch.float32)
+    V = model.config.vocab_size
+    g = torch.Generator().manual_seed(5)
+    a, b0, b = (torch.randint(2, V, (n,), generator=g) for n in (53, 16, 53))
+    tables = [torch.arange(0, 8), torch.arange(8, 16)]
+    asked = [SeqChunk(a, 0, tables[0], 0, (16, 48)), SeqChunk(b, 16, tables[1], 1, (64,))]
+
+    def run(batch, fast_too=True):
+        caches, fast = _both(model)
+        paths = (lambda x: model.forward(x, caches[0]), fast.forward)[:2 if fast_too else 1]
+        for path in paths:
+            path([SeqChunk(b0, 0, tables[1], 1)])
+        return [path(batch) for path in paths], caches
+
+    (ref, got), caches = run(asked)
+    (ref_plain, got_plain), plain_caches = run([dataclasses.replace(c, snapshots=()) for c in asked])
+    assert torch.equal(ref.logits, ref_plain.logits) and torch.equal(got.logits, got_plain.logits)
+    for c, plain in zip(caches, plain_caches):
+        assert all(torch.equal(getattr(c, n), getattr(plain, n)) for n in CACHE_TENSORS)
+    assert sorted(ref.snapshots) == sorted(got.snapshots) == [(0, 16), (0, 48), (1, 64)]
+    for (i, p), snap in ref.snapshots.items():
+        c = asked[i]
+        _, (cut, _) = run([SeqChunk(c.tokens[:p - c.start], c.start, c.block_table, c.slot)], fast_too=False)
+        want = cut.kda_state[:, c.slot], cut.conv_state[:, c.slot]
+        for path, s, tol in (("reference", snap, 1e-5), ("fast", got.snapshots[(i, p)], 1e-5 if EXACT else 1e-3)):
+            for name, rows, w in (("kda_state", s.kda_state, want[0]), ("conv_state", s.conv_state, want[1])):
+                torch.testing.assert_close(torch.stack(rows), w, rtol=10 * tol, atol=tol, msg=f"{path} {name} at {p}")
+    for bad in ((8,), (0,), (53,), (64,)):
+        with pytest.raises(ValueError, match="snapshots"):
+            model.forward([SeqChunk(a, 0, tables[0], 0, bad)], caches[0])
+
+
 def test_unsupported_block_size_is_named():
     model = _model(torch.float32)
     cache = CachePool(model.config, num_blocks=8, num_slots=2, block_size=48, dtype=model.dtype, device=DEVICE)
