@@ -1198,7 +1198,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     m.add_argument("--steps", type=int, default=8, help="timed decode steps per batch size")
     m.add_argument("--context", type=int, default=1024, help="context already in the cache for decode")
     m.add_argument("--long-context", type=int, default=131072)
-    m.add_argument("--prefill-chunk", type=int, default=8192, help="tokens per prefill forward (the engine's max_batch_tokens; engine.load's default is 2048)")
+    m.add_argument("--prefill-chunk", type=int, default=8192, help="tokens per prefill forward (the engine's max_batch_tokens, whose default is the same)")
     m.add_argument("--max-batch", type=int, default=16)
     m.add_argument("--reserve-gb", type=float, default=8.0, help="GPU memory kept for activations")
     m.add_argument("--budget", type=float, default=240.0,

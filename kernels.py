@@ -679,8 +679,8 @@ def _hc_finish(X: torch.Tensor, part: torch.Tensor, sq: torch.Tensor, base: torc
                beside: "torch.cuda.Stream | None" = None) -> tuple[torch.Tensor, ...]:
     """hc_pre after the mix: (x, post, C) from its partial sums part [B, S, NP] and sq [B, S]; with
     `beside`, post and C come from `_hc_sinkhorn_kernel` on that stream (see hc_pre). The Sinkhorn's
-    ~40 dependent normalizations are then off the path to x (H200, decode B=1: ~1.3 % of a step with
-    20 iterations against 1)."""
+    ~40 dependent normalizations are then off the path to x (H200, whole model, decode B=1 against the
+    Sinkhorn inside _hc_pre_kernel: 1.006-1.013x, BENCHMARKS.md session 17)."""
     B, hc, D = X.shape
     S, NP = part.shape[1:]
     BD = min(HC_BLOCK, triton.next_power_of_2(D))
