@@ -307,9 +307,10 @@ class SnapshotStore:
 
     def pin(self, kda_state: torch.Tensor, conv_state: torch.Tensor) -> None:
         """Allocates the pinned arena for snapshots shaped like these (one sequence's slot)."""
-        slots = self.max_bytes // Snapshot(kda_state, conv_state).nbytes
-        if self.device.type != "cpu" or slots == 0:
+        size = Snapshot(kda_state, conv_state).nbytes
+        if self.device.type != "cpu" or not 0 < size <= self.max_bytes:
             return
+        slots = self.max_bytes // size
         self.clear()
         self.arena = tuple(torch.empty((slots, *t.shape), dtype=t.dtype, pin_memory=True)
                            for t in (kda_state, conv_state))

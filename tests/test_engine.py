@@ -200,6 +200,9 @@ def test_snapshot_store_is_lru_within_budget():
     s.get(b"\x01")
     s.put(b"\x04", torch.zeros(8), torch.zeros(2))
     assert list(s.items) == [b"\x03", b"\x01", b"\x04"]
+    s.pin(torch.zeros(0, 8), torch.zeros(0, 2))  # a model without KDA layers: no arena
+    s.pin(torch.zeros(100), torch.zeros(2))  # one snapshot over the budget: no arena
+    assert s.arena is None and list(s.items) == [b"\x03", b"\x01", b"\x04"]
 
 
 
