@@ -567,12 +567,14 @@ class Engine:
             prefill = self._fast_prefill(cache, blocks * bs) if use_kernels else None
             with torch.no_grad():
                 for chunk in chunks:
-                    (self.model.forward([chunk], cache) if prefill is None else prefill.forward([chunk])).logits.cpu()
+                    out = self.model.forward([chunk], cache) if prefill is None else prefill.forward([chunk])
+                    out.logits.cpu()
         except torch.cuda.OutOfMemoryError as oom:
-            raise ValueError(f"max_batch_tokens={self.max_batch_tokens}: one prefill chunk of that many tokens does "
-                             f"not fit in the memory the weights leave ({oom}); give a smaller max_batch_tokens") from None
+            raise ValueError(f"max_batch_tokens={self.max_batch_tokens}: one prefill chunk of that many tokens "
+                             f"does not fit in the memory the weights leave ({oom}); give a smaller "
+                             "max_batch_tokens") from None
         peak = [torch.cuda.max_memory_allocated(d) - before[d] if d in before else 0 for d in plan.devices]
-        del prefill, cache
+        del prefill, cache, out
         torch.cuda.empty_cache()
         print(f"engine: a {T}-token prefill chunk takes "
               f"{', '.join(f'{p / 2**30:.2f}' for p in peak)} GiB (per device) beside the weights, kept out of the "

@@ -651,7 +651,8 @@ class GLMModel:
             out = torch.empty(x.shape[0], H, d, dtype=torch.float32, device=x.device)
             for group in _kda_groups(batch, spans, cache.block_size):
                 rows = _as_index([r for i in group for r in range(*spans[i])], x.device)
-                wanted = [{p: snapshots[(i, p)] for p in batch[i].snapshots} for i in group] if snapshots else None
+                wanted = ([{pos: snapshots[(i, pos)] for pos in batch[i].snapshots} for i in group]
+                          if snapshots else None)
                 out[rows] = self._kda_side_by_side(row, [batch[i] for i in group], [t[rows] for t in pre_conv],
                                                    g[rows], beta[rows], conv_w, cache, wanted)
 
