@@ -281,6 +281,7 @@ class Snapshot:
     kda_state: torch.Tensor  # [n_kda, H, d_k, d_v] after the boundary's last token
     conv_state: torch.Tensor  # [n_kda, 3, conv_kernel - 1, H * d]
     copied: "torch.cuda.Event | None" = None  # the GPU -> pinned CPU copies are done (SnapshotStore.get waits)
+    slot: int | None = None  # the pinned arena's slot it lives in (SnapshotStore.pin)
 
     @property
     def nbytes(self) -> int:
@@ -303,7 +304,6 @@ class SnapshotStore:
         self.nbytes = 0
         self.arena: tuple[torch.Tensor, torch.Tensor] | None = None  # [slots, ...] pinned, kda and conv
         self.free: list[int] = []
-        self.slot_of: dict[bytes, int] = {}
 
     def pin(self, kda_state: torch.Tensor, conv_state: torch.Tensor) -> None:
         """Allocates the pinned arena for snapshots shaped like these (one sequence's slot)."""
@@ -331,11 +331,11 @@ class SnapshotStore:
             self.discard(next(iter(self.items)))
         if pinned:
             # The GPU slot may change in the next forward: that is queued after these copies.
-            i = self.slot_of[h] = self.free.pop()
+            i = self.free.pop()
             kda, conv = (a[i].copy_(t, non_blocking=True) for a, t in zip(self.arena, (kda_state, conv_state)))
             copied = torch.cuda.Event()
             copied.record(torch.cuda.current_stream(kda_state.device))
-            self.items[h] = Snapshot(kda, conv, copied)
+            self.items[h] = Snapshot(kda, conv, copied, i)
         else:
             self.items[h] = Snapshot(kda_state.to(self.device, copy=True), conv_state.to(self.device, copy=True))
         self.nbytes += size
@@ -351,13 +351,12 @@ class SnapshotStore:
         snap = self.items.pop(h, None)
         if snap is not None:
             self.nbytes -= snap.nbytes
-            if h in self.slot_of:  # a later copy into the slot is queued after this one's
-                self.free.append(self.slot_of.pop(h))
+            if snap.slot is not None:  # a later copy into the slot is queued after this one's
+                self.free.append(snap.slot)
 
     def clear(self) -> None:
         self.items.clear()
         self.nbytes = 0
-        self.slot_of.clear()
         self.free = list(range(len(self.arena[0]))) if self.arena is not None else []
 
 
