@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import _check_block_n, _out_buffer
+from kernels import RouterScores, _check_block_n, _out_buffer, _route_pick
 
 CODEBOOKS = ("3inst", "mcg", "mul1")
 
@@ -510,13 +510,27 @@ def exl3_gemv(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: to
 
 
 @triton.jit
-def _moe_rotate_kernel(x_ptr, ids_ptr, suh_gate_ptr, suh_up_ptr, xh_ptr, y_ptr, k, top_k, pairs):
+def _moe_rotate_kernel(x_ptr, ids_ptr, route_ptr, part_ptr, bias_ptr, E, S, scaling, suh_gate_ptr, suh_up_ptr, xh_ptr,
+                       y_ptr, k, top_k, pairs, ROUTED: tl.constexpr, NORM: tl.constexpr, TOPK: tl.constexpr,
+                       KP: tl.constexpr, EP: tl.constexpr, SP: tl.constexpr):
     # xh[0 | 1, p, block] = (x[token] ⊙ suh_gate | suh_up [e]) · H128 / sqrt(128), in the gemv's row order;
     # a token's first pair also zeroes its block of the output y (k = D columns), which the down launch
-    # adds into, two launches later (a memset launch fewer).
+    # adds into, two launches later (a memset launch fewer). ROUTED: every program picks its token's
+    # experts from the router's partial sums itself (kernels._route_pick, the same picks in every
+    # program) and the token's first program of block 0 stores them (ids, route) for the GEMVs: the
+    # top-k launch fewer. Else e comes from ids.
     blk = tl.program_id(0)
     p = tl.program_id(1)
-    e = tl.load(ids_ptr + p).to(tl.int64)
+    if ROUTED:
+        ids, w = _route_pick(part_ptr, bias_ptr, p // top_k, E, S, scaling, NORM, TOPK, KP, EP, SP)
+        j = tl.arange(0, KP)
+        e = tl.sum(tl.where(j == p % top_k, ids, 0), axis=0).to(tl.int64)
+        if blk == 0:
+            if p % top_k == 0:
+                tl.store(ids_ptr + p + j, ids, mask=j < TOPK)
+                tl.store(route_ptr + p + j, w, mask=j < TOPK)
+    else:
+        e = tl.load(ids_ptr + p).to(tl.int64)
     i = tl.arange(0, 128)
     if p % top_k == 0:
         tl.store(y_ptr + (p // top_k) * k + blk * 128 + i, tl.zeros([128], tl.float32))
@@ -653,14 +667,43 @@ def exl3_moe_decode(x: torch.Tensor, ids: torch.Tensor, route: torch.Tensor,
     suh [E, D], svh [E, I]) and down = (trellis [E, I/16, D/16, 16K], suh [E, I], svh [E, D]), each
     stacked over the layer's experts (one K per layer). Returns fp32 [m, D].
     """
-    k2, E, D, I = _check_moe(x, ids, route, gate, up, down, codebook, "[m, {D}]")
-    m = x.shape[0]
-    _check_block_n(block_n)
-    top_k = ids.shape[1]
-    P = m * top_k
-    dev = x.device
+    shape = _check_moe(x, ids, route, gate, up, down, codebook, "[m, {D}]")
     ids = ids.reshape(-1).to(torch.int32).contiguous()
     route = route.reshape(-1).float().contiguous()
+    return _moe_decode(x, ids, route, None, gate, up, down, shape, codebook, limit, block_n, row_tiles, num_warps)
+
+
+def exl3_moe_decode_routed(x: torch.Tensor, scores: RouterScores,
+                           gate: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                           up: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                           down: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                           codebook: str, limit: float, *, block_n: int = 128, row_tiles: int = 2,
+                           num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """exl3_moe_decode(x, *kernels.route_pick(scores), ...) with the top-k inside its first launch:
+    scores are the router's partial sums for the rows of x (kernels.router_scores). Returns (y fp32
+    [m, D], ids int32 [m, top_k], route fp32 [m, top_k]), the picks being route_pick's."""
+    m = x.shape[0]
+    if scores.part.dim() != 3 or scores.part.shape[0] != m or scores.part.shape[2] != gate[0].shape[0]:
+        raise ValueError(f"router scores must be [{m}, S, {gate[0].shape[0]}] for {m} rows and the experts' "
+                         f"count, got {tuple(scores.part.shape)}")
+    ids = torch.empty((m, scores.top_k), dtype=torch.int32, device=x.device)
+    route = torch.empty((m, scores.top_k), dtype=torch.float32, device=x.device)
+    shape = _check_moe(x, ids, route, gate, up, down, codebook, "[m, {D}]")
+    y = _moe_decode(x, ids.view(-1), route.view(-1), scores, gate, up, down, shape, codebook, limit, block_n,
+                    row_tiles, num_warps)
+    return y, ids, route
+
+
+def _moe_decode(x: torch.Tensor, ids: torch.Tensor, route: torch.Tensor, scores: RouterScores | None,
+                gate: tuple, up: tuple, down: tuple, shape: tuple[int, int, int, int], codebook: str, limit: float,
+                block_n: int, row_tiles: int, num_warps: int) -> torch.Tensor:
+    # ids int32 [P], route fp32 [P]: read, or (scores given) written by the rotation launch.
+    k2, E, D, I = shape
+    m = x.shape[0]
+    _check_block_n(block_n)
+    P = ids.shape[0]
+    top_k = P // m
+    dev = x.device
     x = x.contiguous()
     words = [t[0].contiguous().view(torch.int32) for t in (gate, up, down)]
     NW = 4 * k2
@@ -668,7 +711,13 @@ def exl3_moe_decode(x: torch.Tensor, ids: torch.Tensor, route: torch.Tensor,
 
     xh = torch.empty((2, P, D), dtype=torch.float32, device=dev)
     y = torch.empty((m, D), dtype=torch.float32, device=dev)  # zeroed by the rotation
-    _moe_rotate_kernel[(D // 128, P)](x, ids, gate[1], up[1], xh, y, D, top_k, P)
+    if scores is None:
+        pick = (route, route, 0, 0, 0.0)
+        constants = dict(ROUTED=False, NORM=False, TOPK=1, KP=1, EP=1, SP=1)
+    else:
+        pick = (scores.part, scores.bias, E, scores.part.shape[1], scores.scaling)
+        constants = dict(ROUTED=True, **scores.pick_constants())
+    _moe_rotate_kernel[(D // 128, P)](x, ids, route, *pick, gate[1], up[1], xh, y, D, top_k, P, **constants)
 
     act_h = torch.empty((P, I), dtype=torch.float32, device=dev)
     steps = D // 16 // row_tiles

@@ -23,6 +23,8 @@ kda_kernels.py import a few of its helpers.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -801,13 +803,32 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
 # moe_route in two launches. `_route_logits_kernel`: the fp32 router GEMV split over blocks of
 # experts and of D, so that at full size (288 x 4096, 4.7 MB) ~150 programs stream gate_w at once;
 # each holds its gate_w block in registers for every row of h. `_route_topk_kernel`: one program
-# per row adds the partial sums in a fixed order, applies the sigmoid and takes the top-k of s + bias
-# by k rounds of one max over packed (choice, expert) keys (ties to the lower expert), the weights
-# coming from s, then normalizes and scales them. The logits never exist as a separate tensor, and
-# there is no torch op in between.
+# per row runs `_route_pick`, which adds the partial sums in a fixed order, applies the sigmoid and
+# takes the top-k of s + bias by k rounds of one max over packed (choice, expert) keys (ties to the
+# lower expert), the weights coming from s, then normalizes and scales them. The logits never exist
+# as a separate tensor, and there is no torch op in between. exl3_kernels.exl3_moe_decode_routed
+# runs `_route_pick` in its first launch instead of a launch of its own.
 
 ROUTE_BLOCK_E = 16
 ROUTE_BLOCK_K = 512
+
+
+@dataclass
+class RouterScores:
+    """The router GEMV's partial sums part [B, S, E] fp32 (S blocks of D, added up by `_route_pick`)
+    and what the top-k needs: the first launch of moe_route, for `route_pick` or a kernel that picks
+    the experts itself (exl3_kernels.exl3_moe_decode_routed)."""
+    part: torch.Tensor
+    bias: torch.Tensor
+    top_k: int
+    norm_topk_prob: bool
+    scaling: float
+
+    def pick_constants(self) -> dict:
+        """The launch constants of `_route_pick` for this part."""
+        S, E = self.part.shape[1:]
+        return dict(NORM=bool(self.norm_topk_prob), TOPK=self.top_k, KP=triton.next_power_of_2(self.top_k),
+                    EP=triton.next_power_of_2(E), SP=triton.next_power_of_2(S))
 
 
 @triton.jit
@@ -822,10 +843,9 @@ def _route_logits_kernel(h_ptr, h_stride, w_ptr, part_ptr, B, E, D, BE: tl.const
 
 
 @triton.jit
-def _route_topk_kernel(part_ptr, bias_ptr, ids_ptr, wt_ptr, E, S, scaling,
-                       NORM: tl.constexpr, TOPK: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr,
-                       SP: tl.constexpr):
-    b = tl.program_id(0)
+def _route_pick(part_ptr, bias_ptr, b, E, S, scaling, NORM: tl.constexpr, TOPK: tl.constexpr, KP: tl.constexpr,
+                EP: tl.constexpr, SP: tl.constexpr):
+    # Row b's picks: (ids [KP] int32, weights [KP] fp32), entries from TOPK on zero.
     e = tl.arange(0, EP)
     s = tl.arange(0, SP)
     inside = e < E
@@ -848,16 +868,23 @@ def _route_topk_kernel(part_ptr, bias_ptr, ids_ptr, wt_ptr, E, S, scaling,
     w = tl.where(j < TOPK, w, 0.0)
     if NORM:
         w = w / (tl.sum(w, axis=0) + 1e-20)
+    return ids, w * scaling
+
+
+@triton.jit
+def _route_topk_kernel(part_ptr, bias_ptr, ids_ptr, wt_ptr, E, S, scaling,
+                       NORM: tl.constexpr, TOPK: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr,
+                       SP: tl.constexpr):
+    b = tl.program_id(0)
+    ids, w = _route_pick(part_ptr, bias_ptr, b, E, S, scaling, NORM, TOPK, KP, EP, SP)
+    j = tl.arange(0, KP)
     tl.store(ids_ptr + b * TOPK + j, ids, mask=j < TOPK)
-    tl.store(wt_ptr + b * TOPK + j, w * scaling, mask=j < TOPK)
+    tl.store(wt_ptr + b * TOPK + j, w, mask=j < TOPK)
 
 
-def moe_route(h: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, top_k: int, norm_topk_prob: bool,
-              scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """model_glm.route for rows h [B, D]: s = sigmoid(h·gate_wᵀ) in fp32 (gate_w [E, D] fp32), the
-    top_k experts of s + bias (bias [E] fp32), their s normalized (norm_topk_prob) and scaled.
-    Returns (ids int32 [B, top_k], weights fp32 [B, top_k]), in no particular order (int32: what
-    exl3_kernels.exl3_moe_decode reads, so no conversion launch between them)."""
+def router_scores(h: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, top_k: int, norm_topk_prob: bool,
+                  scaling: float) -> RouterScores:
+    """The first launch of moe_route: the router GEMV h·gate_wᵀ (gate_w [E, D] fp32) as partial sums."""
     B, D = h.shape
     E = gate_w.shape[0]
     if tuple(gate_w.shape) != (E, D) or gate_w.dtype != torch.float32 or not gate_w.is_contiguous():
@@ -872,12 +899,26 @@ def moe_route(h: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, top_k: 
     part = torch.empty(B, S, E, dtype=torch.float32, device=h.device)
     _route_logits_kernel[(triton.cdiv(E, ROUTE_BLOCK_E), S)](h, h.stride(0), gate_w, part, B, E, D,
                                                              BE=ROUTE_BLOCK_E, BK=ROUTE_BLOCK_K)
-    ids = torch.empty(B, top_k, dtype=torch.int32, device=h.device)
-    weights = torch.empty(B, top_k, dtype=torch.float32, device=h.device)
-    _route_topk_kernel[(B,)](part, bias.float().contiguous(), ids, weights, E, S, float(scaling),
-                             NORM=bool(norm_topk_prob), TOPK=top_k, KP=triton.next_power_of_2(top_k),
-                             EP=triton.next_power_of_2(E), SP=triton.next_power_of_2(S))
+    return RouterScores(part, bias.float().contiguous(), top_k, norm_topk_prob, float(scaling))
+
+
+def route_pick(scores: RouterScores) -> tuple[torch.Tensor, torch.Tensor]:
+    """The second launch of moe_route: (ids int32 [B, top_k], weights fp32 [B, top_k])."""
+    B, S, E = scores.part.shape
+    dev = scores.part.device
+    ids = torch.empty(B, scores.top_k, dtype=torch.int32, device=dev)
+    weights = torch.empty(B, scores.top_k, dtype=torch.float32, device=dev)
+    _route_topk_kernel[(B,)](scores.part, scores.bias, ids, weights, E, S, scores.scaling, **scores.pick_constants())
     return ids, weights
+
+
+def moe_route(h: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, top_k: int, norm_topk_prob: bool,
+              scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """model_glm.route for rows h [B, D]: s = sigmoid(h·gate_wᵀ) in fp32 (gate_w [E, D] fp32), the
+    top_k experts of s + bias (bias [E] fp32), their s normalized (norm_topk_prob) and scaled.
+    Returns (ids int32 [B, top_k], weights fp32 [B, top_k]), in no particular order (int32: what
+    exl3_kernels.exl3_moe_decode reads, so no conversion launch between them)."""
+    return route_pick(router_scores(h, gate_w, bias, top_k, norm_topk_prob, scaling))
 
 
 # ================================================================ decode-step kernels: DSA (§4.4)
