@@ -668,9 +668,11 @@ def exl3_moe_decode(x: torch.Tensor, ids: torch.Tensor, route: torch.Tensor,
     stacked over the layer's experts (one K per layer). Returns fp32 [m, D].
     """
     shape = _check_moe(x, ids, route, gate, up, down, codebook, "[m, {D}]")
+    top_k = ids.shape[1]
     ids = ids.reshape(-1).to(torch.int32).contiguous()
     route = route.reshape(-1).float().contiguous()
-    return _moe_decode(x, ids, route, None, gate, up, down, shape, codebook, limit, block_n, row_tiles, num_warps)
+    return _moe_decode(x, ids, route, top_k, None, gate, up, down, shape, codebook, limit, block_n, row_tiles,
+                       num_warps)
 
 
 def exl3_moe_decode_routed(x: torch.Tensor, scores: RouterScores,
@@ -689,20 +691,19 @@ def exl3_moe_decode_routed(x: torch.Tensor, scores: RouterScores,
     ids = torch.empty((m, scores.top_k), dtype=torch.int32, device=x.device)
     route = torch.empty((m, scores.top_k), dtype=torch.float32, device=x.device)
     shape = _check_moe(x, ids, route, gate, up, down, codebook, "[m, {D}]")
-    y = _moe_decode(x, ids.view(-1), route.view(-1), scores, gate, up, down, shape, codebook, limit, block_n,
-                    row_tiles, num_warps)
+    y = _moe_decode(x, ids.view(-1), route.view(-1), scores.top_k, scores, gate, up, down, shape, codebook, limit,
+                    block_n, row_tiles, num_warps)
     return y, ids, route
 
 
-def _moe_decode(x: torch.Tensor, ids: torch.Tensor, route: torch.Tensor, scores: RouterScores | None,
+def _moe_decode(x: torch.Tensor, ids: torch.Tensor, route: torch.Tensor, top_k: int, scores: RouterScores | None,
                 gate: tuple, up: tuple, down: tuple, shape: tuple[int, int, int, int], codebook: str, limit: float,
                 block_n: int, row_tiles: int, num_warps: int) -> torch.Tensor:
-    # ids int32 [P], route fp32 [P]: read, or (scores given) written by the rotation launch.
+    # ids int32 [P = m top_k], route fp32 [P]: read, or (scores given) written by the rotation launch.
     k2, E, D, I = shape
     m = x.shape[0]
     _check_block_n(block_n)
-    P = ids.shape[0]
-    top_k = P // m
+    P = m * top_k
     dev = x.device
     x = x.contiguous()
     words = [t[0].contiguous().view(torch.int32) for t in (gate, up, down)]
