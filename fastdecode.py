@@ -14,10 +14,10 @@ twin (tests/test_fastdecode.py holds them together). Only the way of computing d
 - KDA (§4.3): conv window, SiLU, L2 norms, gate and β in one kernel (`kda_kernels.kda_decode_inputs`),
   the recurrence in `kda_kernels.kda_recurrent_step`, the output norm and gate in one more;
 - DSA (§4.4): one kernel applies q_a_layernorm and writes the token's cache rows and pooled key
-  (`kernels.dsa_decode_inputs`);
-  the indexer scores every pool of a fixed-width block table (`kernels.dsa_index_scores`) and takes
+  (`dsa_kernels.dsa_decode_inputs`);
+  the indexer scores every pool of a fixed-width block table (`dsa_kernels.dsa_index_scores`) and takes
   a fixed top-k (2051 positions at full size), masking what does not exist instead of slicing; the
-  attention gathers the selected latent rows itself (`kernels.dsa_sparse_attention`); cache rows
+  attention gathers the selected latent rows itself (`dsa_kernels.dsa_sparse_attention`); cache rows
   are addressed through device index tensors;
 - the router (§4.5): GEMV, sigmoid, top-k and weights in `kernels.moe_route` (two launches; with EXL3
   experts the top-k runs inside the experts' first launch, `exl3_kernels.exl3_moe_decode_routed`);
@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 import exl3
+import dsa_kernels
 import exl3_kernels
 import fp8
 import kda_kernels
@@ -312,7 +313,7 @@ class FastDecoder:
                             i + "index_kpool_compress_gate"])
             proj2 = [fuse(m, [a + "q_b_proj.weight", i + "wq_b.weight"])]
             H, dn = cfg.num_attention_heads, cfg.qk_nope_head_dim
-            # views of kv_b_proj in its own dtype (kernels.head_matmul takes 16-bit weights exactly)
+            # views of kv_b_proj in its own dtype (dsa_kernels.head_matmul takes 16-bit weights exactly)
             W = m.w(a + "kv_b_proj.weight").view(H, dn + cfg.v_head_dim, cfg.kv_lora_rank)
             attn = {"W_UK": W[:, :dn], "W_UV": W[:, dn:],
                     "q_norm": m.w(a + "q_a_layernorm.weight"), "kv_norm": m.w(a + "kv_a_layernorm.weight"),
@@ -526,7 +527,7 @@ class FastDecoder:
         q_a, kv_a, wk, gamma = layer.proj(x)
         # q_a_layernorm; this token's cache rows (kv_a_layernorm and k_norm applied there), and its
         # pool's pooled key once the pool is complete.
-        q_r = kernels.dsa_decode_inputs(q_a, kv_a, wk, gamma, a["q_norm"], a["kv_norm"], a["k_norm_w"], a["k_norm_b"],
+        q_r = dsa_kernels.dsa_decode_inputs(q_a, kv_a, wk, gamma, a["q_norm"], a["kv_norm"], a["k_norm_w"], a["k_norm_b"],
                                         a["ape"], cache.latent[row], cache.index_k[row], cache.gate[row],
                                         cache.pooled[row], tables, positions, cfg.rms_norm_eps)
         q, q_idx = layer.proj2[0](q_r)
@@ -552,18 +553,18 @@ class FastDecoder:
         n_top = cfg.index_topk // kpool
         if tables.shape[1] * (cache.block_size // kpool) > n_top:
             w_idx = fp32_linear(x, a["w_idx"])
-            score = kernels.dsa_index_scores(q_idx.reshape(B, cfg.index_n_heads, cfg.index_head_dim), w_idx,
+            score = dsa_kernels.dsa_index_scores(q_idx.reshape(B, cfg.index_n_heads, cfg.index_head_dim), w_idx,
                                              cache.pooled[row], tables, positions, kpool)
             top = torch.topk(score, n_top, dim=1, sorted=False).indices
         # Absorbed NoPE MLA over the selected positions (model_glm.mla_attention).
-        q_hat = kernels.head_matmul(q.reshape(B, H, dn), a["W_UK"])
+        q_hat = dsa_kernels.head_matmul(q.reshape(B, H, dn), a["W_UK"])
         tail, scale = cfg.index_kpool_always_select_tail, math.sqrt(dn)
         if chunk_start is None:
-            o = kernels.dsa_sparse_attention(q_hat, cache.latent[row], tables, positions, top, kpool, tail, scale)
+            o = dsa_kernels.dsa_sparse_attention(q_hat, cache.latent[row], tables, positions, top, kpool, tail, scale)
         else:
-            o = kernels.dsa_prefill_attention(q_hat, cache.latent[row], tables[0], chunk_start, top, kpool, tail,
+            o = dsa_kernels.dsa_prefill_attention(q_hat, cache.latent[row], tables[0], chunk_start, top, kpool, tail,
                                               scale)
-        kernels.head_matmul(o, a["W_UV"].transpose(1, 2), out=out)
+        dsa_kernels.head_matmul(o, a["W_UV"].transpose(1, 2), out=out)
 
     # -- §4.5 feed-forward ------------------------------------------------------------------------
 

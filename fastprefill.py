@@ -9,7 +9,7 @@ stacked experts that `fastdecode.FastDecoder` prepared; model_glm.forward is thi
   chunked WY form in `kda_kernels.kda_chunk_prefill` (three launches for the whole chunk) instead of a
   Python loop of torch ops per 64 tokens;
 - DSA (§4.4): the decode step's indexer kernel with the chunk's rows as the batch, then
-  `kernels.dsa_prefill_attention` (one program per query row and 32 heads), so each query reads
+  `dsa_kernels.dsa_prefill_attention` (one program per query row and 32 heads), so each query reads
   its 2051 selected positions instead of a mask over the whole context;
 - routed experts (§4.5): `exl3_kernels.exl3_moe_prefill` runs every selected expert of the layer in a few
   launches instead of a Python loop over up to 288 experts.

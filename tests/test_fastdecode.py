@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 import bench
 import checkpoint
+import dsa_kernels
 import fastdecode
 import fastprefill
 import kda_kernels
@@ -307,10 +308,10 @@ def test_glue_kernels_name_bad_operands():
     tables = torch.zeros(2, 1, dtype=torch.long, device=DEVICE)
     positions = torch.ones(2, dtype=torch.long, device=DEVICE)
     with pytest.raises(ValueError, match=r"q_hat must be fp32 \[2, H, 32\]"):
-        kernels.dsa_sparse_attention(torch.zeros(2, 4, 32, dtype=torch.bfloat16, device=DEVICE), latent, tables,
+        dsa_kernels.dsa_sparse_attention(torch.zeros(2, 4, 32, dtype=torch.bfloat16, device=DEVICE), latent, tables,
                                      positions, None, 4, True, 1.0)
     with pytest.raises(ValueError, match=r"latent must be a contiguous cache row"):
-        kernels.dsa_sparse_attention(torch.zeros(2, 4, 32, device=DEVICE), latent[:, :, :16], tables, positions,
+        dsa_kernels.dsa_sparse_attention(torch.zeros(2, 4, 32, device=DEVICE), latent[:, :, :16], tables, positions,
                                      None, 4, True, 1.0)
 
 
@@ -339,7 +340,7 @@ def test_dsa_decode_inputs_match_model_glm(dtype):
         if (p + 1) % kpool == 0:
             first = o + 1 - kpool
             want[3][b, first // kpool] = pool_keys(want[1][b, first:o + 1], want[2][b, first:o + 1], ape)
-    q_r = kernels.dsa_decode_inputs(q_a, kv_a, wk, gamma, q_norm, kv_norm, k_w, k_b, ape, latent, index_k, gate,
+    q_r = dsa_kernels.dsa_decode_inputs(q_a, kv_a, wk, gamma, q_norm, kv_norm, k_w, k_b, ape, latent, index_k, gate,
                                     pooled, tables, positions, eps)
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-2)
     torch.testing.assert_close(q_r, rms_norm(q_a, q_norm, eps), **tol)
@@ -372,10 +373,10 @@ def test_dsa_kernels_match_select_tokens_and_mla_attention(dtype, width):
 
     top = None
     if width == 3:
-        score = kernels.dsa_index_scores(q_idx, w_idx, pooled, tables, positions, kpool)
+        score = dsa_kernels.dsa_index_scores(q_idx, w_idx, pooled, tables, positions, kpool)
         top = torch.topk(score, cfg.index_topk // kpool, dim=1, sorted=False).indices
     q_hat = torch.einsum("bhd,hdr->bhr", q.float(), W[:, :dn])
-    o = kernels.dsa_sparse_attention(q_hat, latent, tables, positions, top, kpool, True, dn ** 0.5, splits=2)
+    o = dsa_kernels.dsa_sparse_attention(q_hat, latent, tables, positions, top, kpool, True, dn ** 0.5, splits=2)
     got = torch.einsum("bhr,hvr->bhv", o, W[:, dn:]).flatten(1).to(dtype)
 
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-2)
@@ -404,7 +405,7 @@ def test_head_matmul_matches_einsum(B):
     H, K, N = 3, 40, 72
     q = torch.randn(B, H * K + 5, generator=g).to(torch.bfloat16).to(DEVICE)[:, :H * K].reshape(B, H, K)
     w = torch.randn(H, K, N, generator=g).to(DEVICE)
-    got = kernels.head_matmul(q, w)
+    got = dsa_kernels.head_matmul(q, w)
     assert got.dtype == torch.float32
     # the split TF32 products (kernels._dot_tf32x3) on a GPU are < 2^-20 relative per product; the
     # interpreter's dot is fp32
@@ -413,7 +414,7 @@ def test_head_matmul_matches_einsum(B):
     o = torch.randn(B, H, N, generator=g).to(DEVICE)
     w_uv = torch.randn(H, K, N, generator=g).to(DEVICE)
     out = torch.empty(H, B, K, dtype=torch.bfloat16, device=DEVICE).transpose(0, 1)
-    kernels.head_matmul(o, w_uv.transpose(1, 2), out=out)
+    dsa_kernels.head_matmul(o, w_uv.transpose(1, 2), out=out)
     torch.testing.assert_close(out, torch.einsum("bhn,hkn->bhk", o, w_uv).to(torch.bfloat16), rtol=1e-2, atol=1e-2)
     # kv_b_proj's own bf16 slices, as the fast path passes them: for 21 rows a as three (fp32) or two (fp16) bf16
     # pieces, every product exact, against fp64; one piece fewer is ~2^-17 off; other rows' split TF32 < 2^-20
@@ -422,13 +423,13 @@ def test_head_matmul_matches_einsum(B):
                    (o.half(), kv_b[:, :K].transpose(1, 2)), (o, kv_b[:, :K].transpose(1, 2))):
         want = torch.einsum("bhk,hkn->bhn", a.double(), w16.double())
         size = torch.einsum("bhk,hkn->bhn", a.double().abs(), w16.double().abs())
-        for got in (kernels.head_matmul(a, w16), kernels.head_matmul(a, w16.float())):
+        for got in (dsa_kernels.head_matmul(a, w16), dsa_kernels.head_matmul(a, w16.float())):
             err = ((got.double() - want).abs() / size).max().item()
             assert err <= 2.0 ** -20, f"{a.dtype} a: error {err:.2e} of the sum of |products|"
     with pytest.raises(ValueError, match=r"w must be fp32, bf16 or fp16, got torch.float64"):
-        kernels.head_matmul(q, w.double())
+        dsa_kernels.head_matmul(q, w.double())
     with pytest.raises(ValueError, match=r"a must be \[B, H, K\] and w \[H, K, N\], got \(%d, 3, 40\) and \(3, 41, 72\)" % B):
-        kernels.head_matmul(q, torch.zeros(H, K + 1, N, device=DEVICE))
+        dsa_kernels.head_matmul(q, torch.zeros(H, K + 1, N, device=DEVICE))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -445,8 +446,8 @@ def test_dsa_prefill_attention_matches_sparse_attention(dtype):
     def both(start, n, top, tail, splits=None, H=4):
         q_hat = torch.randn(H, n, R, generator=g).to(DEVICE).transpose(0, 1)  # strided, as fastprefill's
         positions = torch.arange(start, start + n, device=DEVICE)
-        got = kernels.dsa_prefill_attention(q_hat, latent, table, start, top, kpool, tail, 3.0, splits=splits)
-        want = kernels.dsa_sparse_attention(q_hat, latent, table.expand(n, width), positions, top, kpool, tail, 3.0)
+        got = dsa_kernels.dsa_prefill_attention(q_hat, latent, table, start, top, kpool, tail, 3.0, splits=splits)
+        want = dsa_kernels.dsa_sparse_attention(q_hat, latent, table.expand(n, width), positions, top, kpool, tail, 3.0)
         assert got.stride() == q_hat.stride()
         # p · c_t: p in bf16 hi + lo parts against a bf16 latent, 16 significant bits
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 if dtype == torch.float32 else 1e-4)
@@ -479,7 +480,7 @@ def test_dsa_prefill_slots_kernel_writes_each_rows_selection_and_nothing_past_it
     start, n = 1199, 8  # 300..301 complete pools: both kinds of row, tails of 0..3 positions
     positions = torch.arange(start, start + n)
     top = torch.stack([torch.randperm(pools, generator=g)[:NT] for _ in range(n)])
-    W = kernels.triton.cdiv(NT + 1, kernels.DSA_PREFILL_BLOCK // kpool) * (kernels.DSA_PREFILL_BLOCK // kpool)
+    W = dsa_kernels.triton.cdiv(NT + 1, dsa_kernels.DSA_PREFILL_BLOCK // kpool) * (dsa_kernels.DSA_PREFILL_BLOCK // kpool)
     want = torch.full((n, W), -1, dtype=torch.int32)
     for i, pos in enumerate(positions.tolist()):
         n_cand = (pos + 1) // kpool
@@ -493,7 +494,7 @@ def test_dsa_prefill_slots_kernel_writes_each_rows_selection_and_nothing_past_it
     assert (want[:, 256:] >= 0).any() and (want[4:, :NT] == -1).any()  # slots past one block; -1 picks
     guard = 300
     out = torch.full((n * W + guard,), -7, dtype=torch.int32, device=DEVICE)
-    kernels._dsa_prefill_slots_kernel[(n,)](top.to(DEVICE), top.stride(0), table.to(DEVICE), out, W, start, NT, bs,
+    dsa_kernels._dsa_prefill_slots_kernel[(n,)](top.to(DEVICE), top.stride(0), table.to(DEVICE), out, W, start, NT, bs,
                                             KPOOL=kpool, TAIL=True, HAS_TOP=True, BW=256)
     assert torch.equal(out[:n * W].view(n, W).cpu(), want)
     assert (out[n * W:] == -7).all()
@@ -504,11 +505,11 @@ def test_dsa_prefill_attention_names_bad_operands():
     table = torch.arange(2, device=DEVICE)
     q_hat = torch.zeros(3, 4, 32, device=DEVICE)
     with pytest.raises(ValueError, match=r"q_hat must be fp32 \[n, H, R\]"):
-        kernels.dsa_prefill_attention(q_hat.bfloat16(), latent, table, 0, None, 4, True, 1.0)
+        dsa_kernels.dsa_prefill_attention(q_hat.bfloat16(), latent, table, 0, None, 4, True, 1.0)
     with pytest.raises(ValueError, match=r"positions 14..16 do not fit a table of 2 blocks of 8"):
-        kernels.dsa_prefill_attention(q_hat, latent, table, 14, None, 4, True, 1.0)
+        dsa_kernels.dsa_prefill_attention(q_hat, latent, table, 14, None, 4, True, 1.0)
     with pytest.raises(ValueError, match=r"top must be \[3, NT\]"):
-        kernels.dsa_prefill_attention(q_hat, latent, table, 0, table[None], 4, True, 1.0)
+        dsa_kernels.dsa_prefill_attention(q_hat, latent, table, 0, table[None], 4, True, 1.0)
 
 
 # ---------------------------------------------------------------------------------------------- the step
@@ -601,12 +602,12 @@ def test_step_matches_forward_when_the_table_needs_no_indexer():
     caches, tables, tok = _prefilled(model, lens)
     fast = fastdecode.FastDecoder(model, caches[1], max_context=128)
     calls = []
-    scores = kernels.dsa_index_scores
-    kernels.dsa_index_scores = lambda *a: calls.append(1) or scores(*a)
+    scores = dsa_kernels.dsa_index_scores
+    dsa_kernels.dsa_index_scores = lambda *a: calls.append(1) or scores(*a)
     try:
         worst, kl = _decode_both(model, fast, caches, tables, tok, lens, steps=3)  # a pool completes at 7
     finally:
-        kernels.dsa_index_scores = scores
+        dsa_kernels.dsa_index_scores = scores
     assert not calls
     assert worst < 1e-4 and kl < 1e-8, (worst, kl)
     for n in CACHE_TENSORS:

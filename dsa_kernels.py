@@ -1,0 +1,529 @@
+"""Triton kernels of DSA (spec glm53.md §4.4), each with a slow pure-torch twin in model_glm.py that
+tests/test_fastdecode.py holds it to: the decode step's `dsa_decode_inputs` (q_a / kv_a layernorms,
+indexer k_norm, the token's cache rows and pooled key: `rms_norm`, `pool_keys` and GLMModel.dsa's
+writes), `dsa_index_scores` (the indexer's pool scores: `select_tokens` before its top-k) and
+`dsa_sparse_attention` (absorbed MLA over the selected positions, gathered from the paged cache:
+`mla_attention` between W_UK and W_UV); `head_matmul`, the absorbed MLA's per-head products around
+it; the prefill's `dsa_prefill_attention`, the attention for the query rows of one sequence's chunk
+(fastprefill.py).
+
+Like kernels.py, this file imports neither exl3.py nor model_glm.py; it takes kernels.py's shared
+helpers (checks, roundings, the exact products on the tensor cores).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import _cast, _check_pow2, _dot_bf16, _dot_f32, _dot_pair, _dot_tf32x3, _rows, _split
+
+# ================================================================ decode-step kernels: DSA (§4.4)
+# One token per sequence against a paged cache: row tensors latent [blocks, bs, R], index_k / gate
+# [blocks, bs, d], pooled [blocks, bs / kpool, d]; tables [B, width] (block ids) and positions [B] on
+# the device. Pools are numbered along the table (pool p = block table[p // (bs / kpool)]).
+# `dsa_decode_inputs`: q_a_layernorm, and this token's latent (kv_a_layernorm), indexer key (k_norm)
+# and gate rows, and the pooled key of its pool when the token completes it: one program per sequence.
+# `dsa_index_scores`: Σ_h w[h] · relu(q[h] · K_p / √d) for every pool of the table, -inf past the
+# candidates (complete pools).
+# `dsa_sparse_attention`: the absorbed MLA over the selected positions (the chosen pools' members and
+# the tail), gathering the latent rows itself; the positions are split over programs (flash-decoding:
+# an online softmax per split, then `_dsa_combine_kernel`). Products whose operands are bf16 run on
+# bf16 tensor cores, exact (a bf16 x bf16 product fits fp32); an fp32 operand (q̂, p) facing a bf16
+# latent is split into bf16 hi + lo parts (16 of its 24 significand bits); an fp32 cache runs
+# fp32 dots.
+
+DSA_SCORE_BLOCK = 64
+DSA_ATTN_HEADS = 16  # heads per program (tl.dot needs >= 16 rows; fewer heads are padded)
+DSA_ATTN_BLOCK = 16  # selected positions per inner step
+DSA_ATTN_WARPS = 8  # 156 registers, no spill, for sm_90 at full size (ptxas, triton 3.9); 32 positions spill
+
+@triton.jit
+def _rms_norm_row(x_ptr, w_ptr, eps, N: tl.constexpr, NP: tl.constexpr, OUT_DT: tl.constexpr):
+    # model_glm.rms_norm of one row of N, with its roundings (to x's dtype, then to OUT_DT), as fp32.
+    i = tl.arange(0, NP)
+    x = tl.load(x_ptr + i, mask=i < N, other=0.0).to(tl.float32)
+    normed = _cast(x * (1.0 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps)), x_ptr.dtype.element_ty)
+    w = tl.load(w_ptr + i, mask=i < N, other=0.0).to(tl.float32)
+    return _cast(w * normed.to(tl.float32), OUT_DT).to(tl.float32)
+
+
+@triton.jit
+def _dsa_inputs_kernel(qa_ptr, qa_stride, kv_ptr, kv_stride, wk_ptr, wk_stride, g_ptr, g_stride, qn_ptr, kvn_ptr,
+                       knw_ptr, knb_ptr, ape_ptr, qr_ptr, lat_ptr, ik_ptr, gate_ptr, pool_ptr, tables_ptr, t_stride,
+                       pos_ptr, rms_eps, bs, Q: tl.constexpr, QP: tl.constexpr, R: tl.constexpr, DI: tl.constexpr,
+                       KPOOL: tl.constexpr, C_DT: tl.constexpr):
+    b = tl.program_id(0)
+    i = tl.arange(0, QP)
+    q_r = _rms_norm_row(qa_ptr + b * qa_stride, qn_ptr, rms_eps, Q, QP, qr_ptr.dtype.element_ty)
+    tl.store(qr_ptr + b * Q + i, q_r.to(qr_ptr.dtype.element_ty), mask=i < Q)
+    pos = tl.load(pos_ptr + b)
+    blk = tl.load(tables_ptr + b * t_stride + pos // bs)
+    off = pos % bs
+    # latent: kv_a_layernorm's output (C_DT), then the cache's dtype
+    r = tl.arange(0, R)
+    c = _rms_norm_row(kv_ptr + b * kv_stride, kvn_ptr, rms_eps, R, R, C_DT)
+    tl.store(lat_ptr + (blk * bs + off) * R + r, _cast(c, lat_ptr.dtype.element_ty))
+    # indexer key: F.layer_norm(wk, k_norm, eps 1e-6) in wk's dtype; the gate row as it is
+    d = tl.arange(0, DI)
+    x = tl.load(wk_ptr + b * wk_stride + d).to(tl.float32)
+    xc = x - tl.sum(x, axis=0) / DI
+    k = xc * (1.0 / tl.sqrt(tl.sum(xc * xc, axis=0) / DI + 1e-6))
+    k = k * tl.load(knw_ptr + d).to(tl.float32) + tl.load(knb_ptr + d).to(tl.float32)
+    k = _cast(_cast(k, wk_ptr.dtype.element_ty).to(tl.float32), ik_ptr.dtype.element_ty)
+    g = _cast(tl.load(g_ptr + b * g_stride + d).to(tl.float32), gate_ptr.dtype.element_ty)
+    tl.store(ik_ptr + (blk * bs + off) * DI + d, k)
+    tl.store(gate_ptr + (blk * bs + off) * DI + d, g)
+    # the pooled key (model_glm.pool_keys) when this token is its pool's last: the other members
+    # come from the cache, this one from registers
+    if (pos + 1) % KPOOL == 0:
+        m = tl.arange(0, KPOOL)
+        rows = (blk * bs + off - (KPOOL - 1) + m)[:, None] * DI + d[None, :]
+        earlier = (m < KPOOL - 1)[:, None]
+        km = tl.where(earlier, tl.load(ik_ptr + rows, mask=earlier, other=0.0), k[None, :]).to(tl.float32)
+        gm = tl.where(earlier, tl.load(gate_ptr + rows, mask=earlier, other=0.0), g[None, :]).to(tl.float32)
+        logit = gm + tl.load(ape_ptr + m[:, None] * DI + d[None, :])
+        e = tl.exp(logit - tl.max(logit, axis=0)[None, :])
+        pooled = tl.sum(e / tl.sum(e, axis=0)[None, :] * km, axis=0)
+        pooled = _cast(_cast(pooled, ik_ptr.dtype.element_ty).to(tl.float32), pool_ptr.dtype.element_ty)
+        tl.store(pool_ptr + (blk * (bs // KPOOL) + off // KPOOL) * DI + d, pooled)
+
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def _check_cache_row(name: str, t: torch.Tensor, blocks: int, rows: int, width: int) -> None:
+    if t.dim() != 3 or tuple(t.shape) != (blocks, rows, width) or not t.is_contiguous():
+        raise ValueError(f"{name} must be a contiguous cache row ({blocks}, {rows}, {width}), got "
+                         f"{tuple(t.shape)} contiguous={t.is_contiguous()}")
+
+
+def _check_tables(name: str, tables: torch.Tensor, positions: torch.Tensor) -> int:
+    B = positions.shape[0]
+    if positions.dim() != 1 or tables.dim() != 2 or tables.shape[0] != B or tables.stride(1) != 1:
+        raise ValueError(f"{name}: positions must be [B] and tables [B, width] with unit column stride, got "
+                         f"{tuple(positions.shape)} and {tuple(tables.shape)}")
+    return B
+
+
+def dsa_decode_inputs(q_a: torch.Tensor, kv_a: torch.Tensor, wk: torch.Tensor, gamma: torch.Tensor,
+                      q_norm: torch.Tensor, kv_norm: torch.Tensor, k_norm_w: torch.Tensor, k_norm_b: torch.Tensor,
+                      ape: torch.Tensor, latent: torch.Tensor, index_k: torch.Tensor, gate: torch.Tensor,
+                      pooled: torch.Tensor, tables: torch.Tensor, positions: torch.Tensor,
+                      rms_eps: float) -> torch.Tensor:
+    """§4.4 for one token per sequence, from the first projections' outputs q_a [B, q_lora], kv_a
+    [B, R], wk and gamma [B, d] (rows may be strided): returns q_r = rms_norm(q_a, q_norm), and
+    writes the token's cache rows as model_glm.GLMModel.dsa does: latent ← rms_norm(kv_a, kv_norm),
+    index_k ← layer_norm(wk, k_norm_w, k_norm_b, eps 1e-6), gate ← gamma, and pooled ←
+    pool_keys(the pool's members, ape [kpool, d] fp32) when position + 1 completes a pool."""
+    B = _check_tables("dsa_decode_inputs", tables, positions)
+    Q, R, (kpool, d) = q_a.shape[-1], kv_a.shape[-1], ape.shape
+    nb, bs = latent.shape[:2]
+    _check_cache_row("dsa_decode_inputs: latent", latent, nb, bs, R)
+    _check_cache_row("dsa_decode_inputs: index_k", index_k, nb, bs, d)
+    _check_cache_row("dsa_decode_inputs: gate", gate, nb, bs, d)
+    _check_cache_row("dsa_decode_inputs: pooled", pooled, nb, bs // kpool, d)
+    for name, t, width in (("q_a", q_a, Q), ("kv_a", kv_a, R), ("wk", wk, d), ("gamma", gamma, d)):
+        _rows(t, f"dsa_decode_inputs: {name}", B, width)
+    if bs % kpool or R & (R - 1) or d & (d - 1) or kpool & (kpool - 1):
+        raise ValueError(f"dsa_decode_inputs: needs block_size ({bs}) a multiple of kpool ({kpool}) and powers "
+                         f"of two for kv_lora_rank ({R}), index_head_dim ({d}) and kpool")
+    q_r = torch.empty(B, Q, dtype=torch.promote_types(q_norm.dtype, q_a.dtype), device=q_a.device)
+    _dsa_inputs_kernel[(B,)](q_a, q_a.stride(0), kv_a, kv_a.stride(0), wk, wk.stride(0), gamma, gamma.stride(0),
+                             q_norm, kv_norm, k_norm_w, k_norm_b, ape.float().contiguous(), q_r, latent, index_k,
+                             gate, pooled, tables, tables.stride(0), positions, rms_eps, bs, Q=Q,
+                             QP=triton.next_power_of_2(Q), R=R, DI=d, KPOOL=kpool,
+                             C_DT=_TL_DTYPES[torch.promote_types(kv_norm.dtype, kv_a.dtype)])
+    return q_r
+
+
+@triton.jit
+def _dsa_scores_kernel(q_ptr, q_stride, w_ptr, pool_ptr, tables_ptr, t_stride, pos_ptr, out_ptr, P, ppb,
+                       q_scale, w_scale, HI: tl.constexpr, DI: tl.constexpr, KPOOL: tl.constexpr,
+                       BP: tl.constexpr, TC: tl.constexpr):
+    b = tl.program_id(0)
+    p = tl.program_id(1) * BP + tl.arange(0, BP)
+    candidate = p < (tl.load(pos_ptr + b) + 1) // KPOOL
+    h = tl.arange(0, HI)
+    d = tl.arange(0, DI)
+    q = tl.load(q_ptr + b * q_stride + h[:, None] * DI + d[None, :])
+    blk = tl.load(tables_ptr + b * t_stride + p // ppb, mask=candidate, other=0)
+    keys = tl.load(pool_ptr + (blk * ppb + p % ppb)[:, None] * DI + d[None, :], mask=candidate[:, None], other=0.0)
+    dots = _dot_f32(q, tl.trans(keys), TC) / q_scale
+    w = tl.load(w_ptr + b * HI + h) / w_scale
+    score = tl.sum(w[:, None] * tl.maximum(dots, 0.0), axis=0)
+    tl.store(out_ptr + b * P + p, tl.where(candidate, score, -float("inf")), mask=p < P)
+
+
+def dsa_index_scores(q_idx: torch.Tensor, w_idx: torch.Tensor, pooled: torch.Tensor, tables: torch.Tensor,
+                     positions: torch.Tensor, kpool: int) -> torch.Tensor:
+    """The indexer's pool scores (model_glm.select_tokens before its top-k) over every pool of the
+    table: q_idx [B, heads, d] (the last two dims packed, rows may be strided), w_idx [B, heads]
+    fp32 (weights_proj's output, divided by √heads here), pooled the cache row. Returns fp32
+    [B, width · bs / kpool], -inf for pools that are not complete at the position."""
+    B = _check_tables("dsa_index_scores", tables, positions)
+    _, Hi, d = q_idx.shape
+    nb, ppb = pooled.shape[:2]
+    _check_cache_row("dsa_index_scores: pooled", pooled, nb, ppb, d)
+    if q_idx.stride(2) != 1 or q_idx.stride(1) != d or tuple(w_idx.shape) != (B, Hi):
+        raise ValueError(f"dsa_index_scores: q_idx must be [{B}, heads, {d}] with packed heads and w_idx "
+                         f"[{B}, heads], got {tuple(q_idx.shape)} {q_idx.stride()} and {tuple(w_idx.shape)}")
+    _check_pow2("dsa_index_scores: index heads", Hi)
+    _check_pow2("dsa_index_scores: index_head_dim", d)
+    P = tables.shape[1] * ppb
+    out = torch.empty(B, P, dtype=torch.float32, device=q_idx.device)
+    _dsa_scores_kernel[(B, triton.cdiv(P, DSA_SCORE_BLOCK))](
+        q_idx, q_idx.stride(0), w_idx.float().contiguous(), pooled, tables, tables.stride(0), positions, out, P, ppb,
+        d ** 0.5, Hi ** 0.5, HI=Hi, DI=d, KPOOL=kpool, BP=DSA_SCORE_BLOCK, TC=q_idx.is_cuda)
+    return out
+
+
+@triton.jit
+def _online_softmax_step(q_hi, q_lo, lat, valid, scale, m, l, acc, TC: tl.constexpr):
+    # One block of selected latent rows into the running softmax (max m, sum l, acc = Σ p · lat) of
+    # the heads q = q_hi + q_lo; rows that are not valid score -inf. A head with only -inf so far
+    # keeps m = -inf and is shifted by 0 instead (no inf - inf).
+    s = tl.where(valid[None, :], _dot_pair(q_hi, q_lo, tl.trans(lat), TC) / scale, -float("inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
+    p = tl.exp(s - m_safe[:, None])
+    alpha = tl.exp(m - m_safe)
+    return m_new, l * alpha + tl.sum(p, axis=1), _dot_f32(p, lat, TC, acc * alpha[:, None])
+
+
+@triton.jit
+def _dsa_attn_kernel(q_ptr, q_sb, q_sh, lat_ptr, tables_ptr, t_stride, pos_ptr, top_ptr, top_stride,
+                     m_ptr, l_ptr, acc_ptr, H, NT, steps, bs, scale,
+                     R: tl.constexpr, KPOOL: tl.constexpr, TAIL: tl.constexpr, ALL: tl.constexpr,
+                     BH: tl.constexpr, BW: tl.constexpr, TC: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1) * BH + tl.arange(0, BH)
+    split = tl.program_id(2)
+    r = tl.arange(0, R)
+    q = tl.load(q_ptr + b * q_sb + h[:, None] * q_sh + r[None, :], mask=h[:, None] < H, other=0.0)
+    q_hi, q_lo = _split(q, lat_ptr.dtype.element_ty)
+    pos = tl.load(pos_ptr + b)
+    n_cand = (pos + 1) // KPOOL
+    m = tl.full([BH], -float("inf"), tl.float32)
+    l = tl.zeros([BH], dtype=tl.float32)
+    acc = tl.zeros([BH, R], dtype=tl.float32)
+    i = tl.arange(0, BW)
+    for step in range(steps):
+        # selected position t0 + i: member (t0 + i) % kpool of pool slot j, slot NT being the tail
+        t0 = (split * steps + step) * BW
+        j = (t0 + i) // KPOOL
+        if ALL:
+            pool = j
+        else:
+            # With no more candidates than NT the top-k holds them all (and -inf picks): take pools
+            # 0.. in order instead, so that the skipped steps are the last ones.
+            picked = j < tl.where(n_cand > NT, NT, 0)
+            pool = tl.where(picked, tl.load(top_ptr + b * top_stride + j, mask=picked, other=0), j)
+        valid = (j < NT) & (pool < n_cand)
+        if TAIL:
+            pool = tl.where(j == NT, n_cand, pool)
+            valid = valid | ((j == NT) & (pool * KPOOL + (t0 + i) % KPOOL <= pos))
+        if tl.max(valid.to(tl.int32), axis=0) > 0:
+            t = pool * KPOOL + (t0 + i) % KPOOL
+            blk = tl.load(tables_ptr + b * t_stride + t // bs, mask=valid, other=0)
+            lat = tl.load(lat_ptr + (blk * bs + t % bs)[:, None] * R + r[None, :], mask=valid[:, None], other=0.0)
+            m, l, acc = _online_softmax_step(q_hi, q_lo, lat, valid, scale, m, l, acc, TC)
+    part = (b * tl.num_programs(2) + split) * H + h
+    tl.store(m_ptr + part, m, mask=h < H)
+    tl.store(l_ptr + part, l, mask=h < H)
+    tl.store(acc_ptr + part[:, None] * R + r[None, :], acc, mask=h[:, None] < H)
+
+
+@triton.jit
+def _dsa_combine_kernel(m_ptr, l_ptr, acc_ptr, o_ptr, o_sb, o_sh, H, NS, R: tl.constexpr, SP: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.arange(0, SP)
+    r = tl.arange(0, R)
+    part = (b * NS + s) * H + h
+    m = tl.load(m_ptr + part, mask=s < NS, other=-float("inf"))
+    top = tl.max(m, axis=0)
+    w = tl.exp(m - tl.where(top == -float("inf"), 0.0, top))
+    l = tl.sum(w * tl.load(l_ptr + part, mask=s < NS, other=0.0), axis=0)
+    acc = tl.load(acc_ptr + part[:, None] * R + r[None, :], mask=(s < NS)[:, None], other=0.0)
+    tl.store(o_ptr + b * o_sb + h * o_sh + r, tl.sum(w[:, None] * acc, axis=0) / l)
+
+
+def dsa_sparse_attention(q_hat: torch.Tensor, latent: torch.Tensor, tables: torch.Tensor, positions: torch.Tensor,
+                         top: torch.Tensor | None, kpool: int, select_tail: bool, scale: float,
+                         splits: int | None = None) -> torch.Tensor:
+    """model_glm.mla_attention between W_UK and W_UV: softmax_t(q̂ · c_t / scale) over the selected
+    positions t, times c_t. q̂ [B, H, R] fp32 (any strides); latent the cache row. The selection
+    (model_glm.select_tokens): the members of pools top [B, NT] (the top-k of `dsa_index_scores`;
+    a sequence with no more complete pools than NT takes them all, as its top-k does) or, top None,
+    of every complete pool of the table, plus the tail (positions after the last complete pool)
+    with select_tail. Returns o [B, H, R] fp32 in
+    q̂'s memory layout. `splits`: programs per (sequence, head block) (default: enough to fill the GPU)."""
+    B = _check_tables("dsa_sparse_attention", tables, positions)
+    H, R = q_hat.shape[1:]
+    nb, bs = latent.shape[:2]
+    _check_cache_row("dsa_sparse_attention: latent", latent, nb, bs, R)
+    if q_hat.shape[0] != B or q_hat.dtype != torch.float32 or q_hat.stride(2) != 1:
+        raise ValueError(f"dsa_sparse_attention: q_hat must be fp32 [{B}, H, {R}] with unit last stride, got "
+                         f"{q_hat.dtype} {tuple(q_hat.shape)} {q_hat.stride()}")
+    _check_pow2("dsa_sparse_attention: kv_lora_rank", R)
+    every = top is None
+    if every:
+        NT, top = tables.shape[1] * (bs // kpool), positions  # a pointer the kernel never reads
+    elif top.dim() != 2 or top.shape[0] != B or top.stride(1) != 1:
+        raise ValueError(f"dsa_sparse_attention: top must be [{B}, NT] with unit column stride, got {tuple(top.shape)}")
+    else:
+        NT = top.shape[1]
+    n_steps = triton.cdiv((NT + select_tail) * kpool, DSA_ATTN_BLOCK)
+    head_blocks = triton.cdiv(H, DSA_ATTN_HEADS)
+    if splits is None:
+        # about one program per SM: more splits cost more partial sums to combine
+        programs = torch.cuda.get_device_properties(q_hat.device).multi_processor_count if q_hat.is_cuda else 2
+        splits = max(1, min(n_steps, programs // (B * head_blocks)))
+    steps = triton.cdiv(n_steps, splits)
+    m = torch.empty(B, splits, H, dtype=torch.float32, device=q_hat.device)
+    l = torch.empty_like(m)
+    acc = torch.empty(B, splits, H, R, dtype=torch.float32, device=q_hat.device)
+    _dsa_attn_kernel[(B, head_blocks, splits)](
+        q_hat, q_hat.stride(0), q_hat.stride(1), latent, tables, tables.stride(0), positions, top, top.stride(0),
+        m, l, acc, H, NT, steps, bs, scale, R=R, KPOOL=kpool, TAIL=bool(select_tail), ALL=every,
+        BH=DSA_ATTN_HEADS, BW=DSA_ATTN_BLOCK, TC=q_hat.is_cuda, num_warps=DSA_ATTN_WARPS)
+    o = torch.empty_like(q_hat)
+    _dsa_combine_kernel[(B, H)](m, l, acc, o, o.stride(0), o.stride(1), H, splits, R=R,
+                                SP=triton.next_power_of_2(splits))
+    return o
+
+
+# ---------------------------------------------------------------- the absorbed MLA's per-head products
+# q̂ = q · W_UK and o · W_UVᵀ (model_glm.mla_attention's first and last einsum), per head h:
+# out[b, h] = a[b, h] · w[h]. torch runs them as fp32 bmm's on the CUDA cores (a decode row: two cuBLAS
+# GEMVs of 11-14 us on the H200, reading 16.8 MB each; a prefill chunk: SIMT SGEMMs of ~3 ms at 8192
+# rows). Here on tensor cores, fp32 sums. For prefill rows (B > 16), BF16 weights (the checkpoint's
+# kv_b_proj) meet a as the sum of PIECES bf16 values (a's 24 significant bits in three 8-bit pieces,
+# 11 of fp16 in two, bf16 as it is): every product is exact, and bf16 MMAs run at twice TF32's rate.
+# The smallest pieces go first, so that the larger ones are added to their sum; still, the tensor
+# cores' sums truncate, and on the H200 the results are 5.6-7.4e-7 of Σ|products| off (tf32x3:
+# 0.8e-7), for 2.2-6.2x less time at 8192 rows (`.whl/s12_pre.py`). Decode rows and other weights
+# take `_dot_tf32x3` (fp32 a as a TF32 value plus a TF32 remainder: < 2^-20 relative per product; two
+# TF32 MMAs against bf16 / fp16 weights, which TF32 holds exactly, three against fp32 ones; H200, full
+# size, 1-16 rows in CUDA graphs, `.whl/s15_head.py`: q · W_UK 8.0-8.4 us, o · W_UVᵀ 11.0-11.3, against
+# 11.8-12.2 and 12.9-13.3 with triton's own tf32x3; error 5.6-6.9e-7 of the largest output, against 1.2-1.5e-7).
+# At 1 and 16 rows the bf16 pieces were 0.93-1.73x triton's tf32x3 (eager calls), no clear win.
+# One program: BM rows x BN columns of one head.
+HEAD_MM_BLOCK_K = 32
+
+
+@triton.jit
+def _head_matmul_kernel(a_ptr, a_sb, a_sh, a_sk, w_ptr, w_sh, w_sk, w_sn, o_ptr, o_sb, o_sh, o_sn, B, K, N,
+                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PIECES: tl.constexpr,
+                        TC: tl.constexpr):
+    h = tl.program_id(0)
+    rows = tl.program_id(1) * BM + tl.arange(0, BM)
+    cols = tl.program_id(2) * BN + tl.arange(0, BN)
+    acc = tl.zeros([BM, BN], tl.float32)
+    for k0 in range(0, K, BK):
+        ks = k0 + tl.arange(0, BK)
+        a = tl.load(a_ptr + rows[:, None].to(tl.int64) * a_sb + h * a_sh + ks[None, :] * a_sk,
+                    mask=(rows[:, None] < B) & (ks[None, :] < K), other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + h * w_sh + ks[:, None] * w_sk + cols[None, :] * w_sn,
+                    mask=(ks[:, None] < K) & (cols[None, :] < N), other=0.0)
+        if PIECES == 0:
+            acc = _dot_tf32x3(a, w.to(tl.float32), acc, w.dtype != tl.float32)
+        else:
+            hi = a.to(tl.bfloat16)
+            if PIECES > 1:
+                rest = a - hi.to(tl.float32)
+                mid = rest.to(tl.bfloat16)
+                if PIECES > 2:
+                    acc += _dot_bf16((rest - mid.to(tl.float32)).to(tl.bfloat16), w, TC)
+                acc += _dot_bf16(mid, w, TC)
+            acc += _dot_bf16(hi, w, TC)
+    tl.store(o_ptr + rows[:, None].to(tl.int64) * o_sb + h * o_sh + cols[None, :] * o_sn,
+             _cast(acc, o_ptr.dtype.element_ty), mask=(rows[:, None] < B) & (cols[None, :] < N))
+
+
+def head_matmul(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
+                out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """out[b, h] = a[b, h] · w[h] for a [B, H, K] (any float dtype, any strides), w [H, K, N] fp32, bf16
+    or fp16 (any strides, e.g. a slice of kv_b_proj's view or W_UV.transpose(1, 2)); out [B, H, N] (any
+    strides, given or new in out_dtype). Twin: torch.einsum("bhk,hkn->bhn", a.float(), w.float()) (see
+    the section comment for the precision)."""
+    if a.dim() != 3 or w.dim() != 3 or a.shape[1] != w.shape[0] or a.shape[2] != w.shape[1]:
+        raise ValueError(f"head_matmul: a must be [B, H, K] and w [H, K, N], got {tuple(a.shape)} and {tuple(w.shape)}")
+    if w.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"head_matmul: w must be fp32, bf16 or fp16, got {w.dtype}")
+    B, H, K = a.shape
+    N = w.shape[2]
+    if out is None:
+        out = torch.empty(B, H, N, dtype=out_dtype, device=a.device)
+    elif tuple(out.shape) != (B, H, N):
+        raise ValueError(f"head_matmul: out must be [{B}, {H}, {N}], got {tuple(out.shape)}")
+    BM = 16 if B <= 16 else 64
+    BN = 64 if B <= 16 else 128
+    pieces = {torch.bfloat16: 1, torch.float16: 2}.get(a.dtype, 3) if w.dtype == torch.bfloat16 and B > 16 else 0
+    _head_matmul_kernel[(H, triton.cdiv(B, BM), triton.cdiv(N, BN))](
+        a, *a.stride(), w, *w.stride(), out, *out.stride(), B, K, N, BM=BM, BN=BN, BK=HEAD_MM_BLOCK_K,
+        PIECES=pieces, TC=a.is_cuda)
+    return out
+
+
+# ================================================================ prefill: DSA attention of a chunk (§4.4)
+# `dsa_prefill_attention`: dsa_sparse_attention's math for the n query rows of ONE sequence's chunk
+# (one block table, positions start..start+n-1). A program owns one query row and BH of its heads for
+# the whole selection (no splits once n fills the GPU): all heads of a row share the row's selected
+# positions, so the heads are the MMA's M rows and the selection stays exact.
+# Why not blocks of query rows over the union of their selections: registers bound M. q̂ (bf16 hi +
+# lo) and the fp32 output accumulator take M·R·8 bytes: M = 32 at R = 512 is half the 256 KB register
+# file, M = 64 all of it. At a fixed M, BQ rows x M/BQ heads over the union U of the rows' pools
+# costs per row H·U·kpool·R·8 flops and H·U·kpool·2R/M bytes of latent, against the same with U = NT
+# for one row x M heads: rows only help when there are fewer heads than M (and 8K-context rows each
+# pick 25% of the pools, random picks of 16 rows cover 99%).
+# Cost at full size (H = 64, R = 512, 2051 positions a row, M = 32): per row 2 programs x 65 steps of
+# 32 positions; four bf16 MMAs per product pair (q̂ and p split in hi + lo) = 64·2051·512·2·4 = 0.54
+# GFLOP, 8192 rows = 4.4 TFLOP (about 4.5 ms at the H200's dense bf16 peak); each row reads its 2 MB
+# of selected latent rows twice (34 GB at 8192 rows, from L2: an 8K-32K context's latent is 8-32 MB).
+# The decode kernel reads them four times, with M = 16 heads and 16 positions a step.
+
+# The selection reaches the kernel as slots (`_dsa_prefill_slots_kernel`): per row, slot j -> the cache
+# row of its first position plus (its positions - 1), -1 for none (a first row is a multiple of kpool, as
+# bs is); the picked pools in top-k order, then the tail. The loop then only adds a member's offset,
+# instead of dividing positions by the block size and reading the table (sm_90 AOT: the loop 1689 -> 1172
+# instructions, spills 308 -> 8 B). Where the time goes (ncu, H200, 2048 rows at 8K context): 2 programs
+# an SM (255 registers), L1 / shared memory 65-74 % busy (each warp reads all of q̂'s pieces from shared
+# memory every step: triton gives both MMAs warpsPerCTA [1, 4]), stalls on those reads and on the score
+# MMAs' chains. Slower there (session 14): 16 or 64 positions a step (1.4-1.7x the time), 64 heads a
+# program on wgmma with R split over two programs (4 warps: 1.2x). At 8 warps triton runs the score MMA
+# twice (warpsPerCTA [8, 1] for 64 rows) and spills 7 KB (AOT, not run).
+
+# Launch settings from the H200 sweep (triton 3.6, `.whl/s3_dsa_prefill_time.py --sweep`, 8K-32K
+# contexts, 2048 and 8192 rows; session 14 kept them): 32 heads x 32 positions a step, 4 warps,
+# 2 stages; 8 warps 1.8-3.1x slower, 16 heads at most 3.2x, 3 stages 7-25% slower than 2 at 4 warps.
+DSA_PREFILL_HEADS = 32  # heads per program (M of the MMAs; see above why not more)
+DSA_PREFILL_BLOCK = 32  # selected positions per step
+DSA_PREFILL_WARPS = 4
+DSA_PREFILL_STAGES = 2
+
+
+@triton.jit
+def _dsa_prefill_kernel(q_ptr, q_sn, q_sh, lat_ptr, slots_ptr, slots_stride, m_ptr, l_ptr, o_ptr, o_sn, o_sh,
+                        start, H, NT, scale, R: tl.constexpr, KPOOL: tl.constexpr, TAIL: tl.constexpr,
+                        BH: tl.constexpr, BK: tl.constexpr, ONE: tl.constexpr, TC: tl.constexpr):
+    row = tl.program_id(0)
+    h = tl.program_id(1) * BH + tl.arange(0, BH)
+    split = tl.program_id(2)
+    r = tl.arange(0, R)
+    q = tl.load(q_ptr + row * q_sn + h[:, None] * q_sh + r[None, :], mask=h[:, None] < H, other=0.0)
+    q_hi, q_lo = _split(q, lat_ptr.dtype.element_ty)
+    pos = start + row
+    n_cand = (pos + 1) // KPOOL
+    n_slots = tl.minimum(n_cand, NT)
+    if TAIL:
+        n_slots += (pos + 1 - n_cand * KPOOL) > 0
+    tiles = tl.cdiv(n_slots * KPOOL, BK)
+    per_split = tl.cdiv(tiles, tl.num_programs(2))
+    m = tl.full([BH], -float("inf"), tl.float32)
+    l = tl.zeros([BH], dtype=tl.float32)
+    acc = tl.zeros([BH, R], dtype=tl.float32)
+    k0 = tl.arange(0, BK)
+    for tile in range(split * per_split, tl.minimum((split + 1) * per_split, tiles)):
+        k = tile * BK + k0  # position slot: member k % KPOOL of slot k // KPOOL
+        slot = tl.load(slots_ptr + row * slots_stride + k // KPOOL)
+        member = k % KPOOL
+        valid = (slot >= 0) & (member <= slot % KPOOL)
+        lat_row = slot - slot % KPOOL + member
+        lat = tl.load(lat_ptr + lat_row[:, None] * R + r[None, :], mask=valid[:, None], other=0.0)
+        m, l, acc = _online_softmax_step(q_hi, q_lo, lat, valid, scale, m, l, acc, TC)
+    if ONE:
+        tl.store(o_ptr + row * o_sn + h[:, None] * o_sh + r[None, :], acc / l[:, None], mask=h[:, None] < H)
+    else:  # partial sums for _dsa_combine_kernel
+        part = (row * tl.num_programs(2) + split) * H + h
+        tl.store(m_ptr + part, m, mask=h < H)
+        tl.store(l_ptr + part, l, mask=h < H)
+        tl.store(o_ptr + part[:, None] * R + r[None, :], acc, mask=h[:, None] < H)
+
+
+@triton.jit
+def _dsa_prefill_slots_kernel(top_ptr, top_stride, table_ptr, slots_ptr, W, start, NT, bs, KPOOL: tl.constexpr,
+                              TAIL: tl.constexpr, HAS_TOP: tl.constexpr, BW: tl.constexpr):
+    # One row's slots (see the section comment): a row with more complete pools than NT takes its
+    # picks in top-k order (a pick not complete at the row: -1), otherwise every complete pool in
+    # order; then the tail; -1 past the row's last slot.
+    row = tl.program_id(0)
+    pos = start + row
+    n_cand = (pos + 1) // KPOOL
+    n_pools = tl.minimum(n_cand, NT)
+    count = pos + 1 - n_cand * KPOOL  # the tail's positions, from n_cand * KPOOL on (maybe past the table)
+    tail_row = tl.load(table_ptr + n_cand * KPOOL // bs, mask=count > 0, other=0) * bs + n_cand * KPOOL % bs
+    for j0 in range(0, W, BW):
+        j = j0 + tl.arange(0, BW)
+        pool = j
+        if HAS_TOP:
+            pool = tl.where(n_cand > NT, tl.load(top_ptr + row * top_stride + j, mask=j < NT, other=-1), j)
+        ok = (pool >= 0) & (pool < n_cand) & (j < n_pools)
+        first = pool * KPOOL
+        slot = tl.load(table_ptr + first // bs, mask=ok, other=0) * bs + first % bs + (KPOOL - 1)
+        slot = tl.where(ok, slot, -1)
+        if TAIL:
+            slot = tl.where((j == n_pools) & (count > 0), tail_row + count - 1, slot)
+        tl.store(slots_ptr + row * W + j, slot.to(tl.int32), mask=j < W)
+
+
+def dsa_prefill_attention(q_hat: torch.Tensor, latent: torch.Tensor, table: torch.Tensor, start: int,
+                          top: torch.Tensor | None, kpool: int, select_tail: bool, scale: float,
+                          splits: int | None = None) -> torch.Tensor:
+    """dsa_sparse_attention for the n query rows of one sequence's chunk at positions start..start+n-1
+    (the same block table `table` [width] for all): softmax_t(q̂ · c_t / scale) · c_t over each row's
+    selected positions t. q̂ [n, H, R] fp32 (unit last stride); latent the cache row; top [n, NT] the
+    rows' picked pools (dsa_index_scores' top-k: picks not complete at the row's position are skipped,
+    a row with no more complete pools than NT takes them all) or None for every complete pool; plus
+    the tail with select_tail. Returns o [n, H, R] fp32 in q̂'s memory layout. `splits`: programs
+    per (row, head block) (default: more than one only while the rows leave SMs idle)."""
+    if q_hat.dim() != 3 or q_hat.dtype != torch.float32 or q_hat.stride(2) != 1:
+        raise ValueError(f"dsa_prefill_attention: q_hat must be fp32 [n, H, R] with unit last stride, got "
+                         f"{q_hat.dtype} {tuple(q_hat.shape)} {q_hat.stride()}")
+    n, H, R = q_hat.shape
+    nb, bs = latent.shape[:2]
+    _check_cache_row("dsa_prefill_attention: latent", latent, nb, bs, R)
+    _check_pow2("dsa_prefill_attention: kv_lora_rank", R)
+    if table.dim() != 1 or table.stride(0) != 1:
+        raise ValueError(f"dsa_prefill_attention: table must be one sequence's [width] block ids with unit "
+                         f"stride, got {tuple(table.shape)} {table.stride()}")
+    if bs % kpool or start < 0 or start + n > table.shape[0] * bs:
+        raise ValueError(f"dsa_prefill_attention: positions {start}..{start + n - 1} do not fit a table of "
+                         f"{table.shape[0]} blocks of {bs} (a multiple of kpool {kpool})")
+    if top is None:
+        NT = table.shape[0] * (bs // kpool)  # every row has at most NT candidates
+    elif top.dim() != 2 or top.shape[0] != n:
+        raise ValueError(f"dsa_prefill_attention: top must be [{n}, NT], got {tuple(top.shape)}")
+    else:
+        NT = top.shape[1]
+    per_step = DSA_PREFILL_BLOCK // kpool
+    W = triton.cdiv(NT + 1, per_step) * per_step  # NT picks and the tail, in whole steps
+    slots = torch.empty(n, W, dtype=torch.int32, device=q_hat.device)
+    _dsa_prefill_slots_kernel[(n,)](table if top is None else top, 0 if top is None else top.stride(0), table, slots,
+                                    W, start, NT, bs, KPOOL=kpool, TAIL=bool(select_tail), HAS_TOP=top is not None,
+                                    BW=min(256, triton.next_power_of_2(W)))
+    BH = min(DSA_PREFILL_HEADS, max(16, triton.next_power_of_2(H)))  # tl.dot needs >= 16 rows
+    head_blocks = triton.cdiv(H, BH)
+    if splits is None:
+        programs = torch.cuda.get_device_properties(q_hat.device).multi_processor_count if q_hat.is_cuda else 2
+        tiles = triton.cdiv((min(NT, table.shape[0] * (bs // kpool)) + select_tail) * kpool, DSA_PREFILL_BLOCK)
+        splits = max(1, min(tiles, programs // (n * head_blocks)))
+    o = torch.empty_like(q_hat)
+    one = splits == 1
+    if one:
+        m = l = acc = o  # pointers the kernel does not use
+    else:
+        m = torch.empty(n, splits, H, dtype=torch.float32, device=q_hat.device)
+        l = torch.empty_like(m)
+        acc = torch.empty(n, splits, H, R, dtype=torch.float32, device=q_hat.device)
+    out = o if one else acc
+    _dsa_prefill_kernel[(n, head_blocks, splits)](
+        q_hat, q_hat.stride(0), q_hat.stride(1), latent, slots, slots.stride(0), m, l, out, out.stride(0),
+        out.stride(1), start, H, NT, scale, R=R, KPOOL=kpool, TAIL=bool(select_tail), BH=BH,
+        BK=DSA_PREFILL_BLOCK, ONE=one, TC=q_hat.is_cuda, num_warps=DSA_PREFILL_WARPS,
+        num_stages=DSA_PREFILL_STAGES)
+    if not one:
+        _dsa_combine_kernel[(n, H)](m, l, acc, o, o.stride(0), o.stride(1), H, splits, R=R,
+                                    SP=triton.next_power_of_2(splits))
+    return o
