@@ -748,7 +748,7 @@ def run_kernels(args) -> None:
 
     for bits in (3, 4):
         try:
-            moe_line(line, gbps, bits)
+            moe_line(line, gbps, bits, args.peer)
         except Exception as error:  # one failing kernel must not hide the others
             say(f"| exl3_moe_decode | K{bits} | failed: {type(error).__name__}: {error} |")
 
@@ -800,9 +800,11 @@ def fp8_sweep(line, gbps: float, n: int = 8192, k: int = 4096) -> None:
              lambda: x.float() @ lins[0].dequantize().T)
 
 
-def moe_line(line, gbps: float, bits: int, E: int = 288, top_k: int = 8, D: int = 4096, I: int = 2048) -> None:
+def moe_line(line, gbps: float, bits: int, peer: bool = False, E: int = 288, top_k: int = 8, D: int = 4096,
+             I: int = 2048) -> None:
     """One MoE layer at batch 1: exl3_moe_decode (3 launches) vs the 3 * top_k exl3_gemv calls of the
-    per-expert path (without its SwiGLU and sums), over 10 routings (80 experts, past the L2)."""
+    per-expert path (without its SwiGLU and sums), over 10 routings (80 experts, past the L2); with
+    peer, also exllamav3's fused MoE kernel on the same experts and routings (`their_moe`)."""
     import exl3_kernels
     from model_glm import swiglu
     g = torch.Generator(device="cuda").manual_seed(bits)
@@ -838,6 +840,11 @@ def moe_line(line, gbps: float, bits: int, E: int = 288, top_k: int = 8, D: int 
     line(f"{per_layer} x exl3_gemv (per expert)", "same, per layer",
          [lambda i=i: [c() for c in separate[i:i + per_layer]] for i in range(0, len(separate), per_layer)],
          top_k * expert_bytes / gbps / 1e3)
+    if peer:
+        _, ext = load_exllamav3()
+        theirs = [their_moe(ext, projections, CODEBOOK, x, ids, route, 10.0) for ids in routings]
+        line("exllamav3 exl3_moe", f"B=1 top-{top_k} of {E}, {D}x{I} K{bits}", theirs,
+             top_k * expert_bytes / gbps / 1e3, lambda: ref)
 
 
 FP8_SHAPES = [(8192, 4096), (4096, 8192), (1536, 4096), (24576, 4096), (154880, 4096)]  # (out, in)
@@ -950,6 +957,37 @@ def their_linear(LinearEXL3, trellis, suh, svh, codebook):
     return LinearEXL3(None, k, n, suh=suh, svh=svh, trellis=trellis,
                       mcg=markers["mcg"] if codebook == "mcg" else None,
                       mul1=markers["mul1"] if codebook == "mul1" else None)
+
+
+def their_moe(ext, projections: list, codebook: str, x: torch.Tensor, ids: torch.Tensor, route: torch.Tensor,
+              limit: float) -> Callable[[], torch.Tensor]:
+    """A call of exllamav3's fused MoE kernel (`exl3_moe`, which its BlockSparseMLP runs for batches of
+    rows; one to eight rows go through its bound BC_BlockSparseMLP class instead, not reachable without
+    its module) on our stacked experts (per-expert pointer tables into them) for one routing (ids, route
+    [m, top_k]): SiLU, K from the trellis, its 16-row tiles. Returns the fp32 [m, D] output."""
+    E, _, tiles_n, width = projections[0][0].shape
+    D, I, K = x.shape[1], tiles_n * 16, width / 16
+    dev = x.device
+    tables = [torch.tensor([t[e].data_ptr() for e in range(E)], dtype=torch.long, device=dev)
+              for p in projections for t in p]  # gate trellis, suh, svh; up ...; down ...
+    concurrency, rows = ext.exl3_moe_max_concurrency(dev.index), 128  # rows: exllamav3's MOE_FUSED_ROWS
+    temp = [torch.empty(concurrency, rows, size, dtype=torch.half, device=dev) for size in (D, D, I, I)]
+    m, top_k = ids.shape
+    flat = ids.reshape(-1).long()
+    order = flat.argsort()
+    token_sorted = (torch.arange(m * top_k, device=dev) // top_k)[order]
+    weight_sorted = route.reshape(-1)[order].half()
+    count = torch.bincount(flat, minlength=E + 1)
+    out = torch.zeros(m, D, dtype=torch.float32, device=dev)
+    mcg, mul1 = codebook == "mcg", codebook == "mul1"
+    xh = x.half()
+
+    def call() -> torch.Tensor:
+        out.zero_()
+        ext.exl3_moe(xh, out, count, token_sorted, weight_sorted, *temp, 0, K, K, K, *tables,
+                     mcg, mul1, mcg, mul1, mcg, mul1, limit, -1, None, None, 1, rows, 16)
+        return out
+    return call
 
 
 def exl3_compare(args, best: dict | None = None) -> None:
