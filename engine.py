@@ -198,40 +198,70 @@ class EngineStats:
 # Sampling
 
 
+def process_rows(logits: torch.Tensor, params: Seq[SamplingParams], prompt_ids: Seq[torch.Tensor],
+                 output_ids: Seq[torch.Tensor | list[int]]) -> torch.Tensor:
+    """fp32 [N, vocab] logits, row i under params[i] (its penalties seeing prompt_ids[i] and
+    output_ids[i], a tensor or a list, moved to the device only when a penalty reads it) -> the logits
+    sampling draws from (-inf where a filter removed a token). Every filter runs on all rows at once
+    (a row whose filter is off gets a bound that removes nothing), so a batch costs one pass of each,
+    not one per row; only the penalties go row by row."""
+    x = logits.float().clone()
+    N, V = x.shape
+    for i, p in enumerate(params):
+        if p.repetition_penalty == 1.0 and not ((p.presence_penalty or p.frequency_penalty) and len(output_ids[i])):
+            continue
+        out = torch.as_tensor(output_ids[i], dtype=torch.long, device=x.device)
+        if p.repetition_penalty != 1.0:
+            # CTRL-style: seen tokens (prompt and output) get less likely whatever the logit's sign.
+            seen = torch.cat([prompt_ids[i], out]).unique()
+            v = x[i, seen]
+            x[i, seen] = torch.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
+        if (p.presence_penalty or p.frequency_penalty) and out.numel():
+            counts = torch.bincount(out, minlength=V).to(x.dtype)
+            x[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(x.dtype)
+    column = lambda values: torch.tensor(values, dtype=x.dtype, device=x.device)[:, None]
+    x /= column([p.temperature if p.temperature > 0 else 1.0 for p in params])
+    top_k = [p.top_k if 0 < p.top_k < V else V for p in params]
+    if any(k < V for k in top_k) or any(p.top_p < 1.0 for p in params):
+        sorted_x, order = torch.sort(x, -1, descending=True)
+        kth = sorted_x.gather(1, torch.tensor(top_k, device=x.device)[:, None] - 1)
+        sorted_x = sorted_x.masked_fill(sorted_x < kth, -math.inf)  # ties with the k-th stay, as topk's bound keeps them
+        # top_p: keep the smallest head of the sorted row whose mass reaches top_p (the mass before a
+        # dropped token already reaches it); top_p 1 keeps everything, rounding or not.
+        probs = torch.softmax(sorted_x, -1)
+        drop = probs.cumsum(-1) - probs >= column([p.top_p if p.top_p < 1.0 else math.inf for p in params])
+        x = torch.empty_like(x).scatter_(1, order, sorted_x.masked_fill(drop, -math.inf))
+    if any(p.min_p > 0 for p in params):
+        probs = torch.softmax(x, -1)
+        x = x.masked_fill(probs < column([p.min_p for p in params]) * probs.max(-1, keepdim=True).values, -math.inf)
+    return x
+
+
 def process_logits(logits: torch.Tensor, p: SamplingParams, prompt_ids: torch.Tensor,
                    output_ids: torch.Tensor) -> torch.Tensor:
-    """fp32 [vocab] logits -> the logits sampling draws from (-inf where a filter removed a token)."""
-    x = logits.float().clone()
-    if p.repetition_penalty != 1.0:
-        # CTRL-style: seen tokens (prompt and output) get less likely whatever the logit's sign.
-        seen = torch.cat([prompt_ids, output_ids]).unique()
-        v = x[seen]
-        x[seen] = torch.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
-    if (p.presence_penalty or p.frequency_penalty) and output_ids.numel():
-        counts = torch.bincount(output_ids, minlength=x.numel()).to(x.dtype)
-        x -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(x.dtype)
-    if p.temperature > 0:
-        x /= p.temperature
-    if 0 < p.top_k < x.numel():
-        kth = torch.topk(x, p.top_k).values[-1]
-        x[x < kth] = -math.inf
-    if p.top_p < 1.0:
-        # Keep the smallest set of most likely tokens whose mass reaches top_p.
-        sorted_x, order = torch.sort(x, descending=True)
-        probs = torch.softmax(sorted_x, -1)
-        x[order[probs.cumsum(-1) - probs >= p.top_p]] = -math.inf  # the mass before them already reaches top_p
-    if p.min_p > 0:
-        probs = torch.softmax(x, -1)
-        x[probs < p.min_p * probs.max()] = -math.inf
-    return x
+    """process_rows for one row of fp32 [vocab] logits."""
+    return process_rows(logits[None], [p], [prompt_ids], [output_ids])[0]
+
+
+def sample_rows(logits: torch.Tensor, params: Seq[SamplingParams], prompt_ids: Seq[torch.Tensor],
+                output_ids: Seq[torch.Tensor | list[int]], generators: Seq[torch.Generator]) -> list[int]:
+    """One token per row of fp32 [N, vocab] logits: the argmax of process_rows for temperature 0, else a
+    draw from its softmax with the row's generator (a seeded request draws the same tokens whatever
+    else is in the batch). One device sync for the batch."""
+    x = process_rows(logits, params, prompt_ids, output_ids)
+    tokens = x.argmax(-1)
+    hot = [i for i, p in enumerate(params) if p.temperature > 0]
+    if hot:
+        probs = torch.softmax(x[hot], -1)
+        for row, i in zip(probs, hot):
+            tokens[i] = torch.multinomial(row, 1, generator=generators[i])[0]
+    return tokens.tolist()
 
 
 def sample(logits: torch.Tensor, p: SamplingParams, prompt_ids: torch.Tensor, output_ids: torch.Tensor,
            generator: torch.Generator) -> int:
-    x = process_logits(logits, p, prompt_ids, output_ids)
-    if p.temperature == 0:
-        return int(torch.argmax(x))
-    return int(torch.multinomial(torch.softmax(x, -1), 1, generator=generator))
+    """sample_rows for one row of fp32 [vocab] logits."""
+    return sample_rows(logits[None], [p], [prompt_ids], [output_ids], [generator])[0]
 
 
 def token_logprobs(logits: torch.Tensor, token: int, n: int) -> TokenLogprob:
@@ -738,12 +768,12 @@ class Engine:
             out = self.model.forward(todo, self.cache) if self.prefill is None else self.prefill.forward(todo)
             logits[rest] = out.logits
             captured = {(rest[j], p): snap for (j, p), snap in out.snapshots.items()}
-        argmax = logits.argmax(-1).tolist()  # one device sync serves every plain-greedy sequence
+        done = []
         for i, (seq, n) in enumerate(batch):
             self._commit(seq, n, {p: snap for (j, p), snap in captured.items() if j == i})
             if seq.num_computed == len(seq.token_ids):
-                outputs.append(self._sample(seq, logits[i], argmax[i]))
-        return outputs
+                done.append((seq, i))
+        return outputs + self._sample(done, logits)
 
     @staticmethod
     def _seq_chunk(seq: Sequence, n: int, device: str | torch.device) -> SeqChunk:
@@ -793,11 +823,10 @@ class Engine:
         drafted = [r for (seq, n), a in zip(batch, offsets) if seq.draft for r in range(a, a + n)]
         verify = dflash.target_forward(self.model, chunks, self.cache, rows, self.speculator.taps, drafted, self.prefill)
         logits = verify.logits
-        argmax = logits.argmax(-1).tolist()
         emitted = {i: self._verify(seq, logits[first[i]:first[i] + n]) for i, (seq, n) in enumerate(batch) if seq.draft}
         dflash.rollback_kda(self.model, self.cache, verify, chunks,
                             {i: len(e) for i, e in emitted.items() if len(e) < batch[i][1]}, saved)
-        outputs = []
+        outputs, done = [], []
         for i, (seq, n) in enumerate(batch):
             start = seq.num_computed
             if i in emitted:  # kept rows = the anchor and the accepted drafts = the emitted tokens
@@ -813,16 +842,16 @@ class Engine:
                 self._commit(seq, n, {p: snap for (j, p), snap in verify.snapshots.items() if j == i})
             self.speculator.observe(seq.request_id, start, verify, (offsets[i], offsets[i] + n))
             if i not in emitted and seq.num_computed == len(seq.token_ids):
-                outputs.append(self._sample(seq, logits[first[i]], argmax[first[i]]))
-        return outputs
+                done.append((seq, first[i]))
+        return outputs + self._sample(done, logits)
 
     def _verify(self, seq: Sequence, logits: torch.Tensor) -> list[int]:
         """The tokens one verify emits (accepted drafts, then the target's), with the statistics."""
         p, drafts = seq.params, seq.draft.tokens
         # Row j is processed as if drafts 1..j had been emitted (penalties see them).
-        x = torch.stack([process_logits(row, p, seq.prompt_tensor,
-                                        torch.tensor(seq.output_ids + drafts[:j], dtype=torch.long, device=self.device))
-                         for j, row in enumerate(logits)])
+        x = process_rows(logits, [p] * len(logits), [seq.prompt_tensor] * len(logits),
+                         [torch.tensor(seq.output_ids + drafts[:j], dtype=torch.long, device=self.device)
+                          for j in range(len(logits))])
         emitted = dflash.accept_drafts(x, drafts, seq.draft.q, p.temperature == 0, seq.generator)
         seq.draft_stats.record(len(drafts), len(emitted) - 1)
         self.counters["spec_verify_steps"] += 1
@@ -954,15 +983,20 @@ class Engine:
         for i in range(len(seq.block_hashes), n):
             seq.block_hashes.append(block_hash(seq.block_hashes[-1] if i else b"", seq.token_ids[i * bs:(i + 1) * bs]))
 
-    def _sample(self, seq: Sequence, logits: torch.Tensor, argmax: int) -> RequestOutput:
-        p = seq.params
-        if p.temperature == 0 and p.repetition_penalty == 1 and not (p.presence_penalty or p.frequency_penalty):
-            token = argmax  # what sample() returns: no filter removes the most likely token
-        else:
-            out_ids = torch.tensor(seq.output_ids, dtype=torch.long, device=self.device)
-            token = sample(logits, p, seq.prompt_tensor, out_ids, seq.generator)
-        lp = self._append(seq, token, logits)
-        return self._output(seq, [token], [lp] if lp is not None else None)
+    def _sample(self, done: list[tuple[Sequence, int]], logits: torch.Tensor) -> list[RequestOutput]:
+        """The next token of each (sequence, its logits row) whose prompt and tokens are all computed, in
+        one batched pass (sample_rows): one device sync for the batch, not a filter pass and a sync per
+        sequence."""
+        if not done:
+            return []
+        rows = logits[[i for _, i in done]]
+        tokens = sample_rows(rows, [seq.params for seq, _ in done], [seq.prompt_tensor for seq, _ in done],
+                             [seq.output_ids for seq, _ in done], [seq.generator for seq, _ in done])
+        outputs = []
+        for (seq, _), token, row in zip(done, tokens, rows):
+            lp = self._append(seq, token, row)
+            outputs.append(self._output(seq, [token], [lp] if lp is not None else None))
+        return outputs
 
     def _append(self, seq: Sequence, token: int, logits: torch.Tensor) -> TokenLogprob | None:
         """Add one generated token: detokenize, check stops and limits; its logprob if asked for."""

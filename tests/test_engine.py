@@ -126,6 +126,25 @@ def test_penalties_lower_seen_tokens():
     assert freq.tolist() == [2.0, -2.0, -1.5, 0.5]  # by count
 
 
+def test_batched_filters_are_each_rows_own():
+    # process_rows filters all rows of a batch at once, each under its own params: row i comes out as it
+    # would alone, and a row with every filter off keeps every token while the others are cut.
+    logits = 3 * torch.randn(6, 50, generator=torch.Generator().manual_seed(3))
+    params = [E.SamplingParams(temperature=0), E.SamplingParams(temperature=0.7), E.SamplingParams(top_k=5),
+              E.SamplingParams(temperature=1.3, top_p=0.8), E.SamplingParams(top_k=10, top_p=0.5, min_p=0.05),
+              E.SamplingParams(repetition_penalty=1.5, presence_penalty=0.5, min_p=0.2)]
+    prompts, outs = [torch.tensor([1, 2])] * 6, [[3, 3, 4]] * 6
+    batch = E.process_rows(logits, params, prompts, outs)
+    for i, p in enumerate(params):
+        assert torch.equal(batch[i], E.process_logits(logits[i], p, prompts[i], torch.tensor(outs[i]))), f"row {i}"
+    kept = torch.isfinite(batch).sum(1).tolist()
+    assert kept[:3] == [50, 50, 5] and 1 <= kept[4] <= 10 and kept[3] < 50 and kept[5] < 50
+    assert torch.equal(batch[1], logits[1] / 0.7)
+    gens = [torch.Generator().manual_seed(i) for i in range(6)]
+    tokens = E.sample_rows(logits, params, prompts, outs, gens)
+    assert tokens[0] == int(logits[0].argmax()) and all(torch.isfinite(batch[i, t]) for i, t in enumerate(tokens))
+
+
 def test_sampling_follows_the_distribution_and_the_seed():
     logits = torch.log(torch.tensor([0.6, 0.3, 0.1]))
     empty = torch.zeros(0, dtype=torch.long)
@@ -262,15 +281,15 @@ def test_score_validates_and_frees(cold):
 
 
 def logits_of(eng: E.Engine, ids: list[int], n: int, monkeypatch) -> tuple[torch.Tensor, E.Result]:
-    """Greedy run of n tokens (top_k=1, so through sample()); returns the logits sampled from [n, vocab]."""
+    """Greedy run of n tokens (top_k=1); returns the logits sampled from [n, vocab] (sample_rows' rows)."""
     seen = []
 
     def spy(logits, *args):
-        seen.append(logits.clone())
+        seen.extend(logits.clone())
         return real(logits, *args)
-    real = E.sample
+    real = E.sample_rows
     with monkeypatch.context() as m:
-        m.setattr(E, "sample", spy)
+        m.setattr(E, "sample_rows", spy)
         r = eng.generate([ids], E.SamplingParams(top_k=1, max_tokens=n, ignore_eos=True))[0]
     return torch.stack(seen), r
 
