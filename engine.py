@@ -221,13 +221,15 @@ def process_rows(logits: torch.Tensor, params: Seq[SamplingParams], prompt_ids: 
             x[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(x.dtype)
     column = lambda values: torch.tensor(values, dtype=x.dtype, device=x.device)[:, None]
     x /= column([p.temperature if p.temperature > 0 else 1.0 for p in params])
-    top_k = [p.top_k if 0 < p.top_k < V else V for p in params]
-    if any(k < V for k in top_k) or any(p.top_p < 1.0 for p in params):
+    top_k = [p.top_k if 0 < p.top_k < V else 0 for p in params]
+    if any(top_k):
+        k = torch.tensor(top_k, device=x.device)[:, None]
+        kth = x.topk(max(top_k), -1).values.gather(1, (k - 1).clamp(min=0))  # a row's k-th largest
+        x = x.masked_fill(x < torch.where(k > 0, kth, -math.inf), -math.inf)  # ties with the k-th stay
+    if any(p.top_p < 1.0 for p in params):
+        # Keep the smallest head of the sorted row whose mass reaches top_p (the mass before a dropped
+        # token already reaches it); top_p 1 keeps everything, rounding or not.
         sorted_x, order = torch.sort(x, -1, descending=True)
-        kth = sorted_x.gather(1, torch.tensor(top_k, device=x.device)[:, None] - 1)
-        sorted_x = sorted_x.masked_fill(sorted_x < kth, -math.inf)  # ties with the k-th stay, as topk's bound keeps them
-        # top_p: keep the smallest head of the sorted row whose mass reaches top_p (the mass before a
-        # dropped token already reaches it); top_p 1 keeps everything, rounding or not.
         probs = torch.softmax(sorted_x, -1)
         drop = probs.cumsum(-1) - probs >= column([p.top_p if p.top_p < 1.0 else math.inf for p in params])
         x = torch.empty_like(x).scatter_(1, order, sorted_x.masked_fill(drop, -math.inf))
@@ -248,6 +250,9 @@ def sample_rows(logits: torch.Tensor, params: Seq[SamplingParams], prompt_ids: S
     """One token per row of fp32 [N, vocab] logits: the argmax of process_rows for temperature 0, else a
     draw from its softmax with the row's generator (a seeded request draws the same tokens whatever
     else is in the batch). One device sync for the batch."""
+    if all(p.temperature == 0 and p.repetition_penalty == 1.0 and not (p.presence_penalty or p.frequency_penalty)
+           for p in params):
+        return logits.argmax(-1).tolist()  # what the filters would give: none removes the most likely token
     x = process_rows(logits, params, prompt_ids, output_ids)
     tokens = x.argmax(-1)
     hot = [i for i, p in enumerate(params) if p.temperature > 0]
