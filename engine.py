@@ -198,13 +198,14 @@ class EngineStats:
 # Sampling
 
 
-def process_rows(logits: torch.Tensor, params: Seq[SamplingParams], prompt_ids: Seq[torch.Tensor],
-                 output_ids: Seq[torch.Tensor | list[int]]) -> torch.Tensor:
-    """fp32 [N, vocab] logits, row i under params[i] (its penalties seeing prompt_ids[i] and
-    output_ids[i], a tensor or a list, moved to the device only when a penalty reads it) -> the logits
-    sampling draws from (-inf where a filter removed a token). Every filter runs on all rows at once
-    (a row whose filter is off gets a bound that removes nothing), so a batch costs one pass of each,
-    not one per row; only the penalties go row by row."""
+TOP_P_CANDIDATES = 1024  # a top_p row without top_k is cut among this many of its most likely tokens when it can be
+
+
+def penalized_rows(logits: torch.Tensor, params: Seq[SamplingParams], prompt_ids: Seq[torch.Tensor],
+                   output_ids: Seq[torch.Tensor | list[int]]) -> torch.Tensor:
+    """fp32 [N, vocab] logits, row i under params[i] -> the rows after its penalties (seeing prompt_ids[i]
+    and output_ids[i], a tensor or a list, moved to the device only when a penalty reads it) and its
+    temperature (temperature 0 leaves the row as it is: its draw is the argmax)."""
     x = logits.float().clone()
     N, V = x.shape
     for i, p in enumerate(params):
@@ -219,24 +220,57 @@ def process_rows(logits: torch.Tensor, params: Seq[SamplingParams], prompt_ids: 
         if (p.presence_penalty or p.frequency_penalty) and out.numel():
             counts = torch.bincount(out, minlength=V).to(x.dtype)
             x[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(x.dtype)
-    column = lambda values: torch.tensor(values, dtype=x.dtype, device=x.device)[:, None]
-    x /= column([p.temperature if p.temperature > 0 else 1.0 for p in params])
-    top_k = [p.top_k if 0 < p.top_k < V else 0 for p in params]
-    if any(top_k):
-        k = torch.tensor(top_k, device=x.device)[:, None]
-        kth = x.topk(max(top_k), -1).values.gather(1, (k - 1).clamp(min=0))  # a row's k-th largest
-        x = x.masked_fill(x < torch.where(k > 0, kth, -math.inf), -math.inf)  # ties with the k-th stay
+    temperature = [p.temperature if p.temperature > 0 else 1.0 for p in params]
+    if any(t != 1.0 for t in temperature):
+        x /= torch.tensor(temperature, dtype=x.dtype, device=x.device)[:, None]
+    return x
+
+
+@dataclass
+class FilterColumns:
+    """Each row's filter bounds as [N, 1] device columns, moved in one transfer; a filter that is off
+    gets the bound that removes nothing."""
+    top_k: torch.Tensor  # long; 0 = off
+    top_p: torch.Tensor  # inf = off
+    log_min_p: torch.Tensor  # -inf = off
+
+    @classmethod
+    def of(cls, params: Seq[SamplingParams], vocab: int, device: torch.device) -> "FilterColumns":
+        rows = [[p.top_k if 0 < p.top_k < vocab else 0, p.top_p if p.top_p < 1.0 else math.inf,
+                 math.log(p.min_p) if p.min_p > 0 else -math.inf] for p in params]
+        cols = torch.tensor(rows, dtype=torch.float64).to(device).T[:, :, None]
+        return cls(cols[0].long(), cols[1].float(), cols[2].float())
+
+
+def filter_rows(x: torch.Tensor, params: Seq[SamplingParams]) -> torch.Tensor:
+    """fp32 [N, vocab] penalized rows -> the logits sampling draws from, -inf where a filter removed a
+    token: top_k, then top_p over what top_k kept, then min_p. Every filter runs on all rows at once."""
+    N, V = x.shape
+    f = FilterColumns.of(params, V, x.device)
+    if any(0 < p.top_k < V for p in params):
+        kth = x.topk(max(p.top_k for p in params if 0 < p.top_k < V), -1).values.gather(1, (f.top_k - 1).clamp(min=0))
+        x = x.masked_fill(x < torch.where(f.top_k > 0, kth, -math.inf), -math.inf)  # ties with the k-th stay
     if any(p.top_p < 1.0 for p in params):
         # Keep the smallest head of the sorted row whose mass reaches top_p (the mass before a dropped
         # token already reaches it); top_p 1 keeps everything, rounding or not.
         sorted_x, order = torch.sort(x, -1, descending=True)
         probs = torch.softmax(sorted_x, -1)
-        drop = probs.cumsum(-1) - probs >= column([p.top_p if p.top_p < 1.0 else math.inf for p in params])
+        drop = probs.cumsum(-1) - probs >= f.top_p
         x = torch.empty_like(x).scatter_(1, order, sorted_x.masked_fill(drop, -math.inf))
     if any(p.min_p > 0 for p in params):
-        probs = torch.softmax(x, -1)
-        x = x.masked_fill(probs < column([p.min_p for p in params]) * probs.max(-1, keepdim=True).values, -math.inf)
+        x = min_p_filter(x, f.log_min_p)
     return x
+
+
+def min_p_filter(x: torch.Tensor, log_min_p: torch.Tensor) -> torch.Tensor:
+    """-inf where p < min_p * p_max, in logits (the softmax's normalizer cancels)."""
+    return x.masked_fill(x - x.max(-1, keepdim=True).values < log_min_p, -math.inf)
+
+
+def process_rows(logits: torch.Tensor, params: Seq[SamplingParams], prompt_ids: Seq[torch.Tensor],
+                 output_ids: Seq[torch.Tensor | list[int]]) -> torch.Tensor:
+    """The logits each row draws from: its penalties, temperature and filters (penalized_rows, filter_rows)."""
+    return filter_rows(penalized_rows(logits, params, prompt_ids, output_ids), params)
 
 
 def process_logits(logits: torch.Tensor, p: SamplingParams, prompt_ids: torch.Tensor,
@@ -245,22 +279,65 @@ def process_logits(logits: torch.Tensor, p: SamplingParams, prompt_ids: torch.Te
     return process_rows(logits[None], [p], [prompt_ids], [output_ids])[0]
 
 
+def race_noise(params: Seq[SamplingParams], generators: Seq[torch.Generator], vocab: int,
+               device: torch.device) -> torch.Tensor:
+    """[N, vocab] Exp(1) draws, one per token, from each row's own generator (1 for a temperature-0 row).
+    argmax(x - log noise) over a row is a draw from softmax(x) (the Gumbel-max trick, as exponential
+    races); because the noise belongs to the token, not to a position in some candidate list, every way
+    of cutting the row that keeps the same tokens draws the same one."""
+    noise = torch.empty(len(params), vocab, device=device)
+    for row, p, g in zip(noise, params, generators):
+        if p.temperature > 0:
+            row.exponential_(generator=g)
+        else:
+            row.fill_(1.0)
+    return noise.clamp_(min=torch.finfo(torch.float32).tiny)  # log(0) would make a removed token win
+
+
 def sample_rows(logits: torch.Tensor, params: Seq[SamplingParams], prompt_ids: Seq[torch.Tensor],
                 output_ids: Seq[torch.Tensor | list[int]], generators: Seq[torch.Generator]) -> list[int]:
-    """One token per row of fp32 [N, vocab] logits: the argmax of process_rows for temperature 0, else a
-    draw from its softmax with the row's generator (a seeded request draws the same tokens whatever
-    else is in the batch). One device sync for the batch."""
+    """One token per row of fp32 [N, vocab] logits: argmax(process_rows(...) - log race_noise(...)), the
+    argmax at temperature 0, a draw from the filtered softmax with the row's generator otherwise (so a
+    seeded request draws the same tokens whatever else is in the batch).
+
+    The same tokens without process_rows' sort of the whole vocabulary: a row cut by top_k or top_p
+    draws among its most likely tokens (one topk over the batch), which hold all its kept tokens when
+    its k-th value has no tie outside them (top_k), or when their mass already reaches top_p (top_p
+    alone, TOP_P_CANDIDATES of them); a row where that fails is drawn again over its whole row. One
+    device sync for the batch (two when a row falls back)."""
     if all(p.temperature == 0 and p.repetition_penalty == 1.0 and not (p.presence_penalty or p.frequency_penalty)
            for p in params):
         return logits.argmax(-1).tolist()  # what the filters would give: none removes the most likely token
-    x = process_rows(logits, params, prompt_ids, output_ids)
-    tokens = x.argmax(-1)
-    hot = [i for i, p in enumerate(params) if p.temperature > 0]
-    if hot:
-        probs = torch.softmax(x[hot], -1)
-        for row, i in zip(probs, hot):
-            tokens[i] = torch.multinomial(row, 1, generator=generators[i])[0]
-    return tokens.tolist()
+    x = penalized_rows(logits, params, prompt_ids, output_ids)
+    N, V = x.shape
+    noise = race_noise(params, generators, V, x.device)
+    f = FilterColumns.of(params, V, x.device)
+    cut = [0 < p.top_k < V or p.top_p < 1.0 for p in params]
+    whole = min_p_filter(x, f.log_min_p) if any(p.min_p > 0 for p in params) else x  # rows never cut draw from it
+    if not any(cut):
+        return (whole - noise.log()).argmax(-1).tolist()
+    c = min(V, 1 + max(p.top_k if 0 < p.top_k < V else TOP_P_CANDIDATES for p, on in zip(params, cut) if on))
+    vals, idx = x.topk(c, -1)  # sorted, most likely first
+    kth = torch.where(f.top_k > 0, vals.gather(1, (f.top_k - 1).clamp(min=0)), -math.inf)
+    keep = vals >= kth
+    # top_p's mass over what top_k kept; without top_k, over the whole row.
+    total = torch.where(f.top_k > 0, vals.masked_fill(~keep, -math.inf).logsumexp(-1, keepdim=True),
+                        x.logsumexp(-1, keepdim=True))
+    probs = (vals - total).exp().masked_fill(~keep, 0.0)
+    drop = probs.cumsum(-1) - probs >= f.top_p
+    keep &= ~drop & (vals - vals[:, :1] >= f.log_min_p)
+    inside = torch.where(f.top_k > 0, vals[:, -1:] < kth, drop[:, -1:])[:, 0] | (c == V)
+    score = (vals - noise.gather(1, idx).log()).masked_fill(~keep, -math.inf)
+    tokens = torch.where(inside, idx.gather(1, score.argmax(-1, keepdim=True))[:, 0], -1)
+    if not all(cut):
+        tokens = torch.where(torch.tensor(cut, device=x.device), tokens, (whole - noise.log()).argmax(-1))
+    tokens = tokens.tolist()
+    redo = [i for i, t in enumerate(tokens) if t < 0]
+    if redo:
+        again = filter_rows(x[redo], [params[i] for i in redo]) - noise[redo].log()
+        for i, t in zip(redo, again.argmax(-1).tolist()):
+            tokens[i] = t
+    return tokens
 
 
 def sample(logits: torch.Tensor, p: SamplingParams, prompt_ids: torch.Tensor, output_ids: torch.Tensor,
