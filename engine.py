@@ -44,6 +44,7 @@ import chat
 import dflash
 import fastdecode
 import fastprefill
+import kernels
 import placement
 from cache import CachePool
 from model_glm import GLMConfig, GLMModel, KDASnapshot, SeqChunk
@@ -203,14 +204,14 @@ TOP_P_CANDIDATES = 1024  # a top_p row without top_k is cut among this many of i
 
 def penalized_rows(logits: torch.Tensor, params: Seq[SamplingParams], prompt_ids: Seq[torch.Tensor],
                    output_ids: Seq[torch.Tensor | list[int]]) -> torch.Tensor:
-    """fp32 [N, vocab] logits, row i under params[i] -> the rows after its penalties (seeing prompt_ids[i]
-    and output_ids[i], a tensor or a list, moved to the device only when a penalty reads it) and its
-    temperature (temperature 0 leaves the row as it is: its draw is the argmax)."""
-    x = logits.float().clone()
+    """fp32 [N, vocab] logits, row i under params[i] -> the rows after its penalties, which see
+    prompt_ids[i] and output_ids[i] (a tensor or a list, moved to the device only when a penalty reads it)."""
+    x = logits.float()
     N, V = x.shape
     for i, p in enumerate(params):
         if p.repetition_penalty == 1.0 and not ((p.presence_penalty or p.frequency_penalty) and len(output_ids[i])):
             continue
+        x = x.clone() if x is logits else x
         out = torch.as_tensor(output_ids[i], dtype=torch.long, device=x.device)
         if p.repetition_penalty != 1.0:
             # CTRL-style: seen tokens (prompt and output) get less likely whatever the logit's sign.
@@ -220,33 +221,35 @@ def penalized_rows(logits: torch.Tensor, params: Seq[SamplingParams], prompt_ids
         if (p.presence_penalty or p.frequency_penalty) and out.numel():
             counts = torch.bincount(out, minlength=V).to(x.dtype)
             x[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(x.dtype)
-    temperature = [p.temperature if p.temperature > 0 else 1.0 for p in params]
-    if any(t != 1.0 for t in temperature):
-        x /= torch.tensor(temperature, dtype=x.dtype, device=x.device)[:, None]
     return x
 
 
 @dataclass
-class FilterColumns:
-    """Each row's filter bounds as [N, 1] device columns, moved in one transfer; a filter that is off
-    gets the bound that removes nothing."""
-    top_k: torch.Tensor  # long; 0 = off
-    top_p: torch.Tensor  # inf = off
-    log_min_p: torch.Tensor  # -inf = off
+class SamplingColumns:
+    """Each row's temperature and filter bounds, fp32 [N, 4] on the device in one transfer; a filter
+    that is off gets the bound that removes nothing, temperature 0 divides by 1 (its draw is the argmax)."""
+    cols: torch.Tensor
 
     @classmethod
-    def of(cls, params: Seq[SamplingParams], vocab: int, device: torch.device) -> "FilterColumns":
-        rows = [[p.top_k if 0 < p.top_k < vocab else 0, p.top_p if p.top_p < 1.0 else math.inf,
-                 math.log(p.min_p) if p.min_p > 0 else -math.inf] for p in params]
-        cols = torch.tensor(rows, dtype=torch.float64).to(device).T[:, :, None]
-        return cls(cols[0].long(), cols[1].float(), cols[2].float())
+    def of(cls, params: Seq[SamplingParams], vocab: int, device: torch.device) -> "SamplingColumns":
+        rows = [[p.temperature if p.temperature > 0 else 1.0, p.top_k if 0 < p.top_k < vocab else 0,
+                 p.top_p if p.top_p < 1.0 else math.inf, math.log(p.min_p) if p.min_p > 0 else -math.inf]
+                for p in params]
+        return cls(torch.tensor(rows, dtype=torch.float32, device=device))
+
+    temperature = property(lambda self: self.cols[:, 0:1])
+    top_k = property(lambda self: self.cols[:, 1:2].long())
+    top_p = property(lambda self: self.cols[:, 2:3])
+    log_min_p = property(lambda self: self.cols[:, 3:4])
 
 
 def filter_rows(x: torch.Tensor, params: Seq[SamplingParams]) -> torch.Tensor:
-    """fp32 [N, vocab] penalized rows -> the logits sampling draws from, -inf where a filter removed a
-    token: top_k, then top_p over what top_k kept, then min_p. Every filter runs on all rows at once."""
+    """fp32 [N, vocab] penalized rows -> the logits sampling draws from: divided by the temperature, -inf
+    where a filter removed a token: top_k, then top_p over what top_k kept, then min_p. Every filter runs
+    on all rows at once."""
     N, V = x.shape
-    f = FilterColumns.of(params, V, x.device)
+    f = SamplingColumns.of(params, V, x.device)
+    x = x / f.temperature
     if any(0 < p.top_k < V for p in params):
         kth = x.topk(max(p.top_k for p in params if 0 < p.top_k < V), -1).values.gather(1, (f.top_k - 1).clamp(min=0))
         x = x.masked_fill(x < torch.where(f.top_k > 0, kth, -math.inf), -math.inf)  # ties with the k-th stay
@@ -258,13 +261,9 @@ def filter_rows(x: torch.Tensor, params: Seq[SamplingParams]) -> torch.Tensor:
         drop = probs.cumsum(-1) - probs >= f.top_p
         x = torch.empty_like(x).scatter_(1, order, sorted_x.masked_fill(drop, -math.inf))
     if any(p.min_p > 0 for p in params):
-        x = min_p_filter(x, f.log_min_p)
+        # p < min_p * p_max, in logits: the softmax's normalizer cancels.
+        x = x.masked_fill(x - x.max(-1, keepdim=True).values < f.log_min_p, -math.inf)
     return x
-
-
-def min_p_filter(x: torch.Tensor, log_min_p: torch.Tensor) -> torch.Tensor:
-    """-inf where p < min_p * p_max, in logits (the softmax's normalizer cancels)."""
-    return x.masked_fill(x - x.max(-1, keepdim=True).values < log_min_p, -math.inf)
 
 
 def process_rows(logits: torch.Tensor, params: Seq[SamplingParams], prompt_ids: Seq[torch.Tensor],
@@ -281,61 +280,52 @@ def process_logits(logits: torch.Tensor, p: SamplingParams, prompt_ids: torch.Te
 
 def race_noise(params: Seq[SamplingParams], generators: Seq[torch.Generator], vocab: int,
                device: torch.device) -> torch.Tensor:
-    """[N, vocab] Exp(1) draws, one per token, from each row's own generator (1 for a temperature-0 row).
-    argmax(x - log noise) over a row is a draw from softmax(x) (the Gumbel-max trick, as exponential
-    races); because the noise belongs to the token, not to a position in some candidate list, every way
-    of cutting the row that keeps the same tokens draws the same one."""
+    """[N, vocab] Exp(1) draws, one per token, from each row's own generator (1 for a temperature-0 row)."""
     noise = torch.empty(len(params), vocab, device=device)
     for row, p, g in zip(noise, params, generators):
         if p.temperature > 0:
             row.exponential_(generator=g)
         else:
             row.fill_(1.0)
-    return noise.clamp_(min=torch.finfo(torch.float32).tiny)  # log(0) would make a removed token win
+    return noise
+
+
+def race(x: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """argmax(x - log noise) of each row: a draw from softmax(x) (the Gumbel-max trick, as exponential
+    races), the argmax for noise 1. The noise belongs to the token, not to a position in some list of
+    candidates, so any way of cutting a row that keeps the same tokens draws the same one. (Noise 0,
+    possible in fp32, would let any token win, a removed one included: it counts as the smallest float.)"""
+    return (x - noise.clamp(min=torch.finfo(torch.float32).tiny).log()).argmax(-1)
 
 
 def sample_rows(logits: torch.Tensor, params: Seq[SamplingParams], prompt_ids: Seq[torch.Tensor],
-                output_ids: Seq[torch.Tensor | list[int]], generators: Seq[torch.Generator]) -> list[int]:
-    """One token per row of fp32 [N, vocab] logits: argmax(process_rows(...) - log race_noise(...)), the
-    argmax at temperature 0, a draw from the filtered softmax with the row's generator otherwise (so a
-    seeded request draws the same tokens whatever else is in the batch).
+                output_ids: Seq[torch.Tensor | list[int]], generators: Seq[torch.Generator],
+                kernel: bool | None = None) -> list[int]:
+    """One token per row of fp32 [N, vocab] logits: race(process_rows(...), race_noise(...)), the argmax at
+    temperature 0, a draw from the filtered softmax with the row's generator otherwise (so a seeded
+    request draws the same tokens whatever else is in the batch).
 
-    The same tokens without process_rows' sort of the whole vocabulary: a row cut by top_k or top_p
-    draws among its most likely tokens (one topk over the batch), which hold all its kept tokens when
-    its k-th value has no tie outside them (top_k), or when their mass already reaches top_p (top_p
-    alone, TOP_P_CANDIDATES of them); a row where that fails is drawn again over its whole row. One
-    device sync for the batch (two when a row falls back)."""
+    With kernel (default: on a GPU) the batch is drawn in one launch (kernels.sample_race) without
+    process_rows' sort of the whole vocabulary: a row cut by top_k or top_p races among its most likely
+    tokens, which hold its kept set unless a tie with its k-th value reaches past them (top_k) or their
+    mass falls short of top_p (top_p alone, TOP_P_CANDIDATES of them); such a row is drawn again here
+    over its whole row, with the same noise. One device sync a batch (two when a row is drawn again)."""
     if all(p.temperature == 0 and p.repetition_penalty == 1.0 and not (p.presence_penalty or p.frequency_penalty)
            for p in params):
         return logits.argmax(-1).tolist()  # what the filters would give: none removes the most likely token
     x = penalized_rows(logits, params, prompt_ids, output_ids)
     N, V = x.shape
     noise = race_noise(params, generators, V, x.device)
-    f = FilterColumns.of(params, V, x.device)
-    cut = [0 < p.top_k < V or p.top_p < 1.0 for p in params]
-    whole = min_p_filter(x, f.log_min_p) if any(p.min_p > 0 for p in params) else x  # rows never cut draw from it
-    if not any(cut):
-        return (whole - noise.log()).argmax(-1).tolist()
-    c = min(V, 1 + max(p.top_k if 0 < p.top_k < V else TOP_P_CANDIDATES for p, on in zip(params, cut) if on))
-    vals, idx = x.topk(c, -1)  # sorted, most likely first
-    kth = torch.where(f.top_k > 0, vals.gather(1, (f.top_k - 1).clamp(min=0)), -math.inf)
-    keep = vals >= kth
-    # top_p's mass over what top_k kept; without top_k, over the whole row.
-    total = torch.where(f.top_k > 0, vals.masked_fill(~keep, -math.inf).logsumexp(-1, keepdim=True),
-                        x.logsumexp(-1, keepdim=True))
-    probs = (vals - total).exp().masked_fill(~keep, 0.0)
-    drop = probs.cumsum(-1) - probs >= f.top_p
-    keep &= ~drop & (vals - vals[:, :1] >= f.log_min_p)
-    inside = torch.where(f.top_k > 0, vals[:, -1:] < kth, drop[:, -1:])[:, 0] | (c == V)
-    score = (vals - noise.gather(1, idx).log()).masked_fill(~keep, -math.inf)
-    tokens = torch.where(inside, idx.gather(1, score.argmax(-1, keepdim=True))[:, 0], -1)
-    if not all(cut):
-        tokens = torch.where(torch.tensor(cut, device=x.device), tokens, (whole - noise.log()).argmax(-1))
-    tokens = tokens.tolist()
+    cut = [p.top_k if 0 < p.top_k < V else TOP_P_CANDIDATES for p in params if 0 < p.top_k < V or p.top_p < 1.0]
+    c = min(V, 1 + max(cut, default=0))
+    if (x.is_cuda if kernel is None else kernel) and c <= kernels.SAMPLE_MAX_CANDIDATES:
+        tokens = kernels.sample_race(x, noise, SamplingColumns.of(params, V, x.device).cols, c).tolist()
+    else:
+        tokens = [-1] * N
     redo = [i for i, t in enumerate(tokens) if t < 0]
     if redo:
-        again = filter_rows(x[redo], [params[i] for i in redo]) - noise[redo].log()
-        for i, t in zip(redo, again.argmax(-1).tolist()):
+        again = race(filter_rows(x[redo], [params[i] for i in redo]), noise[redo])
+        for i, t in zip(redo, again.tolist()):
             tokens[i] = t
     return tokens
 

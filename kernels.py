@@ -15,6 +15,8 @@ the 24 mixing dot products, Sinkhorn, the collapse and the sub-layer's RMSNorm; 
 `swiglu` (§4.5's clamped SwiGLU: `swiglu`);
 `moe_route` (the router GEMV, sigmoid, top-k and weights, §4.5: `route`).
 
+The engine's sampler: `sample_race`, a batch's draw in one launch (twin: engine.process_rows + engine.race).
+
 This file imports neither exl3.py nor model_glm.py (they sit above it); exl3_kernels.py,
 kda_kernels.py and dsa_kernels.py import a few of its helpers.
 """
@@ -990,3 +992,106 @@ def _dot_tf32x3(a, b, acc, B_EXACT: tl.constexpr):
 def _tf32_split(x):
     hi = (x.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
     return hi, x - hi
+
+
+# ================================================================ sampling: the exponential race over candidates
+# engine.sample_rows' draw in one launch a batch (the twin: engine.process_rows and engine.race, the whole
+# row filtered, then argmax(x - log noise)). Eager torch pays ~15-20 µs of host time an op on the H200, and
+# the candidate form of the draw is ~35 ops: at batch 1 that was 0.8-1.2 ms a token (`.whl/s19_sample2_ab.py`).
+# A program owns a row: its C most likely tokens come from one torch topk over the batch (sorted), the
+# temperature divides them (IEEE, as the twin's division), top_k keeps those >= the k-th (ties kept), top_p
+# the sorted head whose mass before a token stays under top_p (the mass over what top_k kept; without
+# top_k over the whole row, streamed), min_p those within log(min_p) of the top. The token is the kept
+# candidate with the largest x - log noise, noise read at its token id. A row whose kept set may reach past
+# its candidates (a tie with the k-th at the last one; top_p's mass not reached by them) gets -1 and is
+# drawn again by the twin. A row without top_k and top_p races over its whole row, streamed.
+
+SAMPLE_MAX_CANDIDATES = 2048  # more candidates than this and the batch is drawn by the twin
+SAMPLE_BLOCK_V = 1024  # the whole-row passes' block
+
+
+@triton.jit
+def _race_noise_log(e):
+    # log of Exp(1) noise; noise 0 (possible in fp32) would give +inf to any token, a removed one included.
+    return tl.log(tl.maximum(e, 1.1754943508222875e-38))
+
+
+@triton.jit
+def _row_mass(x_ptr, V, t, top, BV: tl.constexpr):
+    # sum of exp(x / t - top) over the row; top is its largest x / t.
+    acc = tl.zeros([BV], dtype=tl.float32)
+    for start in range(0, V, BV):
+        v = start + tl.arange(0, BV)
+        xv = tl.math.div_rn(tl.load(x_ptr + v, mask=v < V, other=float("-inf")), t)
+        acc += tl.exp(xv - top)
+    return tl.sum(acc, 0)
+
+
+@triton.jit
+def _row_race(x_ptr, noise_ptr, V, t, top, log_min_p, BV: tl.constexpr):
+    # argmax over the row of x / t - log noise where x / t - top >= log(min_p); the first of equal scores.
+    best = float("-inf")
+    best_i = tl.zeros([], dtype=tl.int64)
+    for start in range(0, V, BV):
+        v = start + tl.arange(0, BV)
+        xv = tl.math.div_rn(tl.load(x_ptr + v, mask=v < V, other=float("-inf")), t)
+        e = tl.load(noise_ptr + v, mask=v < V, other=1.0)
+        score = tl.where((xv - top >= log_min_p) & (v < V), xv - _race_noise_log(e), float("-inf"))
+        m = tl.max(score, 0)
+        i = (start + tl.argmax(score, 0)).to(tl.int64)
+        best_i = tl.where(m > best, i, best_i)
+        best = tl.maximum(best, m)
+    return best_i
+
+
+@triton.jit
+def _sample_race_kernel(x_ptr, vals_ptr, idx_ptr, noise_ptr, cols_ptr, out_ptr, V, C,
+                        BC: tl.constexpr, BV: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    t = tl.load(cols_ptr + row * 4)  # temperature, 1 for a greedy row
+    k = tl.load(cols_ptr + row * 4 + 1).to(tl.int32)  # 0: no top_k
+    top_p = tl.load(cols_ptr + row * 4 + 2)  # inf: no top_p
+    log_min_p = tl.load(cols_ptr + row * 4 + 3)  # -inf: no min_p
+    j = tl.arange(0, BC)
+    inside_c = j < C
+    vals = tl.math.div_rn(tl.load(vals_ptr + row * C + j, mask=inside_c, other=float("-inf")), t)
+    top = tl.max(vals, 0)
+    kth = tl.where(k > 0, tl.sum(tl.where(j == k - 1, vals, 0.0), 0), float("-inf"))
+    last = tl.sum(tl.where(j == C - 1, vals, 0.0), 0)
+    keep = (vals >= kth) & inside_c
+    mass = tl.sum(tl.where(keep, tl.exp(vals - top), 0.0), 0)
+    if (k == 0) & (top_p < float("inf")):
+        mass = _row_mass(x_ptr + row * V, V, t, top, BV)
+    probs = tl.where(keep, tl.math.div_rn(tl.exp(vals - top), mass), 0.0)
+    drop = tl.cumsum(probs, 0) - probs >= top_p
+    keep = keep & (drop == 0) & (vals - top >= log_min_p)
+    drop_last = tl.sum(tl.where((j == C - 1) & drop, 1, 0), 0) > 0
+    inside = (C == V) | tl.where(k > 0, last < kth, drop_last)
+    if (k > 0) | (top_p < float("inf")):
+        idx = tl.load(idx_ptr + row * C + j, mask=inside_c, other=0)
+        e = tl.load(noise_ptr + row * V + idx, mask=inside_c, other=1.0)
+        score = tl.where(keep, vals - _race_noise_log(e), float("-inf"))
+        token = tl.sum(tl.where(j == tl.argmax(score, 0), idx, 0), 0)
+        token = tl.where(inside, token, -1)
+    else:
+        token = _row_race(x_ptr + row * V, noise_ptr + row * V, V, t, top, log_min_p, BV)
+    tl.store(out_ptr + row, token)
+
+
+def sample_race(x: torch.Tensor, noise: torch.Tensor, cols: torch.Tensor, c: int) -> torch.Tensor:
+    """One token per row of fp32 [N, V] logits x (penalties applied, not the temperature): the exponential
+    race of the row's kept tokens with noise [N, V] (Exp(1)), under cols [N, 4] fp32 (temperature, 1 at
+    temperature 0; top_k, 0 off; top_p, inf off; log(min_p), -inf off), among the row's c most likely
+    tokens when it has top_k or top_p. int64 [N]; -1 where the kept set may reach past the candidates."""
+    N, V = x.shape
+    if x.dtype != torch.float32 or noise.shape != x.shape or cols.shape != (N, 4):
+        raise ValueError(f"sample_race: x fp32 [N, V] (got {x.dtype} {list(x.shape)}), noise {list(noise.shape)} "
+                         f"and cols [N, 4] (got {list(cols.shape)})")
+    if not 1 <= c <= min(V, SAMPLE_MAX_CANDIDATES):
+        raise ValueError(f"sample_race: {c} candidates, not in 1..{min(V, SAMPLE_MAX_CANDIDATES)}")
+    x, noise = x.contiguous(), noise.contiguous()
+    vals, idx = x.topk(c, -1)
+    out = torch.empty(N, dtype=torch.int64, device=x.device)
+    _sample_race_kernel[(N,)](x, vals, idx, noise, cols, out, V, c, BC=max(16, triton.next_power_of_2(c)),
+                              BV=SAMPLE_BLOCK_V, num_warps=8)
+    return out

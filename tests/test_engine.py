@@ -14,6 +14,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 import chat
 import engine as E
+import kernels
 import tiny
 from model_glm import GLMConfig, GLMModel
 
@@ -146,13 +147,15 @@ def test_batched_filters_are_each_rows_own():
 
 
 def test_sample_rows_draws_what_the_whole_row_race_draws(monkeypatch):
-    # sample_rows cuts a row among its most likely tokens instead of filtering the whole row; it must draw
-    # the token the plain statement draws, argmax(process_rows - log race_noise), with the same generators,
-    # in one batch and alone. Rows decided among their candidates: top_p cutting real mass, ties at the
+    # sample_rows' kernel (kernels.sample_race) cuts a row among its most likely tokens instead of filtering
+    # the whole row; it must draw the token the plain statement draws, race(process_rows, race_noise), with
+    # the same generators, in one batch and alone (the twin's path). Rows decided among their candidates: top_p cutting real mass, ties at the
     # k-th inside, top_p's mass over what top_k kept (not the whole row), min_p; rows drawn again over the
     # whole row: a flat top_p row (its candidates' mass falls short), ties at the k-th past the
-    # candidates; rows never cut: min_p alone, temperature alone, greedy with a penalty.
+    # candidates; rows never cut (raced over the whole row): min_p alone, temperature alone, greedy with a
+    # penalty, its top value twice.
     monkeypatch.setattr(E, "TOP_P_CANDIDATES", 8)
+    monkeypatch.setattr(kernels, "SAMPLE_BLOCK_V", 16)  # whole rows streamed in four blocks
     V = 64
     tail = lambda head: torch.cat([torch.tensor(head), torch.full((V - len(head),), (1 - sum(head)) / (V - len(head)))]).log()
     base = torch.randn(4, V, generator=torch.Generator().manual_seed(0))
@@ -160,12 +163,12 @@ def test_sample_rows_draws_what_the_whole_row_race_draws(monkeypatch):
     ties_past = torch.cat([torch.tensor([5.0, 4.0, 3.0, 2.0, 1.0]), torch.zeros(5), -torch.arange(1.0, V - 9)])
     logits = torch.stack([tail([0.5, 0.3, 0.1, 0.05]), ties_inside, tail([0.4, 0.3, 0.2]),
                           tail([0.4, 0.3, 0.1, 0.1, 0.05]), 0.5 * base[0], ties_past, 3 * base[2], base[3],
-                          2 * base[3], (2 * base[1]).round()])
+                          2 * base[3], (2 * base[1]).round(), torch.cat([ties_inside[:50], ties_inside[:14]])])
     params = [E.SamplingParams(top_p=0.7), E.SamplingParams(top_k=3), E.SamplingParams(top_k=3, top_p=0.75),
               E.SamplingParams(top_p=0.9, min_p=0.3), E.SamplingParams(top_p=0.9),
               E.SamplingParams(temperature=2.0, top_k=6), E.SamplingParams(temperature=1.2, min_p=0.1),
               E.SamplingParams(temperature=0.9), E.SamplingParams(temperature=0, top_k=3, repetition_penalty=1.3),
-              E.SamplingParams(top_k=6, top_p=0.8)]
+              E.SamplingParams(top_k=6, top_p=0.8), E.SamplingParams(temperature=0, repetition_penalty=1.3)]
     n = len(params)
     prompts, outs = [torch.tensor([1, 2])] * n, [[30, 30, 40]] * n
     redrawn, real_filter = [], E.filter_rows
@@ -178,18 +181,18 @@ def test_sample_rows_draws_what_the_whole_row_race_draws(monkeypatch):
         gens = lambda: [torch.Generator().manual_seed(100 * seed + i) for i in range(n)]
         redrawn.clear()
         monkeypatch.setattr(E, "filter_rows", spy)
-        got = E.sample_rows(logits, params, prompts, outs, gens())
+        got = E.sample_rows(logits, params, prompts, outs, gens(), kernel=True)
         monkeypatch.setattr(E, "filter_rows", real_filter)
         assert redrawn == [2], redrawn  # rows 4 and 5, and only those
         x = E.process_rows(logits, params, prompts, outs)
-        want = (x - E.race_noise(params, gens(), V, x.device).log()).argmax(-1).tolist()
+        want = E.race(x, E.race_noise(params, gens(), V, x.device)).tolist()
         assert got == want, seed
         alone = [E.sample(logits[i], p, prompts[i], torch.tensor(outs[i]), g) for i, (p, g) in enumerate(zip(params, gens()))]
         assert alone == got, seed
         drawn |= {(i, t) for i, t in enumerate(got)}
     kept = lambda i: {t for j, t in drawn if j == i}
     assert kept(0) == kept(2) == kept(3) == {0, 1} and kept(1) == {0, 1, 2, 3} and len(kept(5)) > 5
-    assert got[8] == int(x[8].argmax())
+    assert got[8] == int(x[8].argmax()) and got[10] == 0  # its top value at 0 and 50: the first wins
 
 
 def test_sampling_follows_the_distribution_and_the_seed():
