@@ -1007,7 +1007,7 @@ def _tf32_split(x):
 # drawn again by the twin. A row without top_k and top_p races over its whole row, streamed.
 
 SAMPLE_MAX_CANDIDATES = 2048  # more candidates than this and the batch is drawn by the twin
-SAMPLE_BLOCK_V = 1024  # the whole-row passes' block
+SAMPLE_BLOCK_V = 8192  # the whole-row passes' block (the more bytes in flight, the less the loads' latency shows)
 
 
 @triton.jit
@@ -1030,18 +1030,19 @@ def _row_mass(x_ptr, V, t, top, BV: tl.constexpr):
 @triton.jit
 def _row_race(x_ptr, noise_ptr, V, t, top, log_min_p, BV: tl.constexpr):
     # argmax over the row of x / t - log noise where x / t - top >= log(min_p); the first of equal scores.
-    best = float("-inf")
-    best_i = tl.zeros([], dtype=tl.int64)
+    # Each lane keeps its own best and the lanes meet once at the end: a reduction a block would stall
+    # every block on a barrier, and the loop is bound by the loads' latency as it is.
+    best = tl.full([BV], float("-inf"), dtype=tl.float32)
+    best_i = tl.zeros([BV], dtype=tl.int32)
     for start in range(0, V, BV):
         v = start + tl.arange(0, BV)
         xv = tl.math.div_rn(tl.load(x_ptr + v, mask=v < V, other=float("-inf")), t)
         e = tl.load(noise_ptr + v, mask=v < V, other=1.0)
         score = tl.where((xv - top >= log_min_p) & (v < V), xv - _race_noise_log(e), float("-inf"))
-        m = tl.max(score, 0)
-        i = (start + tl.argmax(score, 0)).to(tl.int64)
-        best_i = tl.where(m > best, i, best_i)
-        best = tl.maximum(best, m)
-    return best_i
+        best_i = tl.where(score > best, v, best_i)
+        best = tl.maximum(best, score)
+    m = tl.max(best, 0)
+    return tl.min(tl.where(best == m, best_i, V), 0).to(tl.int64)
 
 
 @triton.jit

@@ -18,6 +18,8 @@ import kernels
 import tiny
 from model_glm import GLMConfig, GLMModel
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the sampler's kernel runs where the logits are
+
 BS = 16  # block size: a multiple of index_kpool (4), small so short prompts span several blocks
 EOS = 1  # tiny config's eos_token_id
 
@@ -163,14 +165,15 @@ def test_sample_rows_draws_what_the_whole_row_race_draws(monkeypatch):
     ties_past = torch.cat([torch.tensor([5.0, 4.0, 3.0, 2.0, 1.0]), torch.zeros(5), -torch.arange(1.0, V - 9)])
     logits = torch.stack([tail([0.5, 0.3, 0.1, 0.05]), ties_inside, tail([0.4, 0.3, 0.2]),
                           tail([0.4, 0.3, 0.1, 0.1, 0.05]), 0.5 * base[0], ties_past, 3 * base[2], base[3],
-                          2 * base[3], (2 * base[1]).round(), torch.cat([ties_inside[:50], ties_inside[:14]])])
+                          2 * base[3], (2 * base[1]).round(), ties_inside.index_fill(0, torch.tensor([33, 48]), 5.0)])
+    logits = logits.to(DEVICE)
     params = [E.SamplingParams(top_p=0.7), E.SamplingParams(top_k=3), E.SamplingParams(top_k=3, top_p=0.75),
               E.SamplingParams(top_p=0.9, min_p=0.3), E.SamplingParams(top_p=0.9),
               E.SamplingParams(temperature=2.0, top_k=6), E.SamplingParams(temperature=1.2, min_p=0.1),
               E.SamplingParams(temperature=0.9), E.SamplingParams(temperature=0, top_k=3, repetition_penalty=1.3),
               E.SamplingParams(top_k=6, top_p=0.8), E.SamplingParams(temperature=0, repetition_penalty=1.3)]
     n = len(params)
-    prompts, outs = [torch.tensor([1, 2])] * n, [[30, 30, 40]] * n
+    prompts, outs = [torch.tensor([1, 2], device=DEVICE)] * n, [[30, 30, 40]] * n
     redrawn, real_filter = [], E.filter_rows
 
     def spy(x, ps):
@@ -178,7 +181,7 @@ def test_sample_rows_draws_what_the_whole_row_race_draws(monkeypatch):
         return real_filter(x, ps)
     drawn = set()
     for seed in range(40):
-        gens = lambda: [torch.Generator().manual_seed(100 * seed + i) for i in range(n)]
+        gens = lambda: [torch.Generator(DEVICE).manual_seed(100 * seed + i) for i in range(n)]
         redrawn.clear()
         monkeypatch.setattr(E, "filter_rows", spy)
         got = E.sample_rows(logits, params, prompts, outs, gens(), kernel=True)
@@ -187,12 +190,13 @@ def test_sample_rows_draws_what_the_whole_row_race_draws(monkeypatch):
         x = E.process_rows(logits, params, prompts, outs)
         want = E.race(x, E.race_noise(params, gens(), V, x.device)).tolist()
         assert got == want, seed
-        alone = [E.sample(logits[i], p, prompts[i], torch.tensor(outs[i]), g) for i, (p, g) in enumerate(zip(params, gens()))]
+        alone = [E.sample(logits[i], p, prompts[i], torch.tensor(outs[i], device=DEVICE), g)
+                 for i, (p, g) in enumerate(zip(params, gens()))]
         assert alone == got, seed
         drawn |= {(i, t) for i, t in enumerate(got)}
     kept = lambda i: {t for j, t in drawn if j == i}
     assert kept(0) == kept(2) == kept(3) == {0, 1} and kept(1) == {0, 1, 2, 3} and len(kept(5)) > 5
-    assert got[8] == int(x[8].argmax()) and got[10] == 0  # its top value at 0 and 50: the first wins
+    assert got[8] == int(x[8].argmax()) and got[10] == 0  # its top value at 0, 33, 48 (one lane, another, the same): the first wins
 
 
 def test_sampling_follows_the_distribution_and_the_seed():
