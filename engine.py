@@ -608,6 +608,7 @@ class Engine:
               f"{(num_blocks * block_bytes + num_slots * slot_bytes) / 2**30:.3f} GiB; context {self.max_model_len}")
         # Speculative steps verify several rows per sequence: FastPrefill runs them (eagerly), and no
         # decode graphs are captured.
+        self.use_kernels = use_kernels  # the sampler's kernel too
         self.fast = self._fast_decoder(max_num_seqs) if use_kernels and speculator == "none" else None
         self.prefill = self._fast_prefill(self.cache, self.max_model_len, self.fast) if use_kernels else None
         if speculator != "none" and self.device.type == "cuda":
@@ -1063,9 +1064,11 @@ class Engine:
         sequence."""
         if not done:
             return []
-        rows = logits[[i for _, i in done]]
+        at = [i for _, i in done]
+        rows = logits if at == list(range(len(logits))) else logits[at]  # (an index is a copy and a launch)
         tokens = sample_rows(rows, [seq.params for seq, _ in done], [seq.prompt_tensor for seq, _ in done],
-                             [seq.output_ids for seq, _ in done], [seq.generator for seq, _ in done])
+                             [seq.output_ids for seq, _ in done], [seq.generator for seq, _ in done],
+                             kernel=self.use_kernels and rows.is_cuda)
         outputs = []
         for (seq, _), token, row in zip(done, tokens, rows):
             lp = self._append(seq, token, row)

@@ -338,9 +338,9 @@ def logits_of(eng: E.Engine, ids: list[int], n: int, monkeypatch) -> tuple[torch
     """Greedy run of n tokens (top_k=1); returns the logits sampled from [n, vocab] (sample_rows' rows)."""
     seen = []
 
-    def spy(logits, *args):
+    def spy(logits, *args, **kwargs):
         seen.extend(logits.clone())
-        return real(logits, *args)
+        return real(logits, *args, **kwargs)
     real = E.sample_rows
     with monkeypatch.context() as m:
         m.setattr(E, "sample_rows", spy)

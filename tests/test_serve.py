@@ -211,7 +211,7 @@ def scripted(server, monkeypatch):
     def use(text: str):
         ids = tok.encode(text, add_special_tokens=False).ids + [tok.token_to_id("<|observation|>")]
         monkeypatch.setattr(engine_mod, "sample_rows",
-                            lambda logits, params, prompts, outs, gens: [ids[min(len(out), len(ids) - 1)] for out in outs])
+                            lambda logits, params, prompts, outs, gens, kernel: [ids[min(len(out), len(ids) - 1)] for out in outs])
     return use
 
 
