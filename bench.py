@@ -653,8 +653,19 @@ def run_model(args) -> list[Row]:
                    f"(TTFT {seconds:.2f} s, floor {floor_s:.3f} s: {budget.prefill_flops(T) / T / 1e9:.1f} "
                    f"GFLOP/token, weights {budget.all_bytes / 1e9:.1f} GB)")
 
-    # Most telling first: a --budget cut drops the tail.
-    section(f"decode B={batches[0]}", lambda: decode(batches[0]))
+    # Most telling first: a --budget cut drops the tail. The issue's figures (decode at each batch and at
+    # long context, prefill at each length), then what explains them (the graphs' saving, the reference
+    # path, agreement, a verify's cost).
+    for B in batches:
+        section(f"decode B={B}", lambda B=B: decode(B))
+    section(f"decode long context {long_ctx}", decode_long)
+    # compiles every kernel variant the timed prompts use: a full chunk picks other launch tiles than a short
+    # prompt, and later chunks take paths a first one does not (the indexer's top-k once positions pass
+    # index_topk: at 2048-token chunks a first timed 8K prompt took 4.4 s, 1.9 s once compiled)
+    section("prefill warm-up (compiles, untimed)",
+            lambda: prefill(prompts[0]) and prefill(min(2 * args.prefill_chunk, max(prompts))) and None)
+    for T in prompts:
+        section(f"prefill {T}", lambda T=T: prefill(T))
     if captured:  # what the graphs save: the same steps launched eagerly
         for B in dict.fromkeys((batches[0], batches[-1])):
             section(f"decode B={B} fast eager", lambda B=B: decode(B, eager_step, "fast eager"))
@@ -662,21 +673,10 @@ def run_model(args) -> list[Row]:
         section("decode B=1 reference path", lambda: decode(1, lambda b: model.forward(b, cache).logits, "reference", 2))
         if args.kl_steps:
             section("fast vs reference", agreement)
-    section("verify cost", verify_cost)
-    # compiles every kernel variant the timed prompts use: a full chunk picks other launch tiles than a short
-    # prompt, and later chunks take paths a first one does not (the indexer's top-k once positions pass
-    # index_topk: at 2048-token chunks a first timed 8K prompt took 4.4 s, 1.9 s once compiled)
-    section("prefill warm-up (compiles, untimed)",
-            lambda: prefill(prompts[0]) and prefill(min(2 * args.prefill_chunk, max(prompts))) and None)
-    section(f"prefill {prompts[0]}", lambda: prefill(prompts[0]))
     if pre is not None:
         section(f"prefill {prompts[0]} reference path", lambda: prefill(prompts[0], fast_path=False))
         section("prefill fast vs reference", lambda: prefill_agreement(prompts[0]))
-    section(f"decode long context {long_ctx}", decode_long)
-    for B in batches[1:]:
-        section(f"decode B={B}", lambda B=B: decode(B))
-    for T in prompts[1:]:
-        section(f"prefill {T}", lambda T=T: prefill(T))
+    section("verify cost", verify_cost)
     for i, d in enumerate(plan.devices):
         if d.type == "cuda" and i == plan.devices.index(d):
             say(f"peak GPU memory [{i}] {d}: {torch.cuda.max_memory_allocated(d) / 1e9:.2f} GB")
