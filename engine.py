@@ -248,6 +248,8 @@ def filter_rows(x: torch.Tensor, params: Seq[SamplingParams]) -> torch.Tensor:
     where a filter removed a token: top_k, then top_p over what top_k kept, then min_p. Every filter runs
     on all rows at once."""
     N, V = x.shape
+    if all(p.temperature in (0.0, 1.0) and not 0 < p.top_k < V and p.top_p >= 1.0 and p.min_p <= 0 for p in params):
+        return x  # nothing to divide or remove (temperature alone at 1: the OpenAI default)
     f = SamplingColumns.of(params, V, x.device)
     x = x / f.temperature
     if any(0 < p.top_k < V for p in params):
@@ -326,7 +328,8 @@ def sample_rows(logits: torch.Tensor, params: Seq[SamplingParams], prompt_ids: S
         tokens = [-1] * N
     redo = [i for i, t in enumerate(tokens) if t < 0]
     if redo:
-        again = race(filter_rows(x[redo], [params[i] for i in redo]), noise[redo])
+        rows = x if len(redo) == N else x[redo]  # (an index is a copy and a launch)
+        again = race(filter_rows(rows, [params[i] for i in redo]), noise if len(redo) == N else noise[redo])
         for i, t in zip(redo, again.tolist()):
             tokens[i] = t
     return tokens
