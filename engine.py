@@ -212,7 +212,8 @@ def penalized_rows(logits: torch.Tensor, params: Seq[SamplingParams], prompt_ids
         if p.repetition_penalty == 1.0 and not ((p.presence_penalty or p.frequency_penalty) and len(output_ids[i])):
             continue
         x = x.clone() if x is logits else x
-        out = torch.as_tensor(output_ids[i], dtype=torch.long, device=x.device)
+        out = output_ids[i]
+        out = out.to(x.device) if isinstance(out, torch.Tensor) else fastdecode.to_device(out, x.device)
         if p.repetition_penalty != 1.0:
             # CTRL-style: seen tokens (prompt and output) get less likely whatever the logit's sign.
             seen = torch.cat([prompt_ids[i], out]).unique()
@@ -235,7 +236,7 @@ class SamplingColumns:
         rows = [[p.temperature if p.temperature > 0 else 1.0, p.top_k if 0 < p.top_k < vocab else 0,
                  p.top_p if p.top_p < 1.0 else math.inf, math.log(p.min_p) if p.min_p > 0 else -math.inf]
                 for p in params]
-        return cls(torch.tensor(rows, dtype=torch.float32, device=device))
+        return cls(fastdecode.to_device(rows, device, torch.float32))
 
     temperature = property(lambda self: self.cols[:, 0:1])
     top_k = property(lambda self: self.cols[:, 1:2].long())
@@ -837,14 +838,17 @@ class Engine:
         if self.speculator is not None:
             return outputs + self._speculative_step(batch, chunks)
         rest = [i for i in range(len(batch)) if i not in fast]
-        logits = torch.empty(len(batch), self.vocab_size, dtype=torch.float32, device=self.device)
         captured = {}
-        if fast:
-            logits[fast] = self.fast.step([chunks[i] for i in fast]).logits
+        if not rest:  # a decode batch: the step's own rows, nothing to place
+            logits = self.fast.step(chunks).logits
+        else:
+            logits = torch.empty(len(batch), self.vocab_size, dtype=torch.float32, device=self.device)
+        if fast and rest:
+            logits[fastdecode.to_device(fast, self.device)] = self.fast.step([chunks[i] for i in fast]).logits
         if rest:
             todo = [chunks[i] for i in rest]
             out = self.model.forward(todo, self.cache) if self.prefill is None else self.prefill.forward(todo)
-            logits[rest] = out.logits
+            logits[fastdecode.to_device(rest, self.device)] = out.logits
             captured = {(rest[j], p): snap for (j, p), snap in out.snapshots.items()}
         done = []
         for i, (seq, n) in enumerate(batch):
@@ -1068,7 +1072,7 @@ class Engine:
         if not done:
             return []
         at = [i for _, i in done]
-        rows = logits if at == list(range(len(logits))) else logits[at]  # (an index is a copy and a launch)
+        rows = logits if at == list(range(len(logits))) else logits[fastdecode.to_device(at, logits.device)]
         tokens = sample_rows(rows, [seq.params for seq, _ in done], [seq.prompt_tensor for seq, _ in done],
                              [seq.output_ids for seq, _ in done], [seq.generator for seq, _ in done],
                              kernel=self.use_kernels and rows.is_cuda)

@@ -62,6 +62,16 @@ class Fused:
         return [y for w, sizes in self.runs for y in linear(x, w).split(sizes, dim=-1)]
 
 
+def to_device(values: torch.Tensor | list[int], device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """Host values on `device` without waiting for it. A copy from pageable memory (torch.tensor(...,
+    device=cuda), a list as an index) synchronizes the stream, so the host could not queue the next work,
+    the sampler's, behind a decode step's graph; from pinned memory it is queued like a kernel."""
+    host = torch.as_tensor(values, dtype=dtype)
+    if torch.device(device).type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def _out_features(w: Weight) -> int:
     return w.shape[0] if isinstance(w, torch.Tensor) else w.out_features
 
@@ -385,9 +395,10 @@ class FastDecoder:
         tokens = torch.cat([c.tokens for c in batch])
         if int(tokens.min()) < 0 or int(tokens.max()) >= self.cfg.vocab_size:
             raise ValueError(f"FastDecoder.step: token ids outside 0..{self.cfg.vocab_size - 1}")
-        dev = self.device
-        return (tokens.to(dev), torch.tensor([c.start for c in batch], device=dev),
-                torch.tensor([c.slot for c in batch], device=dev), tables.to(dev))
+        rows = torch.cat([tokens.cpu(), torch.tensor([c.start for c in batch]), torch.tensor([c.slot for c in batch]),
+                          tables.view(-1)])
+        on = to_device(rows, self.device)  # one copy, queued behind the previous step
+        return on[:B], on[B:2 * B], on[2 * B:3 * B], on[3 * B:].view(B, width)
 
     # -- CUDA graphs --------------------------------------------------------------------------
 

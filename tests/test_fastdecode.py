@@ -815,6 +815,36 @@ def test_engine_on_cuda_captures_graphs_and_matches_the_reference_path():
 
 
 @needs_gpu
+def test_engine_queues_the_sampler_behind_the_decode_graph(monkeypatch):
+    """A decode step's host work, up to the sampler's read of its tokens, never waits for the GPU: a copy
+    from pageable memory or a list index would (torch synchronizes the stream), and the host would then
+    launch the sampler only after the whole graph ran. Here 0.2 s of GPU sleep runs before the graph: the
+    sampler's kernel must be launched while the graph has not run yet."""
+    import engine as E
+    eng = E.load(max_cache_tokens=4096, max_num_seqs=2)
+    rid = eng.add_request(list(range(1, 40)), E.SamplingParams(temperature=1.0, top_p=0.95, max_tokens=8,
+                                                               ignore_eos=True, seed=0))
+    eng.step(), eng.step()  # the prefill, then a first decode step
+    step, race, ran = eng.fast.step, kernels.sample_race, []
+
+    def slow_step(batch):
+        torch.cuda._sleep(400_000_000)  # clock cycles
+        out = step(batch)
+        ran.append(torch.cuda.Event())
+        ran[0].record()
+        return out
+
+    def sample_race(*args):
+        ran.append(ran[0].query())
+        return race(*args)
+
+    monkeypatch.setattr(eng.fast, "step", slow_step)
+    monkeypatch.setattr(kernels, "sample_race", sample_race)
+    eng.step()
+    assert ran[1:] == [False] and len(eng.requests[rid].output_ids) == 3, ran
+
+
+@needs_gpu
 def test_engine_keeps_one_measured_prefill_chunk_out_of_the_cache():
     """With the pool sized from CUDA memory, the engine first runs one chunk of max_batch_tokens
     tokens and keeps what it took out of the pool: a real prompt of that length needs no more."""
