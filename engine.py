@@ -616,8 +616,8 @@ class Engine:
         self.fast = self._fast_decoder(max_num_seqs) if use_kernels and speculator == "none" else None
         self.prefill = self._fast_prefill(self.cache, self.max_model_len, self.fast) if use_kernels else None
         if speculator != "none" and self.device.type == "cuda":
-            print(f"engine: speculator {speculator!r}: verify passes run fastprefill's kernels without CUDA "
-                  "graphs; their speed against plain graph decoding is not measured yet (BENCHMARKS.md)")
+            print(f"engine: speculator {speculator!r}: verify passes run without CUDA graphs and the drafter and "
+                  "rollback in torch; on an H200 this decodes 7-14x slower than speculator='none' (BENCHMARKS.md)")
         self.blocks = BlockManager(num_blocks, SnapshotStore(snapshot_bytes, torch.device(snapshot_device)))
         if self.cache.kda_state.device.type == "cuda":
             self.blocks.snapshots.pin(self.cache.kda_state[:, 0], self.cache.conv_state[:, 0])
