@@ -238,6 +238,31 @@ def test_held_back_keeps_possible_stop_prefixes():
 # Block manager and prefix hashing (no model)
 
 
+def test_sequence_table_follows_its_block_list():
+    """Sequence.table() mirrors block_table through appends (past the mirror's capacity), drop_blocks
+    (also with appends before the next call), a new list of the same length and one of any length,
+    without a stale block."""
+    seq = E.Sequence("r", [1], 1, E.SamplingParams(), frozenset(), torch.Generator(), None, torch.zeros(1))
+    seq.block_table.extend(range(100, 103))
+    assert seq.table().tolist() == [100, 101, 102]
+    seq.block_table.extend(range(200, 240))  # past the mirror's first capacity (16)
+    seq.block_table.append(7)
+    assert seq.table().tolist() == [100, 101, 102, *range(200, 240), 7]
+    assert seq.drop_blocks(30) == [*range(227, 240), 7]
+    seq.block_table.append(8)
+    assert seq.table().tolist() == [100, 101, 102, *range(200, 227), 8]
+    assert seq.drop_blocks(20) == [*range(217, 227), 8]
+    seq.block_table.extend([9, 10])  # appended before the next call
+    assert seq.table().tolist() == [100, 101, 102, *range(200, 217), 9, 10]
+    kept = seq.table()
+    seq.block_table = [int(b) + 1000 for b in seq.block_table]  # admission after preemption: a new list
+    assert seq.table().tolist() == seq.block_table and kept.tolist() != seq.block_table  # (a copy, not a view)
+    seq.block_table = []
+    assert seq.table().tolist() == []
+    seq.block_table = [3, 1, 2]
+    assert seq.table().tolist() == [3, 1, 2]
+
+
 def test_block_hash_is_chained():
     a = E.block_hash(b"", [1, 2, 3])
     assert a == E.block_hash(b"", [1, 2, 3]) and a != E.block_hash(b"", [1, 2, 4])
@@ -480,6 +505,27 @@ def test_cancel_frees_everything(make_engine):
     with pytest.raises(ValueError, match="outside the vocabulary"):
         eng.generate([prompt(42, 5), [600]], GREEDY)
     assert not eng.has_work()
+
+
+def test_the_sampler_sees_each_sequences_generated_tokens(make_engine, monkeypatch):
+    """Each step hands sample_rows every sequence's tokens so far (output_ids, which penalties read), also
+    across a preemption that recomputes a sequence."""
+    eng = make_engine(snapshot_bytes=0, num_blocks=10)  # 160 tokens for 189 wanted at the end
+    params = E.SamplingParams(temperature=0, max_tokens=14, ignore_eos=True, frequency_penalty=1.0)
+    real, seen = E.sample_rows, []
+
+    def sample_rows(logits, ps, prompt_ids, output_ids, generators, **kw):
+        seen.append([list(o) for o in output_ids])
+        return real(logits, ps, prompt_ids, output_ids, generators, **kw)
+
+    monkeypatch.setattr(E, "sample_rows", sample_rows)
+    results = eng.generate([prompt(20 + i, n) for i, n in enumerate([30, 45, 20, 38])], params)
+    assert eng.stats().preemptions > 0
+    got = {}  # each sequence's outputs as the sampler saw them, in order
+    for rows in seen:
+        for row in rows:
+            got.setdefault(len(row), []).append(row)
+    assert all(sorted(got[i]) == sorted(r.token_ids[:i] for r in results) for i in range(14)), got
 
 
 def test_seed_reproduces_a_sampled_output(make_engine):
