@@ -524,7 +524,7 @@ class BlockManager:
 # Sequences
 
 
-@dataclass
+@dataclass(eq=False)  # a sequence is itself: `in` / remove on the running list compare identities, not every field
 class Sequence:
     request_id: str
     token_ids: list[int]  # prompt then output
