@@ -6,6 +6,7 @@
     python bench.py kernels [--peer]       EXL3 GEMV and fused MoE, KDA decode/prefill, FP8 GEMV (--peer: + exllamav3)
     python bench.py exl3 sweep|quick|compare|sweep+compare|crosscheck [--codebook mcg]
     python bench.py kda [decode] [prefill] [precision]
+    python bench.py engine [--batch 1 4] [--layers N]   the engine's decode step on the synthetic model
     python bench.py speculative [--device cpu]   the default model at batch 1: plain vs MTP vs DFlash2
     python bench.py agreement [--device cpu]     the default model: fast decode step vs reference path (KL)
     python bench.py fp8core [--device cpu]       the default model: BF16 core vs FP8 core (bytes, KL, speed)
@@ -36,6 +37,7 @@ import itertools
 import json
 import math
 import os
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -1254,6 +1256,17 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     e = sub.add_parser("exl3", help="EXL3 GEMV launch sweep / exllamav3 comparison")
     e.add_argument("mode", choices=["sweep", "quick", "compare", "sweep+compare", "crosscheck"])
     e.add_argument("--codebook", default="mcg", choices=exl3.CODEBOOKS)
+    g = sub.add_parser("engine", help="synthetic model: Engine.step() in steady decode against the bare fast step")
+    g.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    g.add_argument("--tiny", action="store_true", help="the tests' tiny config (CPU smoke run)")
+    g.add_argument("--layers", type=int, default=None, help="first N layers only (default: all 45)")
+    g.add_argument("--bits", type=float, default=3.25, help="3.25 (K3/K4 mix) or an integer K")
+    g.add_argument("--core", choices=("fp8", "bf16"), default="fp8")
+    g.add_argument("--batch", type=int, nargs="+", default=[1, 4])
+    g.add_argument("--context", type=int, default=1024, help="prompt tokens of each request")
+    g.add_argument("--tokens", type=int, default=48, help="generated tokens of each request")
+    g.add_argument("--reserve-gb", type=float, default=8.0, help="GPU memory kept for activations")
+    g.add_argument("--seed", type=int, default=0)
     sp = sub.add_parser("speculative", help="the default model at batch 1: plain vs MTP vs DFlash2 speculative decoding")
     sp.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     sp.add_argument("--draft-tokens", type=int, default=None, help="fixed drafts per step (default: adaptive)")
@@ -1267,6 +1280,50 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     d = sub.add_parser("kda", help="KDA kernels at the real shapes: correctness and timings")
     d.add_argument("sections", nargs="*", help="decode, prefill, precision (default: decode prefill)")
     return parser.parse_args(argv)
+
+
+# ================================================================ the engine on the synthetic model
+
+ENGINE_SAMPLING = (("greedy", dict(temperature=0)), ("top_p 0.95", dict(temperature=1.0, top_p=0.95, seed=1)))
+
+
+def run_engine(args) -> None:
+    """Engine.step() in steady decode on the synthetic model, with a stand-in word-level tokenizer (one
+    word a token id): the scheduler, the sampler (greedy; the generation config's top_p 0.95) and the
+    detokenizer on top of the step, at each --batch; beside it the bare fast step with the argmax read
+    back (decode_rate over the engine's own graphs). The median step after every prompt is in."""
+    import engine
+    from tokenizers import Tokenizer, models
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    cfg = model_config(args.layers, args.tiny)
+    bits = layer_bits(cfg, args.bits)
+    B, per_seq = max(args.batch), -(-(args.context + args.tokens + 2) // BLOCK_SIZE)
+    budget = [torch.cuda.mem_get_info(device)[0] - int(args.reserve_gb * 1e9) if device.type == "cuda" else None]
+    plan = plan_model(cfg, bits, args.core, dtype, [device], budget, B * per_seq, B + 1)
+    model = GLMModel(cfg, build_weights(cfg, bits, args.core, dtype, plan.device_of, args.seed), plan)
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(cfg.vocab_size)}, unk_token="t0"))
+    e = engine.Engine(model, tok, eos_token_ids=[], max_num_seqs=B, num_blocks=B * per_seq,
+                      max_model_len=per_seq * BLOCK_SIZE)
+    gen = torch.Generator().manual_seed(args.seed)
+    for b in args.batch:
+        for label, kw in ENGINE_SAMPLING:
+            sp = engine.SamplingParams(max_tokens=args.tokens, ignore_eos=True, **kw)
+            for _ in range(b):
+                e.add_request(torch.randint(2, cfg.vocab_size, (args.context,), generator=gen).tolist(), sp)
+            times = []
+            while e.has_work():
+                t = time.perf_counter()
+                e.step()
+                if len(e.running) == b and all(s.num_computed >= args.context for s in e.running):
+                    times.append(time.perf_counter() - t)
+            step = statistics.median(times[1:] or times)
+            line = f"engine decode B={b} ctx {args.context} {label}: {b / step:.2f} tok/s ({1e3 * step:.3f} ms a step)"
+            if e.fast is not None:
+                tables = [torch.arange(i * per_seq, (i + 1) * per_seq) for i in range(b)]
+                bare = decode_rate(lambda batch: e.fast.step(batch).logits, tables, args.context, 16, [device])
+                line += f"; the bare fast step {bare:.2f} tok/s: the engine {b / step / bare:.3f} of it"
+            say(line)
 
 
 # ================================================================ speculative decoding (default model)
@@ -1405,14 +1462,14 @@ def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
     if args.command == "model":
         _or_exit(lambda: model_devices(args))  # names a CUDA device this machine lacks
-    elif not (args.command in ("speculative", "agreement", "fp8core") and args.device == "cpu"):
+    elif not (args.command in ("speculative", "agreement", "fp8core", "engine") and args.device == "cpu"):
         if not torch.cuda.is_available():
             sys.exit(f"bench.py {args.command} needs CUDA (only `model --device cpu --tiny` runs without)")
     torch.manual_seed(0)
     with torch.inference_mode():
         _or_exit(lambda: {"model": run_model, "kernels": run_kernels, "exl3": run_exl3, "kda": run_kda,
                           "speculative": run_speculative, "agreement": run_agreement,
-                          "fp8core": run_fp8_core}[args.command](args))
+                          "fp8core": run_fp8_core, "engine": run_engine}[args.command](args))
 
 
 def _or_exit(fn):

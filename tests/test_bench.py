@@ -127,3 +127,14 @@ def test_two_cpu_devices_give_the_one_device_weights_and_decode_logits():
     assert values[0].keys() == values[1].keys() == values[2].keys()
     assert all(torch.equal(values[0][key], v[key]) for v in values[1:] for key in values[0])
     assert torch.equal(logits[0], logits[1])
+
+
+def test_engine_section_runs_on_cpu(capsys):
+    """`bench.py engine` on the tiny model: a rate for each batch and sampling (no fast step on a CPU)."""
+    with torch.inference_mode():
+        bench.run_engine(bench.parse(["engine", "--device", "cpu", "--tiny", "--batch", "1", "2", "--context", "20",
+                                      "--tokens", "4"]))
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("engine decode")]
+    assert [line.split(":")[0] for line in lines] == [f"engine decode B={b} ctx 20 {label}"
+                                                      for b in (1, 2) for label, _ in bench.ENGINE_SAMPLING]
+    assert all(float(line.split(": ")[1].split(" tok/s")[0]) > 0 for line in lines)
