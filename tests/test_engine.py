@@ -507,18 +507,18 @@ def test_cancel_frees_everything(make_engine):
     assert not eng.has_work()
 
 
-def test_the_sampler_sees_each_sequences_generated_tokens(make_engine, monkeypatch):
-    """Each step hands sample_rows every sequence's tokens so far (output_ids, which penalties read), also
-    across a preemption that recomputes a sequence."""
+def test_the_penalties_see_each_sequences_generated_tokens(make_engine, monkeypatch):
+    """Each step's penalties see every sequence's tokens so far (output_ids), also across a preemption that
+    recomputes a sequence."""
     eng = make_engine(snapshot_bytes=0, num_blocks=10)  # 160 tokens for 189 wanted at the end
     params = E.SamplingParams(temperature=0, max_tokens=14, ignore_eos=True, frequency_penalty=1.0)
-    real, seen = E.sample_rows, []
+    real, seen = E.penalized_rows, []
 
-    def sample_rows(logits, ps, prompt_ids, output_ids, generators, **kw):
+    def penalized_rows(logits, ps, prompt_ids, output_ids):
         seen.append([list(o) for o in output_ids])
-        return real(logits, ps, prompt_ids, output_ids, generators, **kw)
+        return real(logits, ps, prompt_ids, output_ids)
 
-    monkeypatch.setattr(E, "sample_rows", sample_rows)
+    monkeypatch.setattr(E, "penalized_rows", penalized_rows)
     results = eng.generate([prompt(20 + i, n) for i, n in enumerate([30, 45, 20, 38])], params)
     assert eng.stats().preemptions > 0
     got = {}  # each sequence's outputs as the sampler saw them, in order
