@@ -1317,7 +1317,7 @@ def run_engine(args) -> None:
                 e.step()
                 if len(e.running) == b and all(s.num_computed >= args.context for s in e.running):
                     times.append(time.perf_counter() - t)
-            step = statistics.median(times[1:] or times)
+            step = statistics.median(times[1:] or times)  # the first is the step that ended the prefill
             line = f"engine decode B={b} ctx {args.context} {label}: {b / step:.2f} tok/s ({1e3 * step:.3f} ms a step)"
             if e.fast is not None:
                 tables = [torch.arange(i * per_seq, (i + 1) * per_seq) for i in range(b)]

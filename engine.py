@@ -873,9 +873,8 @@ class Engine:
             logits = self.fast.step(chunks).logits
         else:
             logits = torch.empty(len(batch), self.vocab_size, dtype=torch.float32, device=self.device)
-        if fast and rest:
-            logits[fastdecode.to_device(fast, self.device)] = self.fast.step([chunks[i] for i in fast]).logits
-        if rest:
+            if fast:
+                logits[fastdecode.to_device(fast, self.device)] = self.fast.step([chunks[i] for i in fast]).logits
             todo = [chunks[i] for i in rest]
             out = self.model.forward(todo, self.cache) if self.prefill is None else self.prefill.forward(todo)
             logits[fastdecode.to_device(rest, self.device)] = out.logits
