@@ -31,6 +31,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -70,6 +71,11 @@ def to_device(values: torch.Tensor | list[int], device: torch.device, dtype: tor
     if torch.device(device).type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
+
+
+def _split_inputs(row: torch.Tensor, B: int, width: int) -> tuple[torch.Tensor, ...]:
+    """(tokens, positions, slots [B], tables [B, width]): views of a step's input row."""
+    return row[:B], row[B:2 * B], row[2 * B:3 * B], row[3 * B:].view(B, width)
 
 
 def _out_features(w: Weight) -> int:
@@ -230,12 +236,12 @@ class _Span:
 
 @dataclass
 class _Piece:
-    """A span's CUDA graph: its static copies of the step's inputs (tokens, positions, slots,
-    tables) on its device, the streams it reads (None after the embedding) and what it leaves: (X,)
-    or (logits, hidden)."""
+    """A span's CUDA graph: its static copy of the step's input row (FastDecoder._input_row) on its
+    device, the streams it reads (None after the embedding) and what it leaves: (X,) or (logits,
+    hidden)."""
     span: _Span
     graph: "torch.cuda.CUDAGraph"
-    inputs: tuple[torch.Tensor, ...]
+    row: torch.Tensor
     x_in: torch.Tensor | None
     out: tuple[torch.Tensor, ...]
 
@@ -349,18 +355,17 @@ class FastDecoder:
         width = max(c.start for c in batch) // self.cache.block_size + 1 if batch else 0
         fits = [w for B, w in self.graphs if B == len(batch) and w >= width]
         width = min(fits, default=width)
-        tokens, positions, slots, tables = self._inputs(batch, width)
+        row = self._input_row(batch, width)
         pieces = self.graphs.get((len(batch), width))
         if pieces is None:
-            logits, hidden = self.run(tokens, positions, slots, tables)
+            logits, hidden = self.run(*_split_inputs(row, len(batch), width))
         else:
             out = ()
             for piece in pieces:
                 # each graph replays on its device's current stream; a copy between devices orders
                 # the two devices' current streams (torch's peer copy), so the spans run in turn
                 with on_device(piece.span.device):
-                    for static, new in zip(piece.inputs, (tokens, positions, slots, tables)):
-                        static.copy_(new)
+                    piece.row.copy_(row)
                     if piece.x_in is not None:
                         piece.x_in.copy_(out[0])
                     piece.graph.replay()
@@ -369,12 +374,20 @@ class FastDecoder:
         return ForwardOutput(logits.clone(), hidden.clone())
 
     def _inputs(self, batch: list[SeqChunk], width: int) -> tuple[torch.Tensor, ...]:
-        """Device tensors for the chunks (tables `width` blocks wide), after checking them (one
-        token each, decode positions)."""
+        """Device tensors (tokens, positions, slots [B], tables [B, width]) for the chunks: views of
+        `_input_row`'s one row."""
+        return _split_inputs(self._input_row(batch, width), len(batch), width)
+
+    def _input_row(self, batch: list[SeqChunk], width: int) -> torch.Tensor:
+        """The chunks as one int64 device row: B tokens, B positions, B slots, then the block tables
+        `width` blocks wide, after checking them (one token each, decode positions). It is put together
+        in numpy and copied in one go: the host's time here is the GPU's idle time between two steps,
+        and a torch op on the host costs more than a row of numpy."""
         if not batch:
             raise ValueError("FastDecoder.step: empty batch")
         B = len(batch)
-        tables = torch.zeros(B, width, dtype=torch.long)
+        row = np.zeros(B * (3 + width), dtype=np.int64)
+        tables = row[3 * B:].reshape(B, width)
         seen = set()
         for i, c in enumerate(batch):
             if c.tokens.dim() != 1 or c.tokens.shape[0] != 1:
@@ -390,15 +403,13 @@ class FastDecoder:
             if c.block_table.shape[0] < need:
                 raise ValueError(f"FastDecoder.step: batch[{i}].block_table has {c.block_table.shape[0]} blocks, "
                                  f"position {c.start} needs {need}")
-            n = min(c.block_table.shape[0], width)
-            tables[i, :n] = c.block_table[:n]
-        tokens = torch.cat([c.tokens for c in batch])
-        if int(tokens.min()) < 0 or int(tokens.max()) >= self.cfg.vocab_size:
+            table = c.block_table.cpu() if c.block_table.is_cuda else c.block_table
+            n = min(table.shape[0], width)
+            tables[i, :n] = table.numpy()[:n]
+            row[i], row[B + i], row[2 * B + i] = c.tokens.item(), c.start, c.slot
+        if row[:B].min() < 0 or row[:B].max() >= self.cfg.vocab_size:
             raise ValueError(f"FastDecoder.step: token ids outside 0..{self.cfg.vocab_size - 1}")
-        rows = torch.cat([tokens.cpu(), torch.tensor([c.start for c in batch]), torch.tensor([c.slot for c in batch]),
-                          tables.view(-1)])
-        on = to_device(rows, self.device)  # one copy, queued behind the previous step
-        return on[:B], on[B:2 * B], on[2 * B:3 * B], on[3 * B:].view(B, width)
+        return to_device(torch.from_numpy(row), self.device)  # queued behind the previous step
 
     # -- CUDA graphs --------------------------------------------------------------------------
 
@@ -416,19 +427,19 @@ class FastDecoder:
             # the largest first: the later graphs fit in its memory pool
             if B > self.cache.num_slots:
                 raise ValueError(f"FastDecoder.capture: batch size {B} exceeds the cache's {self.cache.num_slots} slots")
-            inputs = (torch.zeros(B, dtype=torch.long, device=self.device),
-                      torch.ones(B, dtype=torch.long, device=self.device),
-                      torch.arange(B, device=self.device),
-                      torch.zeros(B, width, dtype=torch.long, device=self.device))
-            self.graphs[(B, width)] = self._capture_spans(inputs)
+            row = torch.zeros(B * (3 + width), dtype=torch.long, device=self.device)
+            row[B:2 * B] = 1  # positions
+            row[2 * B:3 * B] = torch.arange(B)  # slots
+            self.graphs[(B, width)] = self._capture_spans(row, B, width)
         for d in {span.device for span in self.spans}:
             torch.cuda.synchronize(d)
 
-    def _capture_spans(self, inputs: tuple[torch.Tensor, ...]) -> list[_Piece]:
+    def _capture_spans(self, row: torch.Tensor, B: int, width: int) -> list[_Piece]:
         pieces, out = [], ()
         for span in self.spans:
             with torch.cuda.device(span.device):
-                static = tuple(t.to(span.device) for t in inputs)  # the same tensors on their own device
+                static_row = row.to(span.device, copy=True)  # the same row on each span's own device
+                static = _split_inputs(static_row, B, width)
                 x_in = None if span.embed else out[0].to(span.device)
                 side = torch.cuda.Stream(span.device)
                 side.wait_stream(torch.cuda.current_stream(span.device))
@@ -443,7 +454,7 @@ class FastDecoder:
                 # nothing of the kernels launched under this device (an empty graph, a skipped span)
                 with torch.cuda.graph(graph, pool=self._pools[span.device], stream=side):
                     out = self._run_span(span, x_in, *static)
-            pieces.append(_Piece(span, graph, static, x_in, out))
+            pieces.append(_Piece(span, graph, static_row, x_in, out))
         return pieces
 
     # -- §4.1 the trunk, one token per sequence ---------------------------------------------------
