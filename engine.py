@@ -85,6 +85,11 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
 
+    @property
+    def penalizes(self) -> bool:
+        """Whether a penalty changes the logits (it reads the prompt and the generated tokens)."""
+        return self.repetition_penalty != 1.0 or bool(self.presence_penalty or self.frequency_penalty)
+
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
@@ -301,6 +306,20 @@ def race(x: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     return (x - noise.clamp(min=torch.finfo(torch.float32).tiny).log()).argmax(-1)
 
 
+def draw_on_device(logits: torch.Tensor, params: Seq[SamplingParams], prompt_ids: Seq[torch.Tensor],
+                   output_ids: Seq[torch.Tensor | list[int]], generators: Seq[torch.Generator]) -> torch.Tensor | None:
+    """sample_rows' tokens as an int64 tensor [N] on the logits' device, for a batch whose draw needs no
+    decision on the host: no row cut by top_k or top_p (the argmax, or the race over whole rows); None for
+    any other batch. Nothing is read back, so more work can queue behind the draw (Engine._launch_ahead)."""
+    if all(p.temperature == 0 and not p.penalizes for p in params):
+        return logits.argmax(-1)  # what the filters would give: none removes the most likely token
+    V = logits.shape[1]
+    if any(0 < p.top_k < V or p.top_p < 1.0 for p in params):
+        return None
+    x = penalized_rows(logits, params, prompt_ids, output_ids)
+    return race(filter_rows(x, params), race_noise(params, generators, V, x.device))
+
+
 def sample_rows(logits: torch.Tensor, params: Seq[SamplingParams], prompt_ids: Seq[torch.Tensor],
                 output_ids: Seq[torch.Tensor | list[int]], generators: Seq[torch.Generator],
                 kernel: bool | None = None) -> list[int]:
@@ -313,11 +332,11 @@ def sample_rows(logits: torch.Tensor, params: Seq[SamplingParams], prompt_ids: S
     most likely tokens, which hold its kept set unless a tie with its k-th value reaches past them
     (top_k) or their mass falls short of top_p (top_p alone, TOP_P_CANDIDATES of them); such a row is
     drawn again here over its whole row, with the same noise. A batch without such rows races over whole
-    rows here (the kernel's one program a row streams them slower: 337 against ~200 us at batch 1 on the
-    H200). One device sync a batch (two when a row is drawn again)."""
-    if all(p.temperature == 0 and p.repetition_penalty == 1.0 and not (p.presence_penalty or p.frequency_penalty)
-           for p in params):
-        return logits.argmax(-1).tolist()  # what the filters would give: none removes the most likely token
+    rows in torch (draw_on_device; the kernel's one program a row streams them slower: 337 against ~200 us
+    at batch 1 on the H200). One device sync a batch (two when a row is drawn again)."""
+    drawn = draw_on_device(logits, params, prompt_ids, output_ids, generators)
+    if drawn is not None:
+        return drawn.tolist()
     x = penalized_rows(logits, params, prompt_ids, output_ids)
     N, V = x.shape
     noise = race_noise(params, generators, V, x.device)
@@ -582,6 +601,14 @@ class Sequence:
         return dropped
 
 
+@dataclass
+class Ahead:
+    """A decode step launched before the host read the tokens it decodes (Engine._launch_ahead): its
+    sequences, one token each, in the rows of its logits."""
+    batch: list[tuple[Sequence, int]]
+    logits: torch.Tensor
+
+
 # ---------------------------------------------------------------------------------------------
 # Engine
 
@@ -656,6 +683,7 @@ class Engine:
         self.running: list[Sequence] = []
         self.requests: dict[str, Sequence] = {}
         self.cancelled: list[RequestOutput] = []
+        self.ahead: Ahead | None = None
         self.ids = itertools.count()
         self.counters = dict(prefix_query_tokens=0, prefix_hit_tokens=0, prompt_tokens_computed=0,
                              tokens_generated=0, preemptions=0, spec_verify_steps=0, spec_draft_tokens=0,
@@ -856,6 +884,8 @@ class Engine:
     @torch.no_grad()
     def step(self) -> list[RequestOutput]:
         outputs, self.cancelled = self.cancelled, []
+        if self.ahead is not None:
+            return outputs + self._step_ahead()
         batch = self._schedule()
         if not batch:
             return outputs
@@ -885,6 +915,39 @@ class Engine:
             if seq.num_computed == len(seq.token_ids):
                 done.append((seq, i))
         return outputs + self._sample(done, logits)
+
+    def _step_ahead(self) -> list[RequestOutput]:
+        """The step the last one launched ahead: its sequences that are still running (one that stopped
+        or was cancelled since has its row dropped) take their token from its logits."""
+        ahead, self.ahead = self.ahead, None
+        done = []
+        for i, (seq, n) in enumerate(ahead.batch):
+            if seq.finish_reason is None:
+                self._commit(seq, n)
+                done.append((seq, i))
+        return self._sample(done, ahead.logits)
+
+    def _launch_ahead(self, done: list[tuple[Sequence, int]], drawn: torch.Tensor) -> Ahead | None:
+        """The next decode step, launched before the host reads `drawn`, the tokens it decodes, when it is
+        sure to be every running sequence's next token: a fast decode step, nothing waiting to be
+        admitted, none at its length limit, blocks free for all. The GPU then runs it while the host reads
+        the tokens, detokenizes and checks stops, instead of waiting for the host to launch it. A sequence
+        that stops at its token (a stop token or string) wastes its row there."""
+        seqs = [seq for seq, _ in done]
+        if (self.fast is None or self.speculator is not None or self.waiting or len(seqs) != len(self.running)
+                or any(seq.num_computed != len(seq.token_ids) for seq in self.running)):
+            return None
+        last = lambda seq: len(seq.token_ids) + 1 >= self.max_model_len or (
+            seq.params.max_tokens is not None and len(seq.output_ids) + 1 >= seq.params.max_tokens)
+        if any(last(seq) or seq.params.logprobs is not None for seq in seqs):  # (logprobs read the logits)
+            return None
+        need = [self._blocks_needed(seq, seq.num_computed + 1) for seq in seqs]
+        if sum(need) > self.blocks.num_free():
+            return None
+        for seq, n in zip(seqs, need):
+            self._grow(seq, n)
+        chunks = [SeqChunk(torch.zeros(1, dtype=torch.long), seq.num_computed, seq.table(), seq.slot) for seq in seqs]
+        return Ahead([(seq, 1) for seq in seqs], self.fast.step(chunks, tokens=drawn).logits)
 
     @staticmethod
     def _seq_chunk(seq: Sequence, n: int, device: str | torch.device) -> SeqChunk:
@@ -1096,18 +1159,33 @@ class Engine:
     def _sample(self, done: list[tuple[Sequence, int]], logits: torch.Tensor) -> list[RequestOutput]:
         """The next token of each (sequence, its logits row) whose prompt and tokens are all computed, in
         one batched pass (sample_rows): one device sync for the batch, not a filter pass and a sync per
-        sequence."""
+        sequence. A draw that needs no decision on the host (draw_on_device) may have the next step
+        launched behind it before the tokens are read (_launch_ahead)."""
         if not done:
             return []
         at = [i for _, i in done]
         rows = logits if at == list(range(len(logits))) else logits[fastdecode.to_device(at, logits.device)]
-        tokens = sample_rows(rows, [seq.params for seq, _ in done], [seq.prompt_tensor for seq, _ in done],
-                             [seq.output_ids for seq, _ in done], [seq.generator for seq, _ in done],
-                             kernel=self.use_kernels and rows.is_cuda)
+        args = ([seq.params for seq, _ in done], [seq.prompt_tensor for seq, _ in done],
+                [seq.output_ids for seq, _ in done], [seq.generator for seq, _ in done])
+        drawn = draw_on_device(rows, *args)
+        if drawn is None:
+            tokens = sample_rows(rows, *args, kernel=self.use_kernels and rows.is_cuda)
+        else:  # read back in stream order before the step launched ahead, which would otherwise come first
+            host = torch.empty(drawn.shape, dtype=drawn.dtype, pin_memory=drawn.is_cuda)
+            host.copy_(drawn, non_blocking=True)
+            read = torch.cuda.Event() if drawn.is_cuda else None
+            if read is not None:
+                read.record()
+            self.ahead = self._launch_ahead(done, drawn)
+            if read is not None:
+                read.synchronize()
+            tokens = host.tolist()
         outputs = []
         for (seq, _), token, row in zip(done, tokens, rows):
             lp = self._append(seq, token, row)
             outputs.append(self._output(seq, [token], [lp] if lp is not None else None))
+        if self.ahead is not None and all(seq.finish_reason is not None for seq, _ in self.ahead.batch):
+            self.ahead = None  # every sequence it decodes has stopped
         return outputs
 
     def _append(self, seq: Sequence, token: int, logits: torch.Tensor) -> TokenLogprob | None:

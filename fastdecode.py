@@ -350,12 +350,19 @@ class FastDecoder:
 
     # -- the public step ----------------------------------------------------------------------
 
-    def step(self, batch: list[SeqChunk]) -> ForwardOutput:
-        """Logits [B, vocab] (fp32) and final hidden rows for B chunks of one token each."""
+    def step(self, batch: list[SeqChunk], tokens: torch.Tensor | None = None) -> ForwardOutput:
+        """Logits [B, vocab] (fp32) and final hidden rows for B chunks of one token each. `tokens`
+        (int64 [B] on the device) replace the chunks' own: the tokens a sampler drew for the step
+        before, which the host has not read yet (the engine launching a step ahead)."""
         width = max(c.start for c in batch) // self.cache.block_size + 1 if batch else 0
         fits = [w for B, w in self.graphs if B == len(batch) and w >= width]
         width = min(fits, default=width)
         row = self._input_row(batch, width)
+        if tokens is not None:
+            if tuple(tokens.shape) != (len(batch),) or tokens.device != row.device:
+                raise ValueError(f"FastDecoder.step: tokens must be [{len(batch)}] on {row.device}, got "
+                                 f"{tuple(tokens.shape)} on {tokens.device}")
+            row[:len(batch)].copy_(tokens)
         pieces = self.graphs.get((len(batch), width))
         if pieces is None:
             logits, hidden = self.run(*_split_inputs(row, len(batch), width))

@@ -798,6 +798,50 @@ def test_engine_sends_decode_tokens_to_the_fast_step():
     assert calls == ["ref 2"] + ["fast 1", "ref 1"] * 3 + ["fast 1"] * 3, calls
 
 
+def test_engine_launching_steps_ahead_changes_no_output():
+    """Engine._launch_ahead puts the next decode step behind a draw the host has not read. The same script
+    of requests (greedy and seeded temperature sampling, different lengths, a stop token that wastes a
+    launched row, a request that arrives and one cancelled while a step is ahead) gives the same outputs
+    with it as without it, launches steps ahead, and leaves nothing behind."""
+    import engine as E
+    from test_engine import make_tokenizer, prompt
+
+    model = _model(torch.float32)
+    tok = make_tokenizer(model.config.vocab_size)
+    greedy = E.SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)
+    warm = E.SamplingParams(temperature=0.8, max_tokens=5, ignore_eos=True, seed=3)
+
+    def run(ahead: bool) -> tuple[list, int]:
+        eng = E.Engine(model, tok, eos_token_ids=[1], num_blocks=16, block_size=16, max_num_seqs=3)
+        eng.fast = fastdecode.FastDecoder(model, eng.cache, max_context=eng.max_model_len)
+        launch, launched = eng._launch_ahead, []
+        eng._launch_ahead = lambda *a: launched.append(launch(*a) if ahead else None) or launched[-1]
+        first = eng.generate([prompt(1, 9), prompt(2, 20)], [greedy, warm])
+        stop = E.SamplingParams(temperature=0, max_tokens=7, ignore_eos=True, stop_token_ids=[first[0].token_ids[2]])
+        events = []
+        eng.add_request(prompt(1, 9), stop, "stops")
+        eng.add_request(prompt(3, 12), greedy, "cancelled")
+        for i in range(9):
+            if i == 3:
+                eng.add_request(prompt(4, 5), warm, "late")
+            if i == 4:
+                eng.cancel("cancelled")
+            events += [(o.request_id, o.token_ids, o.finish_reason) for o in eng.step()]
+        while eng.has_work():
+            events += [(o.request_id, o.token_ids, o.finish_reason) for o in eng.step()]
+        st = eng.stats()
+        assert (st.blocks_used, st.running, st.waiting, eng.ahead) == (0, 0, 0, None)
+        replies = {r: ([t for q, ts, _ in events if q == r for t in ts], [f for q, _, f in events if q == r][-1])
+                   for r in ("stops", "cancelled", "late")}  # (a step ahead can admit "late" a step later)
+        return [(r.token_ids, r.finish_reason) for r in first], replies, sum(a is not None for a in launched)
+
+    *plain, none = run(False)
+    *ahead, launched = run(True)
+    assert ahead == plain and none == 0 and launched >= 6, launched
+    tokens, reason = ahead[1]["stops"]
+    assert len(tokens) <= 3 and reason == "stop"  # at its 3rd token at the latest
+
+
 @needs_gpu
 def test_engine_on_cuda_captures_graphs_and_matches_the_reference_path():
     """fp32, where the two paths agree to ~1e-8 in KL: in bf16 a near-tie among the top logits may
