@@ -800,9 +800,10 @@ def test_engine_sends_decode_tokens_to_the_fast_step():
 
 def test_engine_launching_steps_ahead_changes_no_output():
     """Engine._launch_ahead puts the next decode step behind a draw the host has not read. The same script
-    of requests (greedy and seeded temperature sampling, different lengths, a stop token that wastes a
-    launched row, a request that arrives and one cancelled while a step is ahead) gives the same outputs
-    with it as without it, launches steps ahead, and leaves nothing behind."""
+    of requests (greedy and seeded temperature sampling, different lengths, steps that need a new block, a
+    stop token that wastes a launched row, also of the only sequence, a request that arrives and one
+    cancelled while a step is ahead) gives the same outputs with it as without it, launches steps ahead,
+    and leaves nothing behind."""
     import engine as E
     from test_engine import make_tokenizer, prompt
 
@@ -816,10 +817,10 @@ def test_engine_launching_steps_ahead_changes_no_output():
         eng.fast = fastdecode.FastDecoder(model, eng.cache, max_context=eng.max_model_len)
         launch, launched = eng._launch_ahead, []
         eng._launch_ahead = lambda *a: launched.append(launch(*a) if ahead else None) or launched[-1]
-        first = eng.generate([prompt(1, 9), prompt(2, 20)], [greedy, warm])
+        first = eng.generate([prompt(1, 14), prompt(2, 20)], [greedy, warm])
         stop = E.SamplingParams(temperature=0, max_tokens=7, ignore_eos=True, stop_token_ids=[first[0].token_ids[2]])
         events = []
-        eng.add_request(prompt(1, 9), stop, "stops")
+        eng.add_request(prompt(1, 14), stop, "stops")
         eng.add_request(prompt(3, 12), greedy, "cancelled")
         for i in range(9):
             if i == 3:
@@ -829,10 +830,12 @@ def test_engine_launching_steps_ahead_changes_no_output():
             events += [(o.request_id, o.token_ids, o.finish_reason) for o in eng.step()]
         while eng.has_work():
             events += [(o.request_id, o.token_ids, o.finish_reason) for o in eng.step()]
+        alone = eng.generate([prompt(1, 14)], stop)[0]  # a step ahead of its stop token, and no other
         st = eng.stats()
         assert (st.blocks_used, st.running, st.waiting, eng.ahead) == (0, 0, 0, None)
+        events.append(("alone", alone.token_ids, alone.finish_reason))
         replies = {r: ([t for q, ts, _ in events if q == r for t in ts], [f for q, _, f in events if q == r][-1])
-                   for r in ("stops", "cancelled", "late")}  # (a step ahead can admit "late" a step later)
+                   for r in ("stops", "cancelled", "late", "alone")}  # (a step ahead can admit "late" a step later)
         return [(r.token_ids, r.finish_reason) for r in first], replies, sum(a is not None for a in launched)
 
     *plain, none = run(False)
