@@ -788,14 +788,15 @@ def test_engine_sends_decode_tokens_to_the_fast_step():
     eng.prefill = None  # (on a GPU the engine built a FastPrefill too: here the chunks go to the counted forward)
     calls = []  # per engine step: the fast step first, then the reference forward
     fast_step, forward = eng.fast.step, model.forward
-    eng.fast.step = lambda batch: calls.append(f"fast {len(batch)}") or fast_step(batch)
+    eng.fast.step = lambda batch, **kw: calls.append(f"{'ahead' if kw else 'fast'} {len(batch)}") or fast_step(batch, **kw)
     model.forward = lambda batch, *a, **k: calls.append(f"ref {len(batch)}") or forward(batch, *a, **k)
     try:
         assert [r.token_ids for r in eng.generate(prompts, params)] == reference
     finally:
         del model.forward
-    # step 1 prefills both; steps 2-4 decode the short prompt fast while the long one still prefills
-    assert calls == ["ref 2"] + ["fast 1", "ref 1"] * 3 + ["fast 1"] * 3, calls
+    # step 1 prefills both; steps 2-4 decode the short prompt fast while the long one still prefills; step 5
+    # decodes the long one, and launches step 6 ahead of its draw, which launches step 7 (Engine._launch_ahead)
+    assert calls == ["ref 2"] + ["fast 1", "ref 1"] * 3 + ["fast 1", "ahead 1", "ahead 1"], calls
 
 
 def test_engine_launching_steps_ahead_changes_no_output():
