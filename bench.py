@@ -1294,7 +1294,7 @@ def run_engine(args) -> None:
     back (decode_rate over the engine's own graphs). The median step after every prompt is in."""
     import engine
     from tokenizers import Tokenizer, models
-    device = torch.device(args.device)
+    (device,) = placement.parse_devices([args.device or "cuda"])
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     cfg = model_config(args.layers, args.tiny)
     bits = layer_bits(cfg, args.bits)
