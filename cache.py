@@ -135,6 +135,8 @@ class CachePool:
         H, d, dI = config.linear_num_heads, config.linear_head_dim, config.index_head_dim
 
         def rows(layers: Sequence[int], *shape: int, dt: torch.dtype = dtype) -> torch.Tensor | LayerRows:
+            if not layers:  # a model cut to layers of the other kind (bench.py --layers 2: KDA only)
+                return torch.zeros((0, *shape), dtype=dt, device=devices[0])
             where = [layer_device.get(L, 0) for L in layers]
             starts = [r for r in range(len(where)) if r == 0 or where[r] != where[r - 1]]
             ends = starts[1:] + [len(where)]

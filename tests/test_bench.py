@@ -129,6 +129,21 @@ def test_two_cpu_devices_give_the_one_device_weights_and_decode_logits():
     assert torch.equal(logits[0], logits[1])
 
 
+def test_a_model_cut_to_kda_layers_plans_and_decodes():
+    """`--layers 1` keeps one KDA layer and no DSA layer: the cache has no DSA rows (the H200's
+    `--layers 2` run failed in CachePool on an empty list of rows), and a decode step still runs."""
+    cfg = bench.model_config(1, tiny=True)
+    assert cfg.dsa_layers == () and cfg.mtp_layer is None
+    bits = bench.layer_bits(cfg, 3.25)
+    plan = bench.plan_model(cfg, bits, "fp8", torch.float32, [torch.device("cpu")], [None], 2, 1)
+    model = GLMModel(cfg, bench.build_weights(cfg, bits, "fp8", torch.float32, plan.device_of, seed=3), plan)
+    cache = CachePool(cfg, 2, 1, block_size=bench.BLOCK_SIZE, dtype=torch.float32)
+    assert cache.latent.shape[0] == 0 and cache.kda_state.shape[0] == 1
+    with torch.inference_mode():
+        out = model.forward([bench.SeqChunk(torch.tensor([5, 6]), 0, torch.arange(2), 0)], cache)
+    assert out.logits.shape == (1, cfg.vocab_size) and out.logits.isfinite().all()
+
+
 def test_engine_section_runs_on_cpu(capsys):
     """`bench.py engine` on the tiny model: a rate for each batch and sampling (no fast step on a CPU)."""
     with torch.inference_mode():
