@@ -307,52 +307,35 @@ def race(x: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
 
 
 def draw_on_device(logits: torch.Tensor, params: Seq[SamplingParams], prompt_ids: Seq[torch.Tensor],
-                   output_ids: Seq[torch.Tensor | list[int]], generators: Seq[torch.Generator]) -> torch.Tensor | None:
-    """sample_rows' tokens as an int64 tensor [N] on the logits' device, for a batch whose draw needs no
-    decision on the host: no row cut by top_k or top_p (the argmax, or the race over whole rows); None for
-    any other batch. Nothing is read back, so more work can queue behind the draw (Engine._launch_ahead)."""
+                   output_ids: Seq[torch.Tensor | list[int]], generators: Seq[torch.Generator],
+                   kernel: bool | None = None) -> torch.Tensor:
+    """One token per row of fp32 [N, vocab] logits, as an int64 tensor [N] on their device:
+    race(process_rows(...), race_noise(...)), the argmax at temperature 0, a draw from the filtered softmax
+    with the row's generator otherwise (so a seeded request draws the same tokens whatever else is in the
+    batch). Nothing is read back, so more work can queue behind the draw (Engine._launch_ahead).
+
+    With kernel (default: on a GPU) a batch with a row cut by top_k or top_p is drawn by kernels.sample_race
+    without process_rows' sort of the whole vocabulary: such a row races among its most likely tokens
+    (its top_k, or TOP_P_CANDIDATES for top_p alone), and over its whole row where its kept set may reach
+    past them. A batch without such rows races over whole rows in torch (the kernel's one program a row
+    streams them slower: 337 against ~200 us at batch 1 on the H200)."""
     if all(p.temperature == 0 and not p.penalizes for p in params):
         return logits.argmax(-1)  # what the filters would give: none removes the most likely token
-    V = logits.shape[1]
-    if any(0 < p.top_k < V or p.top_p < 1.0 for p in params):
-        return None
     x = penalized_rows(logits, params, prompt_ids, output_ids)
-    return race(filter_rows(x, params), race_noise(params, generators, V, x.device))
+    V = x.shape[1]
+    noise = race_noise(params, generators, V, x.device)
+    cut = [p.top_k if 0 < p.top_k < V else TOP_P_CANDIDATES for p in params if 0 < p.top_k < V or p.top_p < 1.0]
+    c = min(V, 1 + max(cut, default=0))
+    if cut and (x.is_cuda if kernel is None else kernel) and c <= kernels.SAMPLE_MAX_CANDIDATES:
+        return kernels.sample_race(x, noise, SamplingColumns.of(params, V, x.device).cols, c)
+    return race(filter_rows(x, params), noise)
 
 
 def sample_rows(logits: torch.Tensor, params: Seq[SamplingParams], prompt_ids: Seq[torch.Tensor],
                 output_ids: Seq[torch.Tensor | list[int]], generators: Seq[torch.Generator],
                 kernel: bool | None = None) -> list[int]:
-    """One token per row of fp32 [N, vocab] logits: race(process_rows(...), race_noise(...)), the argmax at
-    temperature 0, a draw from the filtered softmax with the row's generator otherwise (so a seeded
-    request draws the same tokens whatever else is in the batch).
-
-    With kernel (default: on a GPU) a batch with a row cut by top_k or top_p is drawn in one launch
-    (kernels.sample_race) without process_rows' sort of the whole vocabulary: such a row races among its
-    most likely tokens, which hold its kept set unless a tie with its k-th value reaches past them
-    (top_k) or their mass falls short of top_p (top_p alone, TOP_P_CANDIDATES of them); such a row is
-    drawn again here over its whole row, with the same noise. A batch without such rows races over whole
-    rows in torch (draw_on_device; the kernel's one program a row streams them slower: 337 against ~200 us
-    at batch 1 on the H200). One device sync a batch (two when a row is drawn again)."""
-    drawn = draw_on_device(logits, params, prompt_ids, output_ids, generators)
-    if drawn is not None:
-        return drawn.tolist()
-    x = penalized_rows(logits, params, prompt_ids, output_ids)
-    N, V = x.shape
-    noise = race_noise(params, generators, V, x.device)
-    cut = [p.top_k if 0 < p.top_k < V else TOP_P_CANDIDATES for p in params if 0 < p.top_k < V or p.top_p < 1.0]
-    c = min(V, 1 + max(cut, default=0))
-    if cut and (x.is_cuda if kernel is None else kernel) and c <= kernels.SAMPLE_MAX_CANDIDATES:
-        tokens = kernels.sample_race(x, noise, SamplingColumns.of(params, V, x.device).cols, c).tolist()
-    else:
-        tokens = [-1] * N
-    redo = [i for i, t in enumerate(tokens) if t < 0]
-    if redo:
-        rows = x if len(redo) == N else x[redo]  # (an index is a copy and a launch)
-        again = race(filter_rows(rows, [params[i] for i in redo]), noise if len(redo) == N else noise[redo])
-        for i, t in zip(redo, again.tolist()):
-            tokens[i] = t
-    return tokens
+    """draw_on_device's tokens, read back (one device sync)."""
+    return draw_on_device(logits, params, prompt_ids, output_ids, generators, kernel).tolist()
 
 
 def sample(logits: torch.Tensor, p: SamplingParams, prompt_ids: torch.Tensor, output_ids: torch.Tensor,
@@ -1158,28 +1141,25 @@ class Engine:
 
     def _sample(self, done: list[tuple[Sequence, int]], logits: torch.Tensor) -> list[RequestOutput]:
         """The next token of each (sequence, its logits row) whose prompt and tokens are all computed, in
-        one batched pass (sample_rows): one device sync for the batch, not a filter pass and a sync per
-        sequence. A draw that needs no decision on the host (draw_on_device) may have the next step
-        launched behind it before the tokens are read (_launch_ahead)."""
+        one batched draw (draw_on_device): one device sync for the batch, not a filter pass and a sync per
+        sequence. The next step may be launched behind the draw before its tokens are read (_launch_ahead)."""
         if not done:
             return []
         at = [i for _, i in done]
         rows = logits if at == list(range(len(logits))) else logits[fastdecode.to_device(at, logits.device)]
         args = ([seq.params for seq, _ in done], [seq.prompt_tensor for seq, _ in done],
                 [seq.output_ids for seq, _ in done], [seq.generator for seq, _ in done])
-        drawn = draw_on_device(rows, *args)
-        if drawn is None:
-            tokens = sample_rows(rows, *args, kernel=self.use_kernels and rows.is_cuda)
-        else:  # read back in stream order before the step launched ahead, which would otherwise come first
-            host = torch.empty(drawn.shape, dtype=drawn.dtype, pin_memory=drawn.is_cuda)
-            host.copy_(drawn, non_blocking=True)
-            read = torch.cuda.Event() if drawn.is_cuda else None
-            if read is not None:
-                read.record()
-            self.ahead = self._launch_ahead(done, drawn)
-            if read is not None:
-                read.synchronize()
-            tokens = host.tolist()
+        drawn = draw_on_device(rows, *args, kernel=self.use_kernels and rows.is_cuda)
+        # read back in stream order before the step launched ahead, which would otherwise come first
+        host = torch.empty(drawn.shape, dtype=drawn.dtype, pin_memory=drawn.is_cuda)
+        host.copy_(drawn, non_blocking=True)
+        read = torch.cuda.Event() if drawn.is_cuda else None
+        if read is not None:
+            read.record()
+        self.ahead = self._launch_ahead(done, drawn)
+        if read is not None:
+            read.synchronize()
+        tokens = host.tolist()
         outputs = []
         for (seq, _), token, row in zip(done, tokens, rows):
             lp = self._append(seq, token, row)

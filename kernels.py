@@ -15,7 +15,8 @@ the 24 mixing dot products, Sinkhorn, the collapse and the sub-layer's RMSNorm; 
 `swiglu` (§4.5's clamped SwiGLU: `swiglu`);
 `moe_route` (the router GEMV, sigmoid, top-k and weights, §4.5: `route`).
 
-The engine's sampler: `sample_race`, a batch's draw in one launch (twin: engine.process_rows + engine.race).
+The engine's sampler: `sample_race`, a batch's draw on the device in two launches (twin: engine.process_rows +
+engine.race).
 
 This file imports neither exl3.py nor model_glm.py (they sit above it); exl3_kernels.py,
 kda_kernels.py and dsa_kernels.py import a few of its helpers.
@@ -995,7 +996,7 @@ def _tf32_split(x):
 
 
 # ================================================================ sampling: the exponential race over candidates
-# engine.sample_rows' draw in one launch a batch (the twin: engine.process_rows and engine.race, the whole
+# engine.draw_on_device's draw in two launches a batch (the twin: engine.process_rows and engine.race, the whole
 # row filtered, then argmax(x - log noise)). Eager torch pays ~15-20 µs of host time an op on the H200, and
 # the candidate form of the draw is ~35 ops: at batch 1 that was 0.8-1.2 ms a token (`.whl/s19_sample2_ab.py`).
 # A program owns a row: its C most likely tokens come from one torch topk over the batch (sorted), the
@@ -1004,7 +1005,8 @@ def _tf32_split(x):
 # top_k over the whole row, streamed), min_p those within log(min_p) of the top. The token is the kept
 # candidate with the largest x - log noise, noise read at its token id. A row whose kept set may reach past
 # its candidates (a tie with the k-th at the last one; top_p's mass not reached by them) gets -1 and is
-# drawn again by the twin. A row without top_k and top_p races over its whole row, streamed.
+# drawn again over its whole row by a second kernel. A row without top_k and top_p races over its whole
+# row, streamed.
 
 SAMPLE_MAX_CANDIDATES = 2048  # more candidates than this and the batch is drawn by the twin
 SAMPLE_BLOCK_V = 8192  # the whole-row passes' block (the more bytes in flight, the less the loads' latency shows)
@@ -1017,19 +1019,20 @@ def _race_noise_log(e):
 
 
 @triton.jit
-def _row_mass(x_ptr, V, t, top, BV: tl.constexpr):
-    # sum of exp(x / t - top) over the row; top is its largest x / t.
+def _row_mass(x_ptr, V, t, top, above, floor, BV: tl.constexpr):
+    # sum of exp(x / t - top) over the row's x / t > above and >= floor; top is its largest x / t.
     acc = tl.zeros([BV], dtype=tl.float32)
     for start in range(0, V, BV):
         v = start + tl.arange(0, BV)
         xv = tl.math.div_rn(tl.load(x_ptr + v, mask=v < V, other=float("-inf")), t)
-        acc += tl.exp(xv - top)
+        acc += tl.where((xv > above) & (xv >= floor), tl.exp(xv - top), 0.0)
     return tl.sum(acc, 0)
 
 
 @triton.jit
-def _row_race(x_ptr, noise_ptr, V, t, top, log_min_p, BV: tl.constexpr):
-    # argmax over the row of x / t - log noise where x / t - top >= log(min_p); the first of equal scores.
+def _row_race(x_ptr, noise_ptr, V, t, top, log_min_p, floor, BV: tl.constexpr):
+    # argmax over the row of x / t - log noise where x / t - top >= log(min_p) and x / t >= floor; the first
+    # of equal scores.
     # Each lane keeps its own best and the lanes meet once at the end: a reduction a block would stall
     # every block on a barrier, and the loop is bound by the loads' latency as it is.
     best = tl.full([BV], float("-inf"), dtype=tl.float32)
@@ -1038,7 +1041,7 @@ def _row_race(x_ptr, noise_ptr, V, t, top, log_min_p, BV: tl.constexpr):
         v = start + tl.arange(0, BV)
         xv = tl.math.div_rn(tl.load(x_ptr + v, mask=v < V, other=float("-inf")), t)
         e = tl.load(noise_ptr + v, mask=v < V, other=1.0)
-        score = tl.where((xv - top >= log_min_p) & (v < V), xv - _race_noise_log(e), float("-inf"))
+        score = tl.where((xv - top >= log_min_p) & (xv >= floor) & (v < V), xv - _race_noise_log(e), float("-inf"))
         best_i = tl.where(score > best, v, best_i)
         best = tl.maximum(best, score)
     m = tl.max(best, 0)
@@ -1062,7 +1065,7 @@ def _sample_race_kernel(x_ptr, vals_ptr, idx_ptr, noise_ptr, cols_ptr, out_ptr, 
     keep = (vals >= kth) & inside_c
     mass = tl.sum(tl.where(keep, tl.exp(vals - top), 0.0), 0)
     if (k == 0) & (top_p < float("inf")):
-        mass = _row_mass(x_ptr + row * V, V, t, top, BV)
+        mass = _row_mass(x_ptr + row * V, V, t, top, float("-inf"), float("-inf"), BV)
     probs = tl.where(keep, tl.math.div_rn(tl.exp(vals - top), mass), 0.0)
     drop = tl.cumsum(probs, 0) - probs >= top_p
     keep = keep & (drop == 0) & (vals - top >= log_min_p)
@@ -1075,15 +1078,65 @@ def _sample_race_kernel(x_ptr, vals_ptr, idx_ptr, noise_ptr, cols_ptr, out_ptr, 
         token = tl.sum(tl.where(j == tl.argmax(score, 0), idx, 0), 0)
         token = tl.where(inside, token, -1)
     else:
-        token = _row_race(x_ptr + row * V, noise_ptr + row * V, V, t, top, log_min_p, BV)
+        token = _row_race(x_ptr + row * V, noise_ptr + row * V, V, t, top, log_min_p, float("-inf"), BV)
     tl.store(out_ptr + row, token)
+
+
+NEG_INF_KEY = tl.constexpr(-2139095041)  # _float_key(-inf): 0xFF800000 ^ 0x7FFFFFFF as an int32
+
+
+@triton.jit
+def _float_key(x):
+    # fp32 -> int32 in the order of the floats (a negative float's magnitude bits reversed); its own inverse
+    b = x.to(tl.int32, bitcast=True)
+    return tl.where(b < 0, b ^ 0x7FFFFFFF, b)
+
+
+@triton.jit
+def _key_float(key):
+    b = key.to(tl.int32)
+    return tl.where(b < 0, b ^ 0x7FFFFFFF, b).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _sample_rest_kernel(x_ptr, vals_ptr, noise_ptr, cols_ptr, out_ptr, V, C, BV: tl.constexpr):
+    # A row _sample_race_kernel left at -1, drawn over its whole row on the device (no host decision, so
+    # the engine can queue the next step behind the draw); any other row returns at once. Its kept set
+    # is x / t >= floor: top_k's k-th value, raised by top_p to the smallest value v whose row mass above v
+    # stays under top_p (a token is dropped when the mass before it reaches top_p). v is found by bisecting
+    # the floats between -inf and the top in their integer order: at most 32 passes over the row, instead
+    # of the twin's sort. A tie with v keeps every tied token, where the twin keeps those its sort puts first.
+    row = tl.program_id(0).to(tl.int64)
+    if tl.load(out_ptr + row) < 0:
+        t = tl.load(cols_ptr + row * 4)
+        k = tl.load(cols_ptr + row * 4 + 1).to(tl.int32)
+        top_p = tl.load(cols_ptr + row * 4 + 2)
+        log_min_p = tl.load(cols_ptr + row * 4 + 3)
+        top = tl.math.div_rn(tl.load(vals_ptr + row * C), t)
+        floor = tl.math.div_rn(tl.load(vals_ptr + row * C + tl.maximum(k - 1, 0)), t)
+        floor = tl.where(k > 0, floor, float("-inf"))
+        if top_p < float("inf"):
+            mass = _row_mass(x_ptr + row * V, V, t, top, float("-inf"), floor, BV)
+            lo = tl.full((), NEG_INF_KEY, tl.int64)  # all of the mass lies above -inf
+            hi = _float_key(top).to(tl.int64)  # none lies above the top
+            while hi - lo > 1:
+                mid = lo + (hi - lo) // 2
+                above = _row_mass(x_ptr + row * V, V, t, top, _key_float(mid), floor, BV)
+                if tl.math.div_rn(above, mass) >= top_p:
+                    lo = mid
+                else:
+                    hi = mid
+            floor = tl.maximum(floor, _key_float(hi))
+        token = _row_race(x_ptr + row * V, noise_ptr + row * V, V, t, top, log_min_p, floor, BV)
+        tl.store(out_ptr + row, token)
 
 
 def sample_race(x: torch.Tensor, noise: torch.Tensor, cols: torch.Tensor, c: int) -> torch.Tensor:
     """One token per row of fp32 [N, V] logits x (penalties applied, not the temperature): the exponential
     race of the row's kept tokens with noise [N, V] (Exp(1)), under cols [N, 4] fp32 (temperature, 1 at
     temperature 0; top_k, 0 off; top_p, inf off; log(min_p), -inf off), among the row's c most likely
-    tokens when it has top_k or top_p. int64 [N]; -1 where the kept set may reach past the candidates."""
+    tokens when it has top_k or top_p, and over its whole row where the kept set may reach past them
+    (a second launch, which returns at once for the other rows). int64 [N], left on the device."""
     N, V = x.shape
     if x.dtype != torch.float32 or noise.shape != x.shape or cols.shape != (N, 4):
         raise ValueError(f"sample_race: x fp32 [N, V] (got {x.dtype} {list(x.shape)}), noise {list(noise.shape)} "
@@ -1095,4 +1148,5 @@ def sample_race(x: torch.Tensor, noise: torch.Tensor, cols: torch.Tensor, c: int
     out = torch.empty(N, dtype=torch.int64, device=x.device)
     _sample_race_kernel[(N,)](x, vals, idx, noise, cols, out, V, c, BC=max(16, triton.next_power_of_2(c)),
                               BV=SAMPLE_BLOCK_V, num_warps=8)
+    _sample_rest_kernel[(N,)](x, vals, noise, cols, out, V, c, BV=SAMPLE_BLOCK_V, num_warps=8)
     return out

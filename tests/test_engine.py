@@ -152,9 +152,9 @@ def test_sample_rows_draws_what_the_whole_row_race_draws(monkeypatch):
     # sample_rows' kernel (kernels.sample_race) cuts a row among its most likely tokens instead of filtering
     # the whole row; it must draw the token the plain statement draws, race(process_rows, race_noise), with
     # the same generators, in one batch and alone (the twin's path). Rows decided among their candidates: top_p cutting real mass, ties at the
-    # k-th inside, top_p's mass over what top_k kept (not the whole row), min_p; rows drawn again over the
-    # whole row: a flat top_p row (its candidates' mass falls short), ties at the k-th past the
-    # candidates; rows never cut (raced over the whole row): min_p alone, temperature alone, greedy with a
+    # k-th inside, top_p's mass over what top_k kept (not the whole row), min_p; rows the second kernel draws
+    # over the whole row: flat top_p rows (their candidates' mass falls short; one with min_p), ties at the
+    # k-th past the candidates (one with top_p over what top_k kept); rows never cut (raced over the whole row): min_p alone, temperature alone, greedy with a
     # penalty, its top value twice.
     monkeypatch.setattr(E, "TOP_P_CANDIDATES", 8)
     monkeypatch.setattr(kernels, "SAMPLE_BLOCK_V", 16)  # whole rows streamed in four blocks
@@ -165,28 +165,33 @@ def test_sample_rows_draws_what_the_whole_row_race_draws(monkeypatch):
     ties_past = torch.cat([torch.tensor([5.0, 4.0, 3.0, 2.0, 1.0]), torch.zeros(5), -torch.arange(1.0, V - 9)])
     logits = torch.stack([tail([0.5, 0.3, 0.1, 0.05]), ties_inside, tail([0.4, 0.3, 0.2]),
                           tail([0.4, 0.3, 0.1, 0.1, 0.05]), 0.5 * base[0], ties_past, 3 * base[2], base[3],
-                          2 * base[3], (2 * base[1]).round(), ties_inside.index_fill(0, torch.tensor([33, 48]), 5.0)])
+                          2 * base[3], (2 * base[1]).round(), ties_inside.index_fill(0, torch.tensor([33, 48]), 5.0),
+                          ties_past, 0.5 * base[1]])
     logits = logits.to(DEVICE)
     params = [E.SamplingParams(top_p=0.7), E.SamplingParams(top_k=3), E.SamplingParams(top_k=3, top_p=0.75),
               E.SamplingParams(top_p=0.9, min_p=0.3), E.SamplingParams(top_p=0.9),
               E.SamplingParams(temperature=2.0, top_k=6), E.SamplingParams(temperature=1.2, min_p=0.1),
               E.SamplingParams(temperature=0.9), E.SamplingParams(temperature=0, top_k=3, repetition_penalty=1.3),
-              E.SamplingParams(top_k=6, top_p=0.8), E.SamplingParams(temperature=0, repetition_penalty=1.3)]
+              E.SamplingParams(top_k=6, top_p=0.8), E.SamplingParams(temperature=0, repetition_penalty=1.3),
+              E.SamplingParams(temperature=2.0, top_k=6, top_p=0.78),
+              E.SamplingParams(temperature=0.7, top_p=0.95, min_p=0.05)]
     n = len(params)
     prompts, outs = [torch.tensor([1, 2], device=DEVICE)] * n, [[30, 30, 40]] * n
-    redrawn, real_filter = [], E.filter_rows
+    undecided, rest = [], kernels._sample_rest_kernel
 
-    def spy(x, ps):
-        redrawn.append(len(ps))
-        return real_filter(x, ps)
+    class Spy:  # the rows the candidates left to the whole-row kernel (-1 in `out` when it starts)
+        def __getitem__(self, grid):
+            def launch(x, vals, noise, cols, out, *args, **kw):
+                undecided.append((out < 0).nonzero().flatten().tolist())
+                return rest[grid](x, vals, noise, cols, out, *args, **kw)
+            return launch
+    monkeypatch.setattr(kernels, "_sample_rest_kernel", Spy())
     drawn = set()
     for seed in range(40):
         gens = lambda: [torch.Generator(DEVICE).manual_seed(100 * seed + i) for i in range(n)]
-        redrawn.clear()
-        monkeypatch.setattr(E, "filter_rows", spy)
+        undecided.clear()
         got = E.sample_rows(logits, params, prompts, outs, gens(), kernel=True)
-        monkeypatch.setattr(E, "filter_rows", real_filter)
-        assert redrawn == [2], redrawn  # rows 4 and 5, and only those
+        assert undecided == [[4, 5, 11, 12]], undecided
         x = E.process_rows(logits, params, prompts, outs)
         want = E.race(x, E.race_noise(params, gens(), V, x.device)).tolist()
         assert got == want, seed
@@ -195,7 +200,8 @@ def test_sample_rows_draws_what_the_whole_row_race_draws(monkeypatch):
         assert alone == got, seed
         drawn |= {(i, t) for i, t in enumerate(got)}
     kept = lambda i: {t for j, t in drawn if j == i}
-    assert kept(0) == kept(2) == kept(3) == {0, 1} and kept(1) == {0, 1, 2, 3} and len(kept(5)) > 5
+    assert kept(0) == kept(2) == kept(3) == {0, 1} and kept(1) == kept(11) == {0, 1, 2, 3} and len(kept(5)) > 5
+    assert len(kept(4)) > 5 and len(kept(12)) > 5  # (the mass of what top_k kept puts token 4 of row 11 out)
     assert got[8] == int(x[8].argmax()) and got[10] == 0  # its top value at 0, 33, 48 (one lane, another, the same): the first wins
 
 
@@ -360,15 +366,15 @@ def test_score_validates_and_frees(cold):
 
 
 def logits_of(eng: E.Engine, ids: list[int], n: int, monkeypatch) -> tuple[torch.Tensor, E.Result]:
-    """Greedy run of n tokens (top_k=1); returns the logits sampled from [n, vocab] (sample_rows' rows)."""
+    """Greedy run of n tokens (top_k=1); returns the logits sampled from [n, vocab] (draw_on_device's rows)."""
     seen = []
 
     def spy(logits, *args, **kwargs):
         seen.extend(logits.clone())
         return real(logits, *args, **kwargs)
-    real = E.sample_rows
+    real = E.draw_on_device
     with monkeypatch.context() as m:
-        m.setattr(E, "sample_rows", spy)
+        m.setattr(E, "draw_on_device", spy)
         r = eng.generate([ids], E.SamplingParams(top_k=1, max_tokens=n, ignore_eos=True))[0]
     return torch.stack(seen), r
 

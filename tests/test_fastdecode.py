@@ -801,7 +801,7 @@ def test_engine_sends_decode_tokens_to_the_fast_step():
 
 def test_engine_launching_steps_ahead_changes_no_output():
     """Engine._launch_ahead puts the next decode step behind a draw the host has not read. The same script
-    of requests (greedy and seeded temperature sampling, different lengths, steps that need a new block, a
+    of requests (greedy, seeded temperature sampling and top_p, different lengths, steps that need a new block, a
     stop token that wastes a launched row, also of the only sequence, a request that arrives and one
     cancelled while a step is ahead) gives the same outputs with it as without it, launches steps ahead,
     and leaves nothing behind."""
@@ -812,6 +812,7 @@ def test_engine_launching_steps_ahead_changes_no_output():
     tok = make_tokenizer(model.config.vocab_size)
     greedy = E.SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)
     warm = E.SamplingParams(temperature=0.8, max_tokens=5, ignore_eos=True, seed=3)
+    nucleus = E.SamplingParams(temperature=1.0, top_p=0.9, max_tokens=5, ignore_eos=True, seed=5)
 
     def run(ahead: bool) -> tuple[list, int]:
         eng = E.Engine(model, tok, eos_token_ids=[1], num_blocks=16, block_size=16, max_num_seqs=3)
@@ -825,7 +826,7 @@ def test_engine_launching_steps_ahead_changes_no_output():
         eng.add_request(prompt(3, 12), greedy, "cancelled")
         for i in range(9):
             if i == 3:
-                eng.add_request(prompt(4, 5), warm, "late")
+                eng.add_request(prompt(4, 5), nucleus, "late")
             if i == 4:
                 eng.cancel("cancelled")
             events += [(o.request_id, o.token_ids, o.finish_reason) for o in eng.step()]
@@ -870,6 +871,7 @@ def test_engine_queues_the_sampler_behind_the_decode_graph(monkeypatch):
     sampler's kernel must be launched while the graph has not run yet."""
     import engine as E
     eng = E.load(max_cache_tokens=4096, max_num_seqs=2)
+    monkeypatch.setattr(eng, "_launch_ahead", lambda *args: None)  # the steps launched after the host's draw
     rid = eng.add_request(list(range(1, 40)), E.SamplingParams(temperature=1.0, top_p=0.95, max_tokens=8,
                                                                ignore_eos=True, seed=0))
     eng.step(), eng.step()  # the prefill, then a first decode step

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import requests
+import torch
 
 import chat
 import default_model
@@ -210,8 +211,8 @@ def scripted(server, monkeypatch):
 
     def use(text: str):
         ids = tok.encode(text, add_special_tokens=False).ids + [tok.token_to_id("<|observation|>")]
-        monkeypatch.setattr(engine_mod, "sample_rows",
-                            lambda logits, params, prompts, outs, gens, kernel: [ids[min(len(out), len(ids) - 1)] for out in outs])
+        monkeypatch.setattr(engine_mod, "draw_on_device", lambda logits, params, prompts, outs, gens, kernel:
+                            torch.tensor([ids[min(len(out), len(ids) - 1)] for out in outs], device=logits.device))
     return use
 
 
