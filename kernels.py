@@ -1019,13 +1019,24 @@ def _race_noise_log(e):
 
 
 @triton.jit
-def _row_mass(x_ptr, V, t, top, above, floor, BV: tl.constexpr):
-    # sum of exp(x / t - top) over the row's x / t > above and >= floor; top is its largest x / t.
+def _row_mass(x_ptr, V, t, top, BV: tl.constexpr):
+    # sum of exp(x / t - top) over the row; top is its largest x / t.
     acc = tl.zeros([BV], dtype=tl.float32)
     for start in range(0, V, BV):
         v = start + tl.arange(0, BV)
         xv = tl.math.div_rn(tl.load(x_ptr + v, mask=v < V, other=float("-inf")), t)
-        acc += tl.where((xv > above) & (xv >= floor), tl.exp(xv - top), 0.0)
+        acc += tl.exp(xv - top)
+    return tl.sum(acc, 0)
+
+
+@triton.jit
+def _mass_above(y_ptr, V, top, above, floor, BV: tl.constexpr):
+    # sum of exp(y - top) over the row's y = x / t (already divided) > above and >= floor.
+    acc = tl.zeros([BV], dtype=tl.float32)
+    for start in range(0, V, BV):
+        v = start + tl.arange(0, BV)
+        y = tl.load(y_ptr + v, mask=v < V, other=float("-inf"))
+        acc += tl.where((y > above) & (y >= floor), tl.exp(y - top), 0.0)
     return tl.sum(acc, 0)
 
 
@@ -1065,7 +1076,7 @@ def _sample_race_kernel(x_ptr, vals_ptr, idx_ptr, noise_ptr, cols_ptr, out_ptr, 
     keep = (vals >= kth) & inside_c
     mass = tl.sum(tl.where(keep, tl.exp(vals - top), 0.0), 0)
     if (k == 0) & (top_p < float("inf")):
-        mass = _row_mass(x_ptr + row * V, V, t, top, float("-inf"), float("-inf"), BV)
+        mass = _row_mass(x_ptr + row * V, V, t, top, BV)
     probs = tl.where(keep, tl.math.div_rn(tl.exp(vals - top), mass), 0.0)
     drop = tl.cumsum(probs, 0) - probs >= top_p
     keep = keep & (drop == 0) & (vals - top >= log_min_p)
@@ -1099,13 +1110,14 @@ def _key_float(key):
 
 
 @triton.jit
-def _sample_rest_kernel(x_ptr, vals_ptr, noise_ptr, cols_ptr, out_ptr, V, C, BV: tl.constexpr):
+def _sample_rest_kernel(x_ptr, y_ptr, vals_ptr, noise_ptr, cols_ptr, out_ptr, V, C, BV: tl.constexpr):
     # A row _sample_race_kernel left at -1, drawn over its whole row on the device (no host decision, so
     # the engine can queue the next step behind the draw); any other row returns at once. Its kept set
     # is x / t >= floor: top_k's k-th value, raised by top_p to the smallest value v whose row mass above v
     # stays under top_p (a token is dropped when the mass before it reaches top_p). v is found by bisecting
-    # the floats between -inf and the top in their integer order: at most 32 passes over the row, instead
-    # of the twin's sort. A tie with v keeps every tied token, where the twin keeps those its sort puts first.
+    # the floats between -inf and the top in their integer order: at most 32 passes over the row divided
+    # once into y_ptr (the division is most of a pass's work), instead of the twin's sort. A tie with v keeps
+    # every tied token, where the twin keeps those its sort puts first.
     row = tl.program_id(0).to(tl.int64)
     if tl.load(out_ptr + row) < 0:
         t = tl.load(cols_ptr + row * 4)
@@ -1116,12 +1128,19 @@ def _sample_rest_kernel(x_ptr, vals_ptr, noise_ptr, cols_ptr, out_ptr, V, C, BV:
         floor = tl.math.div_rn(tl.load(vals_ptr + row * C + tl.maximum(k - 1, 0)), t)
         floor = tl.where(k > 0, floor, float("-inf"))
         if top_p < float("inf"):
-            mass = _row_mass(x_ptr + row * V, V, t, top, float("-inf"), floor, BV)
+            acc = tl.zeros([BV], dtype=tl.float32)
+            for start in range(0, V, BV):
+                v = start + tl.arange(0, BV)
+                y = tl.math.div_rn(tl.load(x_ptr + row * V + v, mask=v < V, other=float("-inf")), t)
+                tl.store(y_ptr + row * V + v, y, mask=v < V)
+                acc += tl.where(y >= floor, tl.exp(y - top), 0.0)
+            mass = tl.sum(acc, 0)
+            tl.debug_barrier()  # the passes below read what other threads of the program stored
             lo = tl.full((), NEG_INF_KEY, tl.int64)  # all of the mass lies above -inf
             hi = _float_key(top).to(tl.int64)  # none lies above the top
             while hi - lo > 1:
                 mid = lo + (hi - lo) // 2
-                above = _row_mass(x_ptr + row * V, V, t, top, _key_float(mid), floor, BV)
+                above = _mass_above(y_ptr + row * V, V, top, _key_float(mid), floor, BV)
                 if tl.math.div_rn(above, mass) >= top_p:
                     lo = mid
                 else:
@@ -1148,5 +1167,5 @@ def sample_race(x: torch.Tensor, noise: torch.Tensor, cols: torch.Tensor, c: int
     out = torch.empty(N, dtype=torch.int64, device=x.device)
     _sample_race_kernel[(N,)](x, vals, idx, noise, cols, out, V, c, BC=max(16, triton.next_power_of_2(c)),
                               BV=SAMPLE_BLOCK_V, num_warps=8)
-    _sample_rest_kernel[(N,)](x, vals, noise, cols, out, V, c, BV=SAMPLE_BLOCK_V, num_warps=8)
+    _sample_rest_kernel[(N,)](x, torch.empty_like(x), vals, noise, cols, out, V, c, BV=SAMPLE_BLOCK_V, num_warps=8)
     return out

@@ -181,9 +181,9 @@ def test_sample_rows_draws_what_the_whole_row_race_draws(monkeypatch):
 
     class Spy:  # the rows the candidates left to the whole-row kernel (-1 in `out` when it starts)
         def __getitem__(self, grid):
-            def launch(x, vals, noise, cols, out, *args, **kw):
+            def launch(x, y, vals, noise, cols, out, *args, **kw):
                 undecided.append((out < 0).nonzero().flatten().tolist())
-                return rest[grid](x, vals, noise, cols, out, *args, **kw)
+                return rest[grid](x, y, vals, noise, cols, out, *args, **kw)
             return launch
     monkeypatch.setattr(kernels, "_sample_rest_kernel", Spy())
     drawn = set()
