@@ -1167,5 +1167,5 @@ def sample_race(x: torch.Tensor, noise: torch.Tensor, cols: torch.Tensor, c: int
     out = torch.empty(N, dtype=torch.int64, device=x.device)
     _sample_race_kernel[(N,)](x, vals, idx, noise, cols, out, V, c, BC=max(16, triton.next_power_of_2(c)),
                               BV=SAMPLE_BLOCK_V, num_warps=8)
-    _sample_rest_kernel[(N,)](x, torch.empty_like(x), vals, noise, cols, out, V, c, BV=SAMPLE_BLOCK_V, num_warps=8)
+    _sample_rest_kernel[(N,)](x, torch.empty_like(x), vals, noise, cols, out, V, c, BV=SAMPLE_BLOCK_V, num_warps=16)
     return out
