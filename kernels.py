@@ -1030,14 +1030,20 @@ def _row_mass(x_ptr, V, t, top, BV: tl.constexpr):
 
 
 @triton.jit
-def _mass_above(y_ptr, V, top, above, floor, BV: tl.constexpr):
-    # sum of exp(y - top) over the row's y = x / t (already divided) > above and >= floor.
+def _mass_split(y_ptr, V, top, mid, floor, BV: tl.constexpr):
+    # Over the row's y = x / t (already divided) >= floor: the sum of exp(y - top) over y > mid, the largest
+    # y <= mid and the smallest y > mid (-inf / inf where there is none).
     acc = tl.zeros([BV], dtype=tl.float32)
+    below = tl.full([BV], float("-inf"), dtype=tl.float32)
+    above = tl.full([BV], float("inf"), dtype=tl.float32)
     for start in range(0, V, BV):
         v = start + tl.arange(0, BV)
         y = tl.load(y_ptr + v, mask=v < V, other=float("-inf"))
-        acc += tl.where((y > above) & (y >= floor), tl.exp(y - top), 0.0)
-    return tl.sum(acc, 0)
+        kept = y >= floor
+        acc += tl.where(kept & (y > mid), tl.exp(y - top), 0.0)
+        below = tl.maximum(below, tl.where(kept & (y <= mid), y, float("-inf")))
+        above = tl.minimum(above, tl.where(kept & (y > mid), y, float("inf")))
+    return tl.sum(acc, 0), tl.max(below, 0), tl.min(above, 0)
 
 
 @triton.jit
@@ -1112,12 +1118,14 @@ def _key_float(key):
 @triton.jit
 def _sample_rest_kernel(x_ptr, y_ptr, vals_ptr, noise_ptr, cols_ptr, out_ptr, V, C, BV: tl.constexpr):
     # A row _sample_race_kernel left at -1, drawn over its whole row on the device (no host decision, so
-    # the engine can queue the next step behind the draw); any other row returns at once. Its kept set
-    # is x / t >= floor: top_k's k-th value, raised by top_p to the smallest value v whose row mass above v
-    # stays under top_p (a token is dropped when the mass before it reaches top_p). v is found by bisecting
-    # the floats between -inf and the top in their integer order: at most 32 passes over the row divided
-    # once into y_ptr (the division is most of a pass's work), instead of the twin's sort. A tie with v keeps
-    # every tied token, where the twin keeps those its sort puts first.
+    # the engine can queue the next step behind the draw); any other row returns at once. Its kept set is
+    # y = x / t >= floor: top_k's k-th value, raised by top_p to the smallest y whose row mass above it
+    # stays under top_p (a token is dropped when the mass before it reaches top_p). That y lies in
+    # (lo, hi]: the mass above lo reaches top_p, above hi it does not. Each pass over the row (divided once
+    # into y_ptr) tries a point between them, by the masses' linear interpolation, or their middle in the
+    # floats' integer order when the last try did not halve the interval, and moves lo or hi onto the row's
+    # values next to it: a few passes for a smooth row, at most 64, instead of the twin's sort. A tie at the
+    # boundary keeps every tied token, where the twin keeps those its sort puts first.
     row = tl.program_id(0).to(tl.int64)
     if tl.load(out_ptr + row) < 0:
         t = tl.load(cols_ptr + row * 4)
@@ -1136,15 +1144,26 @@ def _sample_rest_kernel(x_ptr, y_ptr, vals_ptr, noise_ptr, cols_ptr, out_ptr, V,
                 acc += tl.where(y >= floor, tl.exp(y - top), 0.0)
             mass = tl.sum(acc, 0)
             tl.debug_barrier()  # the passes below read what other threads of the program stored
-            lo = tl.full((), NEG_INF_KEY, tl.int64)  # all of the mass lies above -inf
-            hi = _float_key(top).to(tl.int64)  # none lies above the top
+            # exp(y - top) is 0 in fp32 below top - 104: all of the mass lies above top - 128
+            lo_v, hi_v, f_lo, f_hi = top - 128.0, top, 1.0, 0.0
+            lo, hi = _float_key(lo_v).to(tl.int64), _float_key(hi_v).to(tl.int64)
+            halve = False
             while hi - lo > 1:
-                mid = lo + (hi - lo) // 2
-                above = _mass_above(y_ptr + row * V, V, top, _key_float(mid), floor, BV)
-                if tl.math.div_rn(above, mass) >= top_p:
-                    lo = mid
+                if halve:
+                    mid = lo + (hi - lo) // 2
                 else:
-                    hi = mid
+                    guess = lo_v + (hi_v - lo_v) * ((f_lo - top_p) / (f_lo - f_hi))
+                    mid = tl.minimum(tl.maximum(_float_key(guess).to(tl.int64), lo + 1), hi - 1)
+                width = hi - lo
+                above_mid, below, above = _mass_split(y_ptr + row * V, V, top, _key_float(mid), floor, BV)
+                f = tl.math.div_rn(above_mid, mass)
+                if f >= top_p:  # the boundary lies above mid, at the row's next value or higher
+                    lo = _float_key(above).to(tl.int64) - 1
+                    lo_v, f_lo = _key_float(lo), f
+                else:  # at mid or below, at the row's value next to it or lower
+                    hi = _float_key(below).to(tl.int64)
+                    hi_v, f_hi = below, f
+                halve = 2 * (hi - lo) > width
             floor = tl.maximum(floor, _key_float(hi))
         token = _row_race(x_ptr + row * V, noise_ptr + row * V, V, t, top, log_min_p, floor, BV)
         tl.store(out_ptr + row, token)

@@ -205,6 +205,26 @@ def test_sample_rows_draws_what_the_whole_row_race_draws(monkeypatch):
     assert got[8] == int(x[8].argmax()) and got[10] == 0  # its top value at 0, 33, 48 (one lane, another, the same): the first wins
 
 
+def test_the_whole_row_kernel_finds_top_ps_boundary_on_long_rows(monkeypatch):
+    # kernels._sample_rest_kernel searches the row's values for top_p's boundary (no sort): on rows far past
+    # their candidates, of several shapes (flat, heavy-tailed, six levels of 1e-4-apart values, a near-point mass),
+    # each top_p keeps the twin's set: the same draws over many seeds.
+    monkeypatch.setattr(E, "TOP_P_CANDIDATES", 4)
+    V = 3000
+    g = torch.Generator().manual_seed(5)
+    rows = torch.stack([torch.randn(V, generator=g), 3 * torch.randn(V, generator=g).exp().neg(),
+                        torch.randint(0, 6, (V,), generator=g).float() / 2 + torch.arange(V) * 1e-4,
+                        torch.cat([torch.tensor([9.0]), torch.randn(V - 1, generator=g)])]).to(DEVICE)
+    for top_p in (0.3, 0.9, 0.999):
+        params = [E.SamplingParams(temperature=0.8, top_p=top_p)] * len(rows)
+        ids = [torch.zeros(0, dtype=torch.long, device=DEVICE)] * len(rows)
+        x = E.process_rows(rows, params, ids, [[]] * len(rows))
+        for seed in range(6):
+            gens = lambda: [torch.Generator(DEVICE).manual_seed(10 * seed + i) for i in range(len(rows))]
+            got = E.sample_rows(rows, params, ids, [[]] * len(rows), gens(), kernel=True)
+            assert got == E.race(x, E.race_noise(params, gens(), V, x.device)).tolist(), (top_p, seed)
+
+
 def test_sampling_follows_the_distribution_and_the_seed():
     logits = torch.log(torch.tensor([0.6, 0.3, 0.1]))
     empty = torch.zeros(0, dtype=torch.long)
