@@ -1223,6 +1223,16 @@ def run_kda(args) -> None:
 
 # ================================================================ command line
 
+def _synthetic_model_args(p: argparse.ArgumentParser) -> None:
+    """The synthetic model's options, the same for `model` and `engine`."""
+    p.add_argument("--tiny", action="store_true", help="the tests' tiny config (CPU smoke run)")
+    p.add_argument("--layers", type=int, default=None, help="first N layers only (default: all 45)")
+    p.add_argument("--bits", type=float, default=3.25, help="3.25 (K3/K4 mix) or an integer K")
+    p.add_argument("--core", choices=("fp8", "bf16"), default="fp8")
+    p.add_argument("--reserve-gb", type=float, default=8.0, help="GPU memory kept for activations")
+    p.add_argument("--seed", type=int, default=0)
+
+
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -1231,20 +1241,15 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     where.add_argument("--device", default=None, help="one device (default cuda)")
     where.add_argument("--devices", default=None,
                        help="e.g. cuda:0,cuda:1: the layers split over them (placement.py); no CUDA graphs then")
-    m.add_argument("--tiny", action="store_true", help="the tests' tiny config (CPU smoke run)")
-    m.add_argument("--layers", type=int, default=None, help="first N layers only (default: all 45)")
-    m.add_argument("--bits", type=float, default=3.25, help="3.25 (K3/K4 mix) or an integer K")
-    m.add_argument("--core", choices=("fp8", "bf16"), default="fp8")
+    _synthetic_model_args(m)
     m.add_argument("--steps", type=int, default=8, help="timed decode steps per batch size")
     m.add_argument("--context", type=int, default=1024, help="context already in the cache for decode")
     m.add_argument("--long-context", type=int, default=131072)
     m.add_argument("--prefill-chunk", type=int, default=8192, help="tokens per prefill forward (the engine's max_batch_tokens, whose default is the same)")
     m.add_argument("--max-batch", type=int, default=16)
-    m.add_argument("--reserve-gb", type=float, default=8.0, help="GPU memory kept for activations")
     m.add_argument("--budget", type=float, default=240.0,
                    help="seconds of timed sections, counted once the model is built and its graphs captured; "
                         "later sections are skipped past it")
-    m.add_argument("--seed", type=int, default=0)
     m.add_argument("--reference", action="store_true",
                    help="every step through model_glm's reference path (no fast decode step, no CUDA graphs)")
     m.add_argument("--kl-steps", type=int, default=4, help="decode steps compared between fast and reference")
@@ -1258,15 +1263,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     e.add_argument("--codebook", default="mcg", choices=exl3.CODEBOOKS)
     g = sub.add_parser("engine", help="synthetic model: Engine.step() in steady decode against the bare fast step")
     g.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    g.add_argument("--tiny", action="store_true", help="the tests' tiny config (CPU smoke run)")
-    g.add_argument("--layers", type=int, default=None, help="first N layers only (default: all 45)")
-    g.add_argument("--bits", type=float, default=3.25, help="3.25 (K3/K4 mix) or an integer K")
-    g.add_argument("--core", choices=("fp8", "bf16"), default="fp8")
+    _synthetic_model_args(g)
     g.add_argument("--batch", type=int, nargs="+", default=[1, 4])
     g.add_argument("--context", type=int, default=1024, help="prompt tokens of each request")
     g.add_argument("--tokens", type=int, default=48, help="generated tokens of each request")
-    g.add_argument("--reserve-gb", type=float, default=8.0, help="GPU memory kept for activations")
-    g.add_argument("--seed", type=int, default=0)
     sp = sub.add_parser("speculative", help="the default model at batch 1: plain vs MTP vs DFlash2 speculative decoding")
     sp.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     sp.add_argument("--draft-tokens", type=int, default=None, help="fixed drafts per step (default: adaptive)")
@@ -1294,7 +1294,7 @@ def run_engine(args) -> None:
     back (decode_rate over the engine's own graphs). The median step after every prompt is in."""
     import engine
     from tokenizers import Tokenizer, models
-    (device,) = placement.parse_devices([args.device or "cuda"])
+    (device,) = placement.parse_devices([args.device])
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     cfg = model_config(args.layers, args.tiny)
     bits = layer_bits(cfg, args.bits)

@@ -1099,9 +1099,6 @@ def _sample_race_kernel(x_ptr, vals_ptr, idx_ptr, noise_ptr, cols_ptr, out_ptr, 
     tl.store(out_ptr + row, token)
 
 
-NEG_INF_KEY = tl.constexpr(-2139095041)  # _float_key(-inf): 0xFF800000 ^ 0x7FFFFFFF as an int32
-
-
 @triton.jit
 def _float_key(x):
     # fp32 -> int32 in the order of the floats (a negative float's magnitude bits reversed); its own inverse
