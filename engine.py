@@ -344,10 +344,23 @@ def sample(logits: torch.Tensor, p: SamplingParams, prompt_ids: torch.Tensor, ou
     return sample_rows(logits[None], [p], [prompt_ids], [output_ids], [generator])[0]
 
 
-def token_logprobs(logits: torch.Tensor, token: int, n: int) -> TokenLogprob:
+def logprob_rows(logits: torch.Tensor, tokens: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
+    """For rows of [N, vocab] logits and their tokens [N], on the logits' device (nothing read back): each
+    token's log-probability [N], and the ids and log-probabilities of each row's n most likely tokens [N, n]."""
     lp = torch.log_softmax(logits.float(), -1)
-    top = torch.topk(lp, min(n, lp.numel()))
-    return TokenLogprob(token, float(lp[token]), list(zip(top.indices.tolist(), top.values.tolist())))
+    top = torch.topk(lp, min(n, lp.shape[-1]), -1)
+    return lp.gather(1, tokens[:, None])[:, 0], top.indices, top.values
+
+
+def read_logprob(token: int, chosen: torch.Tensor, ids: torch.Tensor, values: torch.Tensor, n: int) -> TokenLogprob:
+    """One row of logprob_rows as a TokenLogprob, its first n most likely tokens."""
+    return TokenLogprob(token, float(chosen), list(zip(ids[:n].tolist(), values[:n].tolist())))
+
+
+def token_logprobs(logits: torch.Tensor, token: int, n: int) -> TokenLogprob:
+    """logprob_rows for one row of [vocab] logits."""
+    rows = logprob_rows(logits[None], torch.tensor([token], device=logits.device), n)
+    return read_logprob(token, *(r[0] for r in rows), n)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -922,7 +935,7 @@ class Engine:
             return None
         last = lambda seq: len(seq.token_ids) + 1 >= self.max_model_len or (
             seq.params.max_tokens is not None and len(seq.output_ids) + 1 >= seq.params.max_tokens)
-        if any(last(seq) or seq.params.logprobs is not None for seq in seqs):  # (logprobs read the logits)
+        if any(last(seq) for seq in seqs):
             return None
         need = [self._blocks_needed(seq, seq.num_computed + 1) for seq in seqs]
         if sum(need) > self.blocks.num_free():
@@ -1017,12 +1030,13 @@ class Engine:
 
     def _emit(self, seq: Sequence, tokens: list[int], logits: torch.Tensor) -> RequestOutput:
         """Append tokens until one finishes the request (the rest are dropped); one output for all."""
-        lps = []
+        n, lps = seq.params.logprobs, []
         for token, row in zip(tokens, logits):
-            lps.append(self._append(seq, token, row))
+            self._append(seq, token)
+            lps.append(token_logprobs(row, token, n) if n is not None else None)
             if seq.finish_reason is not None:
                 break
-        return self._output(seq, tokens[:len(lps)], lps if seq.params.logprobs is not None else None)
+        return self._output(seq, tokens[:len(lps)], lps if n is not None else None)
 
     def _schedule(self) -> list[tuple[Sequence, int]]:
         """Pick (sequence, number of new tokens) pairs: running first, then admissions."""
@@ -1150,31 +1164,36 @@ class Engine:
         args = ([seq.params for seq, _ in done], [seq.prompt_tensor for seq, _ in done],
                 [seq.output_ids for seq, _ in done], [seq.generator for seq, _ in done])
         drawn = draw_on_device(rows, *args, kernel=self.use_kernels and rows.is_cuda)
+        asked = [j for j, (seq, _) in enumerate(done) if seq.params.logprobs is not None]
+        queued = [drawn]
+        if asked:  # the logprobs too, so that nothing reads these logits after the next step is launched
+            pick = slice(None) if len(asked) == len(done) else fastdecode.to_device(asked, rows.device)
+            queued += logprob_rows(rows[pick], drawn[pick], max(done[j][0].params.logprobs for j in asked))
         # read back in stream order before the step launched ahead, which would otherwise come first
-        host = torch.empty(drawn.shape, dtype=drawn.dtype, pin_memory=drawn.is_cuda)
-        host.copy_(drawn, non_blocking=True)
+        host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda).copy_(t, non_blocking=True) for t in queued]
         read = torch.cuda.Event() if drawn.is_cuda else None
         if read is not None:
             read.record()
         self.ahead = self._launch_ahead(done, drawn)
         if read is not None:
             read.synchronize()
-        tokens = host.tolist()
+        tokens = host[0].tolist()
+        lps = {j: read_logprob(tokens[j], *(h[a] for h in host[1:]), done[j][0].params.logprobs)
+               for a, j in enumerate(asked)}
         outputs = []
-        for (seq, _), token, row in zip(done, tokens, rows):
-            lp = self._append(seq, token, row)
-            outputs.append(self._output(seq, [token], [lp] if lp is not None else None))
+        for j, ((seq, _), token) in enumerate(zip(done, tokens)):
+            self._append(seq, token)
+            outputs.append(self._output(seq, [token], [lps[j]] if j in lps else None))
         if self.ahead is not None and all(seq.finish_reason is not None for seq, _ in self.ahead.batch):
             self.ahead = None  # every sequence it decodes has stopped
         return outputs
 
-    def _append(self, seq: Sequence, token: int, logits: torch.Tensor) -> TokenLogprob | None:
-        """Add one generated token: detokenize, check stops and limits; its logprob if asked for."""
+    def _append(self, seq: Sequence, token: int) -> None:
+        """Add one generated token: detokenize, check stops and limits."""
         p = seq.params
         seq.token_ids.append(token)
         seq.outputs.append(token)
         self.counters["tokens_generated"] += 1
-        lp = token_logprobs(logits, token, p.logprobs) if p.logprobs is not None else None
         if token in seq.stop_ids:
             self._finish(seq, "stop")
         else:
@@ -1187,7 +1206,6 @@ class Engine:
                 self._finish(seq, "stop")
             elif len(seq.output_ids) == p.max_tokens or len(seq.token_ids) >= self.max_model_len:
                 self._finish(seq, "length")
-        return lp
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.finish_reason = reason

@@ -438,10 +438,16 @@ def test_logprobs_report_the_model_distribution(cold, monkeypatch):
     logits, r_top1 = logits_of(cold, ids, 3, monkeypatch)
     r = cold.generate([ids], E.SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=5))[0]
     assert r.token_ids == r_top1.token_ids  # the batched argmax path agrees with sample()
-    for row, step, token in zip(logits, r.logprobs, r.token_ids):
-        lp = torch.log_softmax(row, -1)
-        assert step.token_id == token and step.logprob == pytest.approx(lp[token].item(), abs=1e-6)
-        assert [t for t, _ in step.top] == torch.topk(lp, 5).indices.tolist()
+    # in a batch where another request asks for none and one for fewer: each its own row, its own top n
+    batch = cold.generate([prompt(15, 6), ids, ids], [GREEDY] + [E.SamplingParams(
+        temperature=0, max_tokens=3, ignore_eos=True, logprobs=n) for n in (2, 5)])
+    assert batch[0].logprobs is None and batch[2].token_ids == r.token_ids
+    for got, n in ((r, 5), (batch[1], 2), (batch[2], 5)):
+        for row, step, token in zip(logits, got.logprobs, got.token_ids):
+            lp = torch.log_softmax(row, -1)
+            # (a batch's forward rounds its products in another order than one request's: ~1e-6)
+            assert step.token_id == token and step.logprob == pytest.approx(lp[token].item(), abs=1e-5)
+            assert [t for t, _ in step.top] == torch.topk(lp, n).indices.tolist()
 
 
 def test_one_block_shared_prefix_hits(make_engine, cold, monkeypatch):

@@ -801,7 +801,7 @@ def test_engine_sends_decode_tokens_to_the_fast_step():
 
 def test_engine_launching_steps_ahead_changes_no_output():
     """Engine._launch_ahead puts the next decode step behind a draw the host has not read. The same script
-    of requests (greedy, seeded temperature sampling and top_p, different lengths, steps that need a new block, a
+    of requests (greedy, seeded temperature sampling with logprobs, and top_p, different lengths, steps that need a new block, a
     stop token that wastes a launched row, also of the only sequence, a request that arrives and one
     cancelled while a step is ahead) gives the same outputs with it as without it, launches steps ahead,
     and leaves nothing behind."""
@@ -811,7 +811,7 @@ def test_engine_launching_steps_ahead_changes_no_output():
     model = _model(torch.float32)
     tok = make_tokenizer(model.config.vocab_size)
     greedy = E.SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)
-    warm = E.SamplingParams(temperature=0.8, max_tokens=5, ignore_eos=True, seed=3)
+    warm = E.SamplingParams(temperature=0.8, max_tokens=5, ignore_eos=True, seed=3, logprobs=3)
     nucleus = E.SamplingParams(temperature=1.0, top_p=0.9, max_tokens=5, ignore_eos=True, seed=5)
 
     def run(ahead: bool) -> tuple[list, int]:
@@ -838,7 +838,7 @@ def test_engine_launching_steps_ahead_changes_no_output():
         events.append(("alone", alone.token_ids, alone.finish_reason))
         replies = {r: ([t for q, ts, _ in events if q == r for t in ts], [f for q, _, f in events if q == r][-1])
                    for r in ("stops", "cancelled", "late", "alone")}  # (a step ahead can admit "late" a step later)
-        return [(r.token_ids, r.finish_reason) for r in first], replies, sum(a is not None for a in launched)
+        return [(r.token_ids, r.finish_reason, r.logprobs) for r in first], replies, sum(a is not None for a in launched)
 
     *plain, none = run(False)
     *ahead, launched = run(True)
