@@ -925,12 +925,15 @@ class Engine:
 
     def _launch_ahead(self, done: list[tuple[Sequence, int]], drawn: torch.Tensor) -> Ahead | None:
         """The next decode step, launched before the host reads `drawn`, the tokens it decodes, when it is
-        sure to be every running sequence's next token: a fast decode step, nothing waiting to be
-        admitted, none at its length limit, blocks free for all. The GPU then runs it while the host reads
+        sure to be every running sequence's next token: a fast decode step, no seat free for a waiting
+        request, none at its length limit, blocks free for all. The GPU then runs it while the host reads
         the tokens, detokenizes and checks stops, instead of waiting for the host to launch it. A sequence
-        that stops at its token (a stop token or string) wastes its row there."""
+        that stops at its token (a stop token or string) wastes its row there, and a request waiting for
+        its seat is admitted a step later (as in vLLM's asynchronous scheduling: all seats taken, the
+        running sequences' speed before one queued request's first token)."""
         seqs = [seq for seq, _ in done]
-        if (self.fast is None or self.speculator is not None or self.waiting or len(seqs) != len(self.running)
+        admits = self.waiting and len(self.running) < self.max_num_seqs
+        if (self.fast is None or self.speculator is not None or admits or len(seqs) != len(self.running)
                 or any(seq.num_computed != len(seq.token_ids) for seq in self.running)):
             return None
         last = lambda seq: len(seq.token_ids) + 1 >= self.max_model_len or (

@@ -847,6 +847,55 @@ def test_engine_launching_steps_ahead_changes_no_output():
     assert len(tokens) <= 3 and reason == "stop"  # at its 3rd token at the latest
 
 
+def test_engine_launches_ahead_while_a_request_waits_for_a_seat():
+    """With every seat taken a waiting request cannot be admitted at the next step, so that step is
+    launched ahead (the request is admitted a step later than without it); with a seat free it is not.
+    Every reply is the same either way."""
+    import engine as E
+    from test_engine import make_tokenizer, prompt
+
+    model = _model(torch.float32, num_hidden_layers=2, first_k_dense_replace=1)
+    tok = make_tokenizer(model.config.vocab_size)
+    params = [E.SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+              E.SamplingParams(temperature=1.0, top_p=0.9, max_tokens=3, ignore_eos=True, seed=5),
+              E.SamplingParams(temperature=0.8, max_tokens=3, ignore_eos=True, seed=3, logprobs=2)]
+
+    def run(ahead: bool) -> tuple[dict, list]:
+        eng = E.Engine(model, tok, eos_token_ids=[1], num_blocks=8, block_size=16, max_num_seqs=2)
+        eng.fast = fastdecode.FastDecoder(model, eng.cache, max_context=eng.max_model_len)
+        launch, step, seen, launched = eng._launch_ahead, eng.fast.step, [(0, 0)], []
+
+        def launch_ahead(*args):
+            seen.append((len(eng.waiting), len(eng.running)))
+            return launch(*args) if ahead else None
+
+        def fast_step(batch, **kw):  # (launched ahead or not, requests waiting then, running then)
+            launched.append((bool(kw), *seen[-1]))
+            return step(batch, **kw)
+        eng._launch_ahead, eng.fast.step = launch_ahead, fast_step
+        replies = {}
+        eng.add_request(prompt(5, 4), params[0], "a")
+        for i in range(40):
+            if i == 2:
+                eng.add_request(prompt(6, 6), params[1], "b")  # a seat is free for it
+            if i == 4:
+                eng.add_request(prompt(7, 5), params[2], "c")  # it waits for b's seat
+            for o in eng.step():
+                tokens, logprobs, _ = replies.setdefault(o.request_id, ([], [], None))
+                tokens += o.token_ids
+                logprobs += [(lp.token_id, lp.logprob, lp.top) for lp in o.logprobs or []]
+                replies[o.request_id] = (tokens, logprobs, o.finish_reason)
+        assert not eng.has_work()
+        return replies, launched
+
+    plain, none = run(False)
+    ahead, launched = run(True)
+    assert ahead == plain and sorted(ahead) == ["a", "b", "c"] and len(ahead["c"][1]) == 3
+    assert not any(a for a, *_ in none)
+    assert (True, 1, 2) in launched, launched  # a step launched ahead while c waited for a seat
+    assert not any(a and waiting and running < 2 for a, waiting, running in launched), launched  # b: a seat free
+
+
 @needs_gpu
 def test_engine_on_cuda_captures_graphs_and_matches_the_reference_path():
     """fp32, where the two paths agree to ~1e-8 in KL: in bf16 a near-tie among the top logits may
