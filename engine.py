@@ -936,9 +936,7 @@ class Engine:
         if (self.fast is None or self.speculator is not None or admits or len(seqs) != len(self.running)
                 or any(seq.num_computed != len(seq.token_ids) for seq in self.running)):
             return None
-        last = lambda seq: len(seq.token_ids) + 1 >= self.max_model_len or (
-            seq.params.max_tokens is not None and len(seq.output_ids) + 1 >= seq.params.max_tokens)
-        if any(last(seq) for seq in seqs):
+        if any(self._tokens_left(seq) <= 1 for seq in seqs):  # its drawn token ends it
             return None
         need = [self._blocks_needed(seq, seq.num_computed + 1) for seq in seqs]
         if sum(need) > self.blocks.num_free():
@@ -965,9 +963,7 @@ class Engine:
         seq.k = 0
         if self.speculator is None or seq.num_computed != len(seq.token_ids) - 1:
             return 0
-        room = min(budget, self.max_model_len - len(seq.token_ids) - 1, self.speculator.max_draft)
-        if seq.params.max_tokens is not None:
-            room = min(room, seq.params.max_tokens - len(seq.output_ids) - 1)
+        room = min(budget, self._tokens_left(seq) - 1, self.speculator.max_draft)
         seq.k = max(0, min(room, dflash.draft_length(seq.draft_stats, self.draft_row_cost, self.draft_tokens)))
         return seq.k
 
@@ -1207,8 +1203,15 @@ class Engine:
             if hit:
                 seq.text = seq.text[:min(hit)]
                 self._finish(seq, "stop")
-            elif len(seq.output_ids) == p.max_tokens or len(seq.token_ids) >= self.max_model_len:
+            elif self._tokens_left(seq) <= 0:
                 self._finish(seq, "length")
+
+    def _tokens_left(self, seq: Sequence) -> int:
+        """Tokens seq may still generate before max_tokens or the context stops it."""
+        left = self.max_model_len - len(seq.token_ids)
+        if seq.params.max_tokens is not None:
+            left = min(left, seq.params.max_tokens - len(seq.output_ids))
+        return left
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.finish_reason = reason
