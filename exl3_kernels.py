@@ -367,32 +367,33 @@ def _gemv_products(xh_ptr, words_ptr, m, k, n, steps, pid_n, pid_k,
 
 
 @triton.jit
-def _gemv_kernel(xh_ptr, svh_ptr, words_ptr, partial_ptr, arrivals_ptr, y_ptr,
-                 m, k, n, steps, arrivals,
+def _gemv_kernel(xh_ptr, svh_ptr, words_ptr, slab_ptr, arrivals_ptr, y_ptr,
+                 m, k, n, steps, split, arrivals,
                  K2: tl.constexpr, CB: tl.constexpr, MP: tl.constexpr, RT: tl.constexpr, CT: tl.constexpr):
+    # Each program stores its split's products in its own slab rows; the last to arrive at a
+    # 128-column block adds them up in split order (the same bits every run), then the epilogue.
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     z = _gemv_products(xh_ptr, words_ptr, m, k, n, steps, pid_n, pid_k, K2, CB, MP, RT, CT)
     cols = pid_n * CT * 16 + tl.arange(0, CT * 16)[None, :]
-    tl.atomic_add(partial_ptr + tl.arange(0, MP)[:, None] * n + cols, z,
-                  mask=tl.arange(0, MP)[:, None] < m, sem="relaxed")
+    tl.store(slab_ptr + (pid_k * 16 + tl.arange(0, MP)[:, None]) * n + cols, z, mask=tl.arange(0, MP)[:, None] < m)
     tl.debug_barrier()
     block = pid_n * CT * 16 // 128
     arrived = tl.atomic_add(arrivals_ptr + block, 1, sem="acq_rel")
     if arrived == arrivals - 1:
-        _gemv_output(partial_ptr, arrivals_ptr, svh_ptr, y_ptr, m, n, block)
+        _gemv_output(slab_ptr, arrivals_ptr, svh_ptr, y_ptr, m, n, split, block)
 
 
 @triton.jit
-def _gemv_output(partial_ptr, arrivals_ptr, svh_ptr, y_ptr, m, n, block):
-    # y[:, block] = (z · H128) ⊙ svh in fp32, rounded once to fp16; z is read at L2 and zeroed.
+def _gemv_output(slab_ptr, arrivals_ptr, svh_ptr, y_ptr, m, n, split, block):
+    # y[:, block] = (z · H128) ⊙ svh in fp32, rounded once to fp16; z, the splits' sum, is read at L2
+    # (.cg: where the other programs' stores are, never a stale L1 line).
     rows = tl.arange(0, 16)[:, None]
     i = tl.arange(0, 128)
     cols = block * 128 + i
-    z_ptr = partial_ptr + rows * n + cols[None, :]
-    z = tl.atomic_add(z_ptr, tl.zeros([16, 128], tl.float32), mask=rows < m, sem="acq_rel")
-    z = tl.where(rows < m, z, 0.0)
-    tl.store(z_ptr, tl.zeros([16, 128], tl.float32), mask=rows < m)
+    z = tl.zeros([16, 128], tl.float32)
+    for s in range(0, split):
+        z += tl.load(slab_ptr + (s * 16 + rows) * n + cols[None, :], mask=rows < m, other=0.0, cache_modifier=".cg")
     tl.store(arrivals_ptr + block, 0)
     y = _times_hadamard(z, 16)
     svh = tl.load(svh_ptr + cols).to(tl.float32)
@@ -430,17 +431,17 @@ def exl3_decode(trellis: torch.Tensor, codebook: str, out: torch.Tensor | None =
 
 
 GEMV_ROWS = 8  # rows per launch: tl.dot's 16 rows hold each row twice (fp16 hi and lo parts)
-_SPLIT_BUFFERS: dict[tuple[torch.device, int], tuple[torch.Tensor, torch.Tensor]] = {}
+_SPLIT_BUFFERS: dict[tuple[torch.device, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def _split_buffers(device: torch.device, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    # Zeroed fp32 partial sums [16, n] (the epilogue's row block) and per-128-column arrival
-    # counters. Kernels leave them zeroed, so they are allocated once per (device, n) and never
-    # freed: CUDA graphs captured with them keep valid addresses. Two launches must not
-    # run at once (one stream, or streams joined in between).
-    key = (device, n)
+def _split_buffers(device: torch.device, n: int, split: int) -> tuple[torch.Tensor, torch.Tensor]:
+    # fp32 slab rows [split, 16, n] (each split's products for the epilogue's row block, written
+    # before they are read) and per-128-column arrival counters, which the kernel leaves zeroed. They
+    # are allocated once per (device, n, split) and never freed: CUDA graphs captured with them keep
+    # valid addresses. Two launches must not run at once (one stream, or streams joined in between).
+    key = (device, n, split)
     if key not in _SPLIT_BUFFERS:
-        _SPLIT_BUFFERS[key] = (torch.zeros(16 * n, dtype=torch.float32, device=device),
+        _SPLIT_BUFFERS[key] = (torch.empty(split * 16 * n, dtype=torch.float32, device=device),
                                torch.zeros(n // 128, dtype=torch.int32, device=device))
     return _SPLIT_BUFFERS[key]
 
@@ -482,13 +483,13 @@ def exl3_gemv(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: to
         raise ValueError(f"split_k {split} x row_tiles {row_tiles} must divide the {tiles_k} row tiles of 16")
     x = x.contiguous()
     words = trellis.contiguous().view(torch.int32)
-    partial, counters = _split_buffers(x.device, n)
+    slab, counters = _split_buffers(x.device, n, split)
     for row in range(0, m, GEMV_ROWS):
         rows = min(GEMV_ROWS, m - row)
         xh = torch.empty((rows, k), dtype=torch.float32, device=x.device)
         _rotate_input_kernel[(k // 128,)](x[row:], suh, xh, rows, k)
         _gemv_kernel[(n // block_n, split)](
-            xh, svh, words, partial, counters, out[row:], rows, k, n, tiles_k // (split * row_tiles),
+            xh, svh, words, slab, counters, out[row:], rows, k, n, tiles_k // (split * row_tiles), split,
             split * 128 // block_n, K2=k2, CB=CODEBOOKS.index(codebook), MP=triton.next_power_of_2(rows),
             RT=row_tiles, CT=block_n // 16, num_warps=num_warps, num_stages=num_stages)
     return out
@@ -497,13 +498,17 @@ def exl3_gemv(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: to
 
 # ---------------------------------------------------------------- EXL3 MoE decode: all selected experts at once
 # For P = m * top_k (token, expert) pairs of one MoE layer, in three launches whatever P:
-#   1. rotate x for every pair with its expert's gate and up suh (and zero the output rows 3. adds into);
+#   1. rotate x for every pair with its expert's gate and up suh;
 #   2. gate and up GEMV over all pairs (program axis 2 = projection and pair, expert id read on the
 #      device); the last program to finish a 128-column block of a pair (counted over both
-#      projections) applies H128 and svh to gate and up, the clamped SwiGLU (spec glm53.md §4.5),
-#      and the down projection's input rotation (⊙ suh_down, H128): the block is ready for 3.;
-#   3. down GEMV over all pairs; the last program of a block applies H128, svh and the routing
-#      weight and adds the block into the token's fp32 output row.
+#      projections) adds up the K splits' rows, applies H128 and svh to gate and up, the clamped
+#      SwiGLU (spec glm53.md §4.5), and the down projection's input rotation (⊙ suh_down, H128): the
+#      block is ready for 3.;
+#   3. down GEMV over all pairs; the last program of a block adds up the splits, applies H128, svh
+#      and the routing weight and stores the pair's row; the last of a token's pairs to do so adds
+#      the token's rows into its fp32 output row.
+# Every sum has a fixed order (no atomic adds of values, only arrival counters), so the same inputs
+# give the same bits in every run, as the FP8 GEMV's split-k does (kernels._fp8_finish).
 # Twin: Σ_j w_j · down_e(swiglu(gate_e(x), up_e(x))) with exl3.EXL3Linear experts and model_glm.swiglu
 # (tests/test_kernels.py); the kernel keeps the intermediates in fp32 where the twin rounds each
 # linear's output to the activation dtype.
@@ -511,14 +516,12 @@ def exl3_gemv(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: to
 
 @triton.jit
 def _moe_rotate_kernel(x_ptr, ids_ptr, route_ptr, part_ptr, bias_ptr, E, S, scaling, suh_gate_ptr, suh_up_ptr, xh_ptr,
-                       y_ptr, k, top_k, pairs, ROUTED: tl.constexpr, NORM: tl.constexpr, TOPK: tl.constexpr,
+                       k, top_k, pairs, ROUTED: tl.constexpr, NORM: tl.constexpr, TOPK: tl.constexpr,
                        KP: tl.constexpr, EP: tl.constexpr, SP: tl.constexpr):
-    # xh[0 | 1, p, block] = (x[token] ⊙ suh_gate | suh_up [e]) · H128 / sqrt(128), in the gemv's row order;
-    # a token's first pair also zeroes its block of the output y (k = D columns), which the down launch
-    # adds into, two launches later (a memset launch fewer). ROUTED: every program picks its token's
-    # experts from the router's partial sums itself (kernels._route_pick, the same picks in every
-    # program) and the token's first program of block 0 stores them (ids, route) for the GEMVs: the
-    # top-k launch fewer. Else e comes from ids.
+    # xh[0 | 1, p, block] = (x[token] ⊙ suh_gate | suh_up [e]) · H128 / sqrt(128), in the gemv's row
+    # order. ROUTED: every program picks its token's experts from the router's partial sums itself
+    # (kernels._route_pick, the same picks in every program) and the token's first program of block 0
+    # stores them (ids, route) for the GEMVs: the top-k launch fewer. Else e comes from ids.
     blk = tl.program_id(0)
     p = tl.program_id(1)
     if ROUTED:
@@ -532,8 +535,6 @@ def _moe_rotate_kernel(x_ptr, ids_ptr, route_ptr, part_ptr, bias_ptr, E, S, scal
     else:
         e = tl.load(ids_ptr + p).to(tl.int64)
     i = tl.arange(0, 128)
-    if p % top_k == 0:
-        tl.store(y_ptr + (p // top_k) * k + blk * 128 + i, tl.zeros([128], tl.float32))
     x = tl.load(x_ptr + (p // top_k) * k + blk * 128 + i).to(tl.float32)
     r = i % 16
     slot = blk * 128 + i - r + 4 * ((r >> 1) & 3) + 2 * (r >> 3) + (r & 1)
@@ -544,11 +545,15 @@ def _moe_rotate_kernel(x_ptr, ids_ptr, route_ptr, part_ptr, bias_ptr, E, S, scal
 
 
 @triton.jit
-def _moe_gemv_kernel(xh_ptr, words_ptr, words_up_ptr, ids_ptr, partial_ptr, arrivals_ptr, k, n, steps, arrivals,
-                     expert_words, pairs, svh_a_ptr, svh_b_ptr, suh_next_ptr, route_ptr, out_ptr, top_k, limit,
-                     K2: tl.constexpr, CB: tl.constexpr, RT: tl.constexpr, CT: tl.constexpr, DOWN: tl.constexpr):
+def _moe_gemv_kernel(xh_ptr, words_ptr, words_up_ptr, ids_ptr, slab_ptr, arrivals_ptr, k, n, steps, split, arrivals,
+                     expert_words, pairs, svh_a_ptr, svh_b_ptr, suh_next_ptr, route_ptr, pair_ptr, tokens_ptr,
+                     out_ptr, top_k, limit, K2: tl.constexpr, CB: tl.constexpr, RT: tl.constexpr, CT: tl.constexpr,
+                     SP: tl.constexpr, KP: tl.constexpr, DOWN: tl.constexpr):
     # Program (pid_n, pid_k, q): one row, its expert's trellis. Gate and up share a launch: q is
     # half * pairs + p with half 0 for gate (words_ptr) and 1 for up (words_up_ptr); down has q = p.
+    # Sums in a fixed order, so that a launch gives the same bits every run: each program stores its
+    # split's products in its own slab row, and the last to arrive at a 128-column block adds the
+    # split rows up; in down, the last pair of a token to finish a block adds the token's top_k rows.
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     q = tl.program_id(2)
@@ -562,7 +567,7 @@ def _moe_gemv_kernel(xh_ptr, words_ptr, words_up_ptr, ids_ptr, partial_ptr, arri
     z = _gemv_products(xh_ptr + q.to(tl.int64) * k, words, 1, k, n, steps, pid_n, pid_k, K2, CB, 1, RT, CT)
     parts: tl.constexpr = 1 if DOWN else 2
     cols = pid_n * CT * 16 + tl.arange(0, CT * 16)[None, :]
-    tl.atomic_add(partial_ptr + (p * parts + half) * n + cols, z, sem="relaxed")
+    tl.store(slab_ptr + ((p * parts + half) * split + pid_k) * n + cols, z)
     tl.debug_barrier()
     block = pid_n * CT * 16 // 128
     counter = arrivals_ptr + p * (n // 128) + block
@@ -570,20 +575,31 @@ def _moe_gemv_kernel(xh_ptr, words_ptr, words_up_ptr, ids_ptr, partial_ptr, arri
     if arrived == arrivals - 1:
         i = tl.arange(0, 128)
         c = block * 128 + i
-        zero = tl.zeros([1, 128], tl.float32)
+        s = tl.arange(0, SP)[:, None]
+        rows = s < split
         if DOWN:
-            z_ptr = partial_ptr + p * n + c[None, :]
-            y = _times_hadamard(tl.atomic_add(z_ptr, zero, sem="acq_rel"), 1)
-            tl.store(z_ptr, zero)
+            # .cg: read at L2, where the other programs' stores are, never a stale L1 line.
+            z = tl.sum(tl.load(slab_ptr + (p * split + s) * n + c[None, :], mask=rows, other=0.0,
+                               cache_modifier=".cg"), axis=0)[None, :]
+            y = _times_hadamard(z, 1)
             scale = 0.08838834764831845 * tl.load(svh_a_ptr + e * n + c).to(tl.float32) * tl.load(route_ptr + p)
-            tl.atomic_add(out_ptr + (p // top_k) * n + c[None, :], y * scale[None, :], sem="relaxed")
+            t = p // top_k
+            tl.store(pair_ptr + p * n + c[None, :], y * scale[None, :])
+            tl.debug_barrier()
+            done = tl.atomic_add(tokens_ptr + t * (n // 128) + block, 1, sem="acq_rel")
+            if done == top_k - 1:
+                j = tl.arange(0, KP)[:, None]
+                mine = tl.load(pair_ptr + (t * top_k + j) * n + c[None, :], mask=j < top_k, other=0.0,
+                               cache_modifier=".cg")
+                tl.store(out_ptr + t * n + c, tl.sum(mine, axis=0))
+                tl.store(tokens_ptr + t * (n // 128) + block, 0)
         else:
-            g_ptr = partial_ptr + (2 * p) * n + c[None, :]
-            u_ptr = partial_ptr + (2 * p + 1) * n + c[None, :]
-            gate = _times_hadamard(tl.atomic_add(g_ptr, zero, sem="acq_rel"), 1)
-            up = _times_hadamard(tl.atomic_add(u_ptr, zero, sem="acq_rel"), 1)
-            tl.store(g_ptr, zero)
-            tl.store(u_ptr, zero)
+            gate = tl.sum(tl.load(slab_ptr + (2 * p * split + s) * n + c[None, :], mask=rows, other=0.0,
+                                  cache_modifier=".cg"), axis=0)[None, :]
+            up = tl.sum(tl.load(slab_ptr + ((2 * p + 1) * split + s) * n + c[None, :], mask=rows, other=0.0,
+                                cache_modifier=".cg"), axis=0)[None, :]
+            gate = _times_hadamard(gate, 1)
+            up = _times_hadamard(up, 1)
             gate = gate * (0.08838834764831845 * tl.load(svh_a_ptr + e * n + c).to(tl.float32))[None, :]
             up = up * (0.08838834764831845 * tl.load(svh_b_ptr + e * n + c).to(tl.float32))[None, :]
             gate = tl.minimum(gate, limit)
@@ -597,16 +613,21 @@ def _moe_gemv_kernel(xh_ptr, words_ptr, words_up_ptr, ids_ptr, partial_ptr, arri
         tl.store(counter, 0)
 
 
-_MOE_BUFFERS: dict[tuple[torch.device, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+_MOE_BUFFERS: dict[tuple, tuple[torch.Tensor, ...]] = {}
 
 
-def _moe_buffers(device: torch.device, pairs: int, n: int, parts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    # Zeroed partial sums [pairs, parts, n] and arrival counters [pairs, n / 128]; the kernels leave
-    # them zeroed, so they are allocated once and never freed (graph-safe, one stream).
-    key = (device, pairs, n, parts)
+def _moe_buffers(device: torch.device, pairs: int, n: int, parts: int, split: int,
+                 tokens: int) -> tuple[torch.Tensor, ...]:
+    # The split rows [pairs, parts, split, n] fp32, arrival counters [pairs, n / 128], and for down
+    # the pairs' weighted rows [pairs, n] fp32 and the tokens' counters [tokens, n / 128]. Each slab
+    # and pair row is written before it is read, and the kernel leaves the counters zeroed, so they
+    # are allocated once and never freed (graph-safe, one stream).
+    key = (device, pairs, n, parts, split, tokens)
     if key not in _MOE_BUFFERS:
-        _MOE_BUFFERS[key] = (torch.zeros(pairs * parts * n, dtype=torch.float32, device=device),
-                             torch.zeros(pairs * (n // 128), dtype=torch.int32, device=device))
+        _MOE_BUFFERS[key] = (torch.empty(pairs * parts * split * n, dtype=torch.float32, device=device),
+                             torch.zeros(pairs * (n // 128), dtype=torch.int32, device=device),
+                             torch.empty(pairs * n if parts == 1 else 0, dtype=torch.float32, device=device),
+                             torch.zeros(tokens * (n // 128), dtype=torch.int32, device=device))
     return _MOE_BUFFERS[key]
 
 
@@ -711,30 +732,33 @@ def _moe_decode(x: torch.Tensor, ids: torch.Tensor, route: torch.Tensor, top_k: 
     cb = CODEBOOKS.index(codebook)
 
     xh = torch.empty((2, P, D), dtype=torch.float32, device=dev)
-    y = torch.empty((m, D), dtype=torch.float32, device=dev)  # zeroed by the rotation
+    y = torch.empty((m, D), dtype=torch.float32, device=dev)
     if scores is None:
         pick = (route, route, 0, 0, 0.0)
         constants = dict(ROUTED=False, NORM=False, TOPK=1, KP=1, EP=1, SP=1)
     else:
         pick = (scores.part, scores.bias, E, scores.part.shape[1], scores.scaling)
         constants = dict(ROUTED=True, **scores.pick_constants())
-    _moe_rotate_kernel[(D // 128, P)](x, ids, route, *pick, gate[1], up[1], xh, y, D, top_k, P, **constants)
+    _moe_rotate_kernel[(D // 128, P)](x, ids, route, *pick, gate[1], up[1], xh, D, top_k, P, **constants)
 
     act_h = torch.empty((P, I), dtype=torch.float32, device=dev)
     steps = D // 16 // row_tiles
     split = _moe_split(dev, I, 2 * P, steps, block_n)
-    partial, counters = _moe_buffers(dev, P, I, 2)
-    launch = dict(K2=k2, CB=cb, RT=row_tiles, CT=block_n // 16, num_warps=num_warps)
+    slab, counters, _, _ = _moe_buffers(dev, P, I, 2, split, m)
+    launch = dict(K2=k2, CB=cb, RT=row_tiles, CT=block_n // 16, KP=triton.next_power_of_2(top_k),
+                  num_warps=num_warps)
     _moe_gemv_kernel[(I // block_n, split, 2 * P)](
-        xh, words[0], words[1], ids, partial, counters, D, I, steps // split, 2 * split * 128 // block_n,
-        (D // 16) * (I // 16) * NW, P, gate[2], up[2], down[1], route, act_h, top_k, limit, DOWN=False, **launch)
+        xh, words[0], words[1], ids, slab, counters, D, I, steps // split, split, 2 * split * 128 // block_n,
+        (D // 16) * (I // 16) * NW, P, gate[2], up[2], down[1], route, slab, counters, act_h, top_k, limit,
+        SP=triton.next_power_of_2(split), DOWN=False, **launch)
 
     steps = I // 16 // row_tiles
     split = _moe_split(dev, D, P, steps, block_n)
-    partial, counters = _moe_buffers(dev, P, D, 1)
+    slab, counters, pair_rows, token_counters = _moe_buffers(dev, P, D, 1, split, m)
     _moe_gemv_kernel[(D // block_n, split, P)](
-        act_h, words[2], words[2], ids, partial, counters, I, D, steps // split, split * 128 // block_n,
-        (I // 16) * (D // 16) * NW, P, down[2], down[2], down[1], route, y, top_k, limit, DOWN=True, **launch)
+        act_h, words[2], words[2], ids, slab, counters, I, D, steps // split, split, split * 128 // block_n,
+        (I // 16) * (D // 16) * NW, P, down[2], down[2], down[1], route, pair_rows, token_counters, y, top_k,
+        limit, SP=triton.next_power_of_2(split), DOWN=True, **launch)
     return y
 
 

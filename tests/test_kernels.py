@@ -105,7 +105,7 @@ def test_gemv_matches_exllamav3_batch4(golden, config, block_n, row_tiles, split
 
 
 def test_gemv_split_buffers_are_left_clean(golden):
-    # The split-k partial sums live in a reused buffer; a second call must not see the first's.
+    # The split-k rows and arrival counters live in reused buffers; a second call must not see the first's.
     config = "K3_mcg"
     args = [_golden(golden, config, name) for name in ("trellis", "suh", "svh")]
     x = _random_x(2, 256, seed=1)
@@ -432,6 +432,32 @@ def test_moe_decode_matches_expert_twins(m, top_k, k_words, codebook, block_n, r
     again = exl3_kernels.exl3_moe_decode(x, ids, route, *projections, codebook, limit, block_n=block_n,
                                          row_tiles=row_tiles)
     assert rel_err(again, y) <= 1e-6, "the second call sees the first's partial sums, or unzeroed memory"
+
+
+@needs_gpu
+def test_moe_decode_and_gemv_give_the_same_bits_every_launch():
+    """The K splits' sums and a token's sum over its experts are added in a fixed order: 40 launches of
+    one layer (4 tokens, top-8 of 16 experts, 2048 x 1024, several splits a block) give identical bits,
+    and so do 40 of exl3_gemv with 8 splits.
+    With atomic adds of the values the order followed the programs' arrival, and runs differed by ulps
+    (H200, session 22: the default model's logprobs up to 0.25 apart between two runs of a request)."""
+    E, D, I, m, top_k = 16, 2048, 1024, 4, 8
+    g = torch.Generator().manual_seed(11)
+    projections = []
+    for k, n in ((D, I), (D, I), (I, D)):
+        parts = [_random_linear(k, n, 48, seed=int(torch.randint(0, 1 << 30, (1,), generator=g))) for _ in range(E)]
+        projections.append(tuple(torch.stack(t) for t in zip(*parts)))
+    x = (4.0 * torch.randn(m, D, generator=g)).half().to(DEVICE)
+    ids = torch.stack([torch.randperm(E, generator=g)[:top_k] for _ in range(m)]).to(DEVICE)
+    route = torch.rand(m, top_k, generator=g).to(DEVICE)
+    first = exl3_kernels.exl3_moe_decode(x, ids, route, *projections, "mcg", 10.0)
+    for _ in range(40):
+        assert torch.equal(exl3_kernels.exl3_moe_decode(x, ids, route, *projections, "mcg", 10.0), first)
+    # exl3_gemv's split-k the same way
+    trellis, suh, svh = _random_linear(D, I, 48, seed=12)
+    first = exl3_kernels.exl3_gemv(x, trellis, suh, svh, "mcg", row_tiles=2, split_k=8)
+    for _ in range(40):
+        assert torch.equal(exl3_kernels.exl3_gemv(x, trellis, suh, svh, "mcg", row_tiles=2, split_k=8), first)
 
 
 def test_moe_decode_routed_is_route_pick_then_moe_decode():
