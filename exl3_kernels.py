@@ -764,7 +764,7 @@ def _moe_decode(x: torch.Tensor, ids: torch.Tensor, route: torch.Tensor, top_k: 
 
 # ---------------------------------------------------------------- EXL3 MoE prefill: many rows per expert
 # For P = m * top_k (row, expert) pairs of one MoE layer, sorted by expert (argsort on the device; no
-# host synchronization), in four launches (five at 256-row tiles):
+# host synchronization), in five launches (six at 256-row tiles):
 #   1. rotate every sorted pair's row for gate and for up ((x ⊙ suh_e) · H128, fp32) and store it
 #      in fp16 times a per-row power of two that puts the row's largest value in [2^13, 2^14): exact,
 #      and it keeps small activations out of fp16's subnormals (spec §4 allows any fp16 suh);
@@ -780,13 +780,16 @@ def _moe_decode(x: torch.Tensor, ids: torch.Tensor, route: torch.Tensor, top_k: 
 #      same weights);
 #   3. the down inputs to fp16 with per-row powers of two, as in 1.;
 #   4. down as the same grouped GEMM; its epilogue applies H128, svh, the routing weight and the
-#      row scale and adds the block into the token's fp32 output row (atomic adds);
+#      row scale and stores the pair's fp32 row (in the rotated rows' memory, free by then);
+#   5. each token's output row: its top_k pair rows added in a fixed order (`_token_sum_kernel`;
+#      atomic adds into the token's row made the sum's order, and its last bits, vary from run to
+#      run);
 # plus the small torch ops that sort and build the tile table [tiles, 3] = (expert, first sorted
 # pair, rows). The grid covers cdiv(P, BM) + E tiles, an upper bound; programs past the real tiles
 # do nothing. BM follows the mean rows per expert (32, 128 or 256): at 8K tokens (228 pairs per expert)
 # most experts fit one 256-row tile, so each weight is decoded about once per layer instead of once
 # per row as in the per-expert path, and no decoded weight is written to memory.
-# Transient memory: at most 4 P (D + I) bytes (1.6 GB at 8K tokens of the full model).
+# Transient memory: at most 4 P D + 6 P I bytes (1.9 GB at 8K tokens of the full model).
 # Twin: the per-expert fp32 sum Σ_j w_j · down_e(swiglu(gate_e(x), up_e(x))) with exl3.EXL3Linear
 # (tests/test_kernels.py); activations enter the tensor cores as fp16 (11 significant bits), which
 # sets the precision (~5e-4 relative), as in EXL3Linear's GEMM path.
@@ -961,10 +964,10 @@ def _prefill_gate_up_kernel(xs_gate_ptr, xs_up_ptr, inv_gate_ptr, inv_up_ptr, ga
 
 
 @triton.jit
-def _prefill_down_kernel(acts_ptr, inv_ptr, words_ptr, tiles_ptr, order_ptr, route_ptr, svh_ptr, out_ptr,
-                         I, D, top_k, expert_words,
+def _prefill_down_kernel(acts_ptr, inv_ptr, words_ptr, tiles_ptr, order_ptr, route_ptr, svh_ptr, pair_rows_ptr,
+                         I, D, expert_words,
                          K2: tl.constexpr, CB: tl.constexpr, RT: tl.constexpr, BM: tl.constexpr):
-    # Program (128-column block, tile): out[token, block] += route · (down products · H128) ⊙ svh.
+    # Program (128-column block, tile): pair_rows[pair, block] = route · (down products · H128) ⊙ svh.
     pid_n = tl.program_id(0)
     tile = tl.program_id(1)
     rows = tl.load(tiles_ptr + 3 * tile + 2)
@@ -976,8 +979,17 @@ def _prefill_down_kernel(acts_ptr, inv_ptr, words_ptr, tiles_ptr, order_ptr, rou
         weight = tl.load(route_ptr + pair, mask=ok, other=0.0) * tl.load(inv_ptr + s, mask=ok, other=0.0)
         c = pid_n * 128 + tl.arange(0, 128)
         y = _prefill_projection(z, weight, svh_ptr, e, D, c, BM)
-        token = (pair // top_k).to(tl.int64)
-        tl.atomic_add(out_ptr + token[:, None] * D + c[None, :], y, mask=ok[:, None], sem="relaxed")
+        tl.store(pair_rows_ptr + pair.to(tl.int64)[:, None] * D + c[None, :], y, mask=ok[:, None])
+
+
+@triton.jit
+def _token_sum_kernel(pair_rows_ptr, out_ptr, D, top_k, KP: tl.constexpr, BD: tl.constexpr):
+    # Program (token, BD columns): out[token] = Σ_j pair_rows[token · top_k + j], one fixed order.
+    t = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BD + tl.arange(0, BD)
+    j = tl.arange(0, KP)[:, None]
+    rows = tl.load(pair_rows_ptr + (t * top_k + j) * D + c[None, :], mask=j < top_k, other=0.0)
+    tl.store(out_ptr + t * D + c, tl.sum(rows, axis=0))
 
 
 def _prefill_tiles(ids: torch.Tensor, experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1020,9 +1032,8 @@ def exl3_moe_prefill(x: torch.Tensor, ids: torch.Tensor, route: torch.Tensor,
     top_k = ids.shape[1]
     P = m * top_k
     dev = x.device
-    y = torch.zeros((m, D), dtype=torch.float32, device=dev)
     if P == 0:
-        return y
+        return torch.zeros((m, D), dtype=torch.float32, device=dev)
     mean_rows = triton.cdiv(P, E)
     BM = block_m or (32 if mean_rows <= PREFILL_128_ROWS else 128 if mean_rows <= PREFILL_256_ROWS else 256)
     if BM not in (16, 32, 64, 128, 256):
@@ -1047,10 +1058,14 @@ def exl3_moe_prefill(x: torch.Tensor, ids: torch.Tensor, route: torch.Tensor,
             xs[0], xs[1], inv[0], inv[1], words[0], words[1], tiles, gate[2], up[2], down[1], act, D, I,
             (D // 16) * (I // 16) * 4 * k2, limit, PASS=pass_, **launch)
     del xs
+    pair_rows = torch.empty((P, D), dtype=torch.float32, device=dev)  # xs's memory
     acts = torch.empty((P, I), dtype=torch.float16, device=dev)
     inv = torch.empty((P,), dtype=torch.float32, device=dev)
     _prefill_scale_kernel[(triton.cdiv(P, PREFILL_ROWS),)](act, acts, inv, P, I, RB=PREFILL_ROWS)
     del act
     _prefill_down_kernel[(D // 128, tiles.shape[0])](
-        acts, inv, words[2], tiles, order, route, down[2], y, I, D, top_k, (I // 16) * (D // 16) * 4 * k2, **launch)
+        acts, inv, words[2], tiles, order, route, down[2], pair_rows, I, D, (I // 16) * (D // 16) * 4 * k2, **launch)
+    del acts
+    y = torch.empty((m, D), dtype=torch.float32, device=dev)
+    _token_sum_kernel[(m, D // 128)](pair_rows, y, D, top_k, KP=triton.next_power_of_2(top_k), BD=128)
     return y

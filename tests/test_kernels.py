@@ -435,10 +435,10 @@ def test_moe_decode_matches_expert_twins(m, top_k, k_words, codebook, block_n, r
 
 
 @needs_gpu
-def test_moe_decode_and_gemv_give_the_same_bits_every_launch():
+def test_exl3_kernels_give_the_same_bits_every_launch():
     """The K splits' sums and a token's sum over its experts are added in a fixed order: 40 launches of
     one layer (4 tokens, top-8 of 16 experts, 2048 x 1024, several splits a block) give identical bits,
-    and so do 40 of exl3_gemv with 8 splits.
+    and so do 10 of exl3_moe_prefill (64 tokens) and 40 of exl3_gemv with 8 splits.
     With atomic adds of the values the order followed the programs' arrival, and runs differed by ulps
     (H200, session 22: the default model's logprobs up to 0.25 apart between two runs of a request)."""
     E, D, I, m, top_k = 16, 2048, 1024, 4, 8
@@ -453,7 +453,14 @@ def test_moe_decode_and_gemv_give_the_same_bits_every_launch():
     first = exl3_kernels.exl3_moe_decode(x, ids, route, *projections, "mcg", 10.0)
     for _ in range(40):
         assert torch.equal(exl3_kernels.exl3_moe_decode(x, ids, route, *projections, "mcg", 10.0), first)
-    # exl3_gemv's split-k the same way
+    # the prefill's tiles and token sums (pairs sorted by expert), and exl3_gemv's split-k, the same way
+    x = (4.0 * torch.randn(64, D, generator=g)).half().to(DEVICE)
+    ids = torch.stack([torch.randperm(E, generator=g)[:top_k] for _ in range(64)]).to(DEVICE)
+    route = torch.rand(64, top_k, generator=g).to(DEVICE)
+    first = exl3_kernels.exl3_moe_prefill(x, ids, route, *projections, "mcg", 10.0)
+    for _ in range(10):
+        assert torch.equal(exl3_kernels.exl3_moe_prefill(x, ids, route, *projections, "mcg", 10.0), first)
+    x = x[:4]
     trellis, suh, svh = _random_linear(D, I, 48, seed=12)
     first = exl3_kernels.exl3_gemv(x, trellis, suh, svh, "mcg", row_tiles=2, split_k=8)
     for _ in range(40):
