@@ -50,6 +50,15 @@ def _random_linear(k: int, n: int, width: int, seed: int):
     return (trellis.to(torch.int16).to(DEVICE), suh.half().to(DEVICE), svh.half().to(DEVICE))
 
 
+def _random_experts(E: int, D: int, I: int, width: int, g: torch.Generator) -> list[tuple]:
+    """gate, up (D -> I) and down (I -> D) of E random experts, each (trellis, suh, svh) stacked over them."""
+    projections = []
+    for k, n in ((D, I), (D, I), (I, D)):
+        parts = [_random_linear(k, n, width, seed=int(torch.randint(0, 1 << 30, (1,), generator=g))) for _ in range(E)]
+        projections.append(tuple(torch.stack(t) for t in zip(*parts)))
+    return projections
+
+
 def _random_x(m: int, k: int, seed: int) -> torch.Tensor:
     return torch.randn(m, k, generator=torch.Generator().manual_seed(seed)).half().to(DEVICE)
 
@@ -404,10 +413,7 @@ def test_moe_decode_matches_expert_twins(m, top_k, k_words, codebook, block_n, r
 
     E, D, I, limit = 4, 256, 128, 1.0  # a low limit, so both clamps act
     g = torch.Generator().manual_seed(m)
-    projections = []
-    for k, n in ((D, I), (D, I), (I, D)):
-        parts = [_random_linear(k, n, k_words, seed=int(torch.randint(0, 1 << 30, (1,), generator=g))) for _ in range(E)]
-        projections.append(tuple(torch.stack(t) for t in zip(*parts)))
+    projections = _random_experts(E, D, I, k_words, g)
     x = (scale * torch.randn(m, D, generator=g)).half().to(DEVICE)
     ids = torch.tensor([[0, 2, 3][:top_k], [2, 1, 0][:top_k]][:m], device=DEVICE)
     route = torch.rand(m, top_k, generator=g).to(DEVICE)
@@ -443,10 +449,7 @@ def test_exl3_kernels_give_the_same_bits_every_launch():
     (H200, session 22: the default model's logprobs up to 0.25 apart between two runs of a request)."""
     E, D, I, m, top_k = 16, 2048, 1024, 4, 8
     g = torch.Generator().manual_seed(11)
-    projections = []
-    for k, n in ((D, I), (D, I), (I, D)):
-        parts = [_random_linear(k, n, 48, seed=int(torch.randint(0, 1 << 30, (1,), generator=g))) for _ in range(E)]
-        projections.append(tuple(torch.stack(t) for t in zip(*parts)))
+    projections = _random_experts(E, D, I, 48, g)
     x = (4.0 * torch.randn(m, D, generator=g)).half().to(DEVICE)
     ids = torch.stack([torch.randperm(E, generator=g)[:top_k] for _ in range(m)]).to(DEVICE)
     route = torch.rand(m, top_k, generator=g).to(DEVICE)
@@ -472,10 +475,7 @@ def test_moe_decode_routed_is_route_pick_then_moe_decode():
     # GEMVs by one program a token) and the same layer output as the two-step path; bad scores are named.
     E, D, I, m, top_k = 6, 256, 128, 3, 2
     g = torch.Generator().manual_seed(5)
-    projections = []
-    for k, n in ((D, I), (D, I), (I, D)):
-        parts = [_random_linear(k, n, 48, seed=int(torch.randint(0, 1 << 30, (1,), generator=g))) for _ in range(E)]
-        projections.append(tuple(torch.stack(t) for t in zip(*parts)))
+    projections = _random_experts(E, D, I, 48, g)
     x = (4.0 * torch.randn(m, D, generator=g)).half().to(DEVICE)
     gate_w = (torch.randn(E, D, generator=g) / D ** 0.5).to(DEVICE)
     bias = (0.1 * torch.randn(E, generator=g)).to(DEVICE)
@@ -494,10 +494,7 @@ def test_moe_decode_routed_is_route_pick_then_moe_decode():
 
 def _stacked_experts(E: int, D: int, I: int, width: int, seed: int):
     g = torch.Generator().manual_seed(seed)
-    projections = []
-    for k, n in ((D, I), (D, I), (I, D)):
-        parts = [_random_linear(k, n, width, seed=int(torch.randint(0, 1 << 30, (1,), generator=g))) for _ in range(E)]
-        projections.append(tuple(torch.stack(t) for t in zip(*parts)))
+    projections = _random_experts(E, D, I, width, g)
     return projections
 
 
