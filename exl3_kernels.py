@@ -744,7 +744,7 @@ def _moe_decode(x: torch.Tensor, ids: torch.Tensor, route: torch.Tensor, top_k: 
     act_h = torch.empty((P, I), dtype=torch.float32, device=dev)
     steps = D // 16 // row_tiles
     split = _moe_split(dev, I, 2 * P, steps, block_n)
-    slab, counters, _, _ = _moe_buffers(dev, P, I, 2, split, m)
+    slab, counters, _, _ = _moe_buffers(dev, P, I, 2, split, 0)
     launch = dict(K2=k2, CB=cb, RT=row_tiles, CT=block_n // 16, KP=triton.next_power_of_2(top_k),
                   num_warps=num_warps)
     _moe_gemv_kernel[(I // block_n, split, 2 * P)](
