@@ -766,8 +766,9 @@ def _moe_decode(x: torch.Tensor, ids: torch.Tensor, route: torch.Tensor, top_k: 
 # For P = m * top_k (row, expert) pairs of one MoE layer, sorted by expert (argsort on the device; no
 # host synchronization), in five launches (six at 256-row tiles):
 #   1. rotate every sorted pair's row for gate and for up ((x ⊙ suh_e) · H128, fp32) and store it
-#      in fp16 times a per-row power of two that puts the row's largest value in [2^13, 2^14): exact,
-#      and it keeps small activations out of fp16's subnormals (spec §4 allows any fp16 suh);
+#      in fp16 times a per-row power of two that puts the row's largest value in [2^9.5, 2^14) (from a
+#      bound, see _prefill_rotate): exact, and it keeps small activations out of fp16's subnormals
+#      (spec §4 allows any fp16 suh);
 #   2. gate and up as one grouped GEMM: a program owns a tile of BM sorted pairs of one expert and
 #      one 128-column block, runs over all of k for gate and then for up, decoding each 16x16 trellis
 #      tile in registers straight into tl.dot's A operand (Ŵ^T, as exl3_gemv does; the activations
@@ -822,15 +823,20 @@ def _fp16_scale(peak):
 
 @triton.jit
 def _prefill_rotate(x_ptr, suh_ptr, tok, e, ok, D, out_ptr, inv_ptr, s, RB: tl.constexpr):
-    # out[s] = fp16((x[tok] ⊙ suh[e]) · H128 · scale), inv[s] = 1 / scale, for RB sorted pairs.
+    # out[s] = fp16((x[tok] ⊙ suh[e]) · H128 · scale), inv[s] = 1 / scale, for RB sorted pairs. The
+    # scale comes from a bound on the row's largest value instead of the value itself, so that the
+    # Hadamard runs once: an element of v · H128 / sqrt(128) (orthonormal) is at most |v|, the
+    # 128-block's L2 norm. The largest value then lands in [2^13 / sqrt(128), 2^14): far from
+    # overflow and from fp16's subnormals, and a power-of-two scale does not change a normal fp16's
+    # rounding, so the products are those of the exact peak's scale.
     i = tl.arange(0, 128)[None, :]
-    peak = tl.zeros([RB], tl.float32)
+    bound = tl.zeros([RB], tl.float32)
     for b in range(0, D // 128):
         x = tl.load(x_ptr + tok[:, None] * D + b * 128 + i, mask=ok[:, None], other=0.0).to(tl.float32)
         suh = tl.load(suh_ptr + e[:, None] * D + b * 128 + i, mask=ok[:, None], other=0.0).to(tl.float32)
-        xh = _times_hadamard(x * suh, RB)
-        peak = tl.maximum(peak, tl.max(tl.abs(xh), axis=1) * 0.08838834764831845)
-    scale, inv = _fp16_scale(peak)
+        v = x * suh
+        bound = tl.maximum(bound, tl.sqrt(tl.sum(v * v, axis=1)))
+    scale, inv = _fp16_scale(bound)
     tl.store(inv_ptr + s, inv, mask=ok)
     scale = scale * 0.08838834764831845  # 1/sqrt(128) of the normalized H128, times the row's scale
     for b in range(0, D // 128):

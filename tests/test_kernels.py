@@ -555,6 +555,25 @@ def test_moe_prefill_equals_moe_decode():
     assert err <= PREFILL_MOE_REL, f"relative error {err:.2e} against exl3_moe_decode"
 
 
+def test_moe_prefill_scales_a_row_that_rotates_to_spikes():
+    """The rotation's fp16 scale comes from a bound on each row's largest rotated value (its 128-blocks'
+    L2 norms). A row whose gate input x ⊙ suh is a Hadamard row in every block rotates to one spike per
+    block as large as that norm, the bound's worst case: a bound from the unrotated values (sqrt(128)
+    times too small there) would overflow fp16 to inf."""
+    m, top_k, E, D, I, limit, codebook = 3, 1, 2, 256, 128, 10.0, "mcg"
+    projections = _stacked_experts(E, D, I, 48, seed=5)
+    ids = torch.zeros(m, top_k, dtype=torch.long, device=DEVICE)
+    route = torch.ones(m, top_k, device=DEVICE)
+    signs = torch.tensor([[(-1) ** bin(i & j).count("1") for j in range(128)] for i in (1, 37, 90)], dtype=torch.float32)
+    x = (signs.repeat(1, D // 128) * torch.tensor([[1.0], [1e-3], [30.0]]) / projections[0][1][0].float().cpu())
+    x = x.half().to(DEVICE)
+    y = exl3_kernels.exl3_moe_prefill(x, ids, route, *projections, codebook, limit, row_tiles=8)
+    ref = exl3_kernels.exl3_moe_decode(x, ids, route, *projections, codebook, limit, row_tiles=8)
+    assert torch.isfinite(y).all()
+    err = rel_err(y, ref)
+    assert err <= PREFILL_MOE_REL, f"relative error {err:.2e} against exl3_moe_decode"
+
+
 @needs_gpu
 @pytest.mark.parametrize("width,codebook,block_m,num_warps", [(64, "mcg", None, None), (48, "mul1", 64, 4),
                                                               (48, "3inst", 32, None), (64, "3inst", 128, None)])
