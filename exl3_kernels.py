@@ -24,6 +24,7 @@ two small helpers from kernels.py (the result buffer and the block_n check the F
 """
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -369,7 +370,8 @@ def _gemv_products(xh_ptr, words_ptr, m, k, n, steps, pid_n, pid_k,
 @triton.jit
 def _gemv_kernel(xh_ptr, svh_ptr, words_ptr, slab_ptr, arrivals_ptr, y_ptr,
                  m, k, n, steps, split, arrivals,
-                 K2: tl.constexpr, CB: tl.constexpr, MP: tl.constexpr, RT: tl.constexpr, CT: tl.constexpr):
+                 K2: tl.constexpr, CB: tl.constexpr, MP: tl.constexpr, RT: tl.constexpr, CT: tl.constexpr,
+                 SP: tl.constexpr):
     # Each program stores its split's products in its own slab rows; the last to arrive at a
     # 128-column block adds them up in split order (the same bits every run), then the epilogue.
     pid_n = tl.program_id(0)
@@ -381,24 +383,28 @@ def _gemv_kernel(xh_ptr, svh_ptr, words_ptr, slab_ptr, arrivals_ptr, y_ptr,
     block = pid_n * CT * 16 // 128
     arrived = tl.atomic_add(arrivals_ptr + block, 1, sem="acq_rel")
     if arrived == arrivals - 1:
-        _gemv_output(slab_ptr, arrivals_ptr, svh_ptr, y_ptr, m, n, split, block)
+        _gemv_output(slab_ptr, arrivals_ptr, svh_ptr, y_ptr, m, n, split, block, SP, MP)
 
 
 @triton.jit
-def _gemv_output(slab_ptr, arrivals_ptr, svh_ptr, y_ptr, m, n, split, block):
-    # y[:, block] = (z · H128) ⊙ svh in fp32, rounded once to fp16; z, the splits' sum, is read at L2
-    # (.cg: where the other programs' stores are, never a stale L1 line).
-    rows = tl.arange(0, 16)[:, None]
+def _gemv_output(slab_ptr, arrivals_ptr, svh_ptr, y_ptr, m, n, split, block, SP: tl.constexpr, MP: tl.constexpr):
+    # y[:, block] = (z · H128) ⊙ svh in fp32, rounded once to fp16. Row r of z, the sum of its split
+    # rows, comes from one load of all of them, unrolled over the rows so the loads overlap (a loop of
+    # dependent loads over the splits cost 2-3 us at split 32, H200), read at L2 (.cg: where the other
+    # programs' stores are, never a stale L1 line).
     i = tl.arange(0, 128)
     cols = block * 128 + i
-    z = tl.zeros([16, 128], tl.float32)
-    for s in range(0, split):
-        z += tl.load(slab_ptr + (s * 16 + rows) * n + cols[None, :], mask=rows < m, other=0.0, cache_modifier=".cg")
+    s = tl.arange(0, SP)[:, None]
+    rows = tl.arange(0, MP)[:, None]
+    z = tl.zeros([MP, 128], tl.float32)
+    for r in tl.static_range(MP):
+        z_r = tl.sum(tl.load(slab_ptr + (s * 16 + r) * n + cols[None, :], mask=s < tl.where(r < m, split, 0),
+                             other=0.0, cache_modifier=".cg"), axis=0)
+        z = tl.where(rows == r, z_r[None, :], z)
     tl.store(arrivals_ptr + block, 0)
-    y = _times_hadamard(z, 16)
-    svh = tl.load(svh_ptr + cols).to(tl.float32)
-    y = (y * (0.08838834764831845 * svh)[None, :]).to(tl.float16)  # 1/sqrt(128) ⊙ svh
-    tl.store(y_ptr + rows * n + cols[None, :], y, mask=rows < m)
+    svh = 0.08838834764831845 * tl.load(svh_ptr + cols).to(tl.float32)  # 1/sqrt(128) ⊙ svh
+    y = _times_hadamard(z, MP) * svh[None, :]
+    tl.store(y_ptr + rows * n + cols[None, :], y.to(tl.float16), mask=rows < m)
 
 
 def trellis_k2(trellis: torch.Tensor, codebook: str) -> int:
@@ -491,7 +497,8 @@ def exl3_gemv(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: to
         _gemv_kernel[(n // block_n, split)](
             xh, svh, words, slab, counters, out[row:], rows, k, n, tiles_k // (split * row_tiles), split,
             split * 128 // block_n, K2=k2, CB=CODEBOOKS.index(codebook), MP=triton.next_power_of_2(rows),
-            RT=row_tiles, CT=block_n // 16, num_warps=num_warps, num_stages=num_stages)
+            RT=row_tiles, CT=block_n // 16, SP=triton.next_power_of_2(split), num_warps=num_warps,
+            num_stages=num_stages)
     return out
 
 
@@ -579,9 +586,9 @@ def _moe_gemv_kernel(xh_ptr, words_ptr, words_up_ptr, ids_ptr, slab_ptr, arrival
         rows = s < split
         if DOWN:
             # .cg: read at L2, where the other programs' stores are, never a stale L1 line.
-            z = tl.sum(tl.load(slab_ptr + (p * split + s) * n + c[None, :], mask=rows, other=0.0,
-                               cache_modifier=".cg"), axis=0)[None, :]
-            y = _times_hadamard(z, 1)
+            total = tl.sum(tl.load(slab_ptr + (p * split + s) * n + c[None, :], mask=rows, other=0.0,
+                                   cache_modifier=".cg"), axis=0)[None, :]
+            y = _times_hadamard(total, 1)
             scale = 0.08838834764831845 * tl.load(svh_a_ptr + e * n + c).to(tl.float32) * tl.load(route_ptr + p)
             t = p // top_k
             tl.store(pair_ptr + p * n + c[None, :], y * scale[None, :])
@@ -822,13 +829,13 @@ def _fp16_scale(peak):
 
 
 @triton.jit
-def _prefill_rotate(x_ptr, suh_ptr, tok, e, ok, D, out_ptr, inv_ptr, s, RB: tl.constexpr):
-    # out[s] = fp16((x[tok] ⊙ suh[e]) · H128 · scale), inv[s] = 1 / scale, for RB sorted pairs. The
-    # scale comes from a bound on the row's largest value instead of the value itself, so that the
-    # Hadamard runs once: an element of v · H128 / sqrt(128) (orthonormal) is at most |v|, the
-    # 128-block's L2 norm. The largest value then lands in [2^13 / sqrt(128), 2^14): far from
-    # overflow and from fp16's subnormals, and a power-of-two scale does not change a normal fp16's
-    # rounding, so the products are those of the exact peak's scale.
+def _prefill_rotate(x_ptr, suh_ptr, tok, e, ok, D, out_ptr, inv_ptr, s, b0, b1, RB: tl.constexpr):
+    # out[s] = fp16((x[tok] ⊙ suh[e]) · H128 · scale) in the 128-blocks b0..b1 - 1, inv[s] = 1 / scale,
+    # for RB sorted pairs. The scale comes from a bound on the row's largest value instead of the
+    # value itself, so that the Hadamard runs once: an element of v · H128 / sqrt(128) (orthonormal)
+    # is at most |v|, the 128-block's L2 norm. The largest value then lands in [2^13 / sqrt(128),
+    # 2^14): far from overflow and from fp16's subnormals, and a power-of-two scale does not change a
+    # normal fp16's rounding, so the products are those of the exact peak's scale.
     i = tl.arange(0, 128)[None, :]
     bound = tl.zeros([RB], tl.float32)
     for b in range(0, D // 128):
@@ -837,9 +844,9 @@ def _prefill_rotate(x_ptr, suh_ptr, tok, e, ok, D, out_ptr, inv_ptr, s, RB: tl.c
         v = x * suh
         bound = tl.maximum(bound, tl.sqrt(tl.sum(v * v, axis=1)))
     scale, inv = _fp16_scale(bound)
-    tl.store(inv_ptr + s, inv, mask=ok)
+    tl.store(inv_ptr + s, inv, mask=ok)  # every span stores the same value
     scale = scale * 0.08838834764831845  # 1/sqrt(128) of the normalized H128, times the row's scale
-    for b in range(0, D // 128):
+    for b in range(b0, b1):
         x = tl.load(x_ptr + tok[:, None] * D + b * 128 + i, mask=ok[:, None], other=0.0).to(tl.float32)
         suh = tl.load(suh_ptr + e[:, None] * D + b * 128 + i, mask=ok[:, None], other=0.0).to(tl.float32)
         xh = _times_hadamard(x * suh, RB) * scale[:, None]
@@ -848,16 +855,21 @@ def _prefill_rotate(x_ptr, suh_ptr, tok, e, ok, D, out_ptr, inv_ptr, s, RB: tl.c
 
 @triton.jit
 def _prefill_rotate_kernel(x_ptr, order_ptr, ids_ptr, suh_gate_ptr, suh_up_ptr, xs_gate_ptr, xs_up_ptr,
-                           inv_gate_ptr, inv_up_ptr, P, D, top_k, RB: tl.constexpr):
-    # Rows s of xs_gate and xs_up for the sorted pairs s of this program: rotated, scaled rows.
+                           inv_gate_ptr, inv_up_ptr, P, D, top_k, span, RB: tl.constexpr):
+    # Program (RB sorted pairs, gate or up, span 128-blocks of D): those blocks of xs_gate or xs_up.
+    # Few pairs (a verify pass) split the rows into spans, so that the launch still fills the GPU;
+    # every span recomputes the row's bound (a read of the row, no Hadamard).
     s = tl.program_id(0) * RB + tl.arange(0, RB)
     ok = s < P
     pair = tl.load(order_ptr + s, mask=ok, other=0)
     e = tl.load(ids_ptr + pair, mask=ok, other=0).to(tl.int64)
     tok = (pair // top_k).to(tl.int64)
     s = s.to(tl.int64)
-    _prefill_rotate(x_ptr, suh_gate_ptr, tok, e, ok, D, xs_gate_ptr, inv_gate_ptr, s, RB)
-    _prefill_rotate(x_ptr, suh_up_ptr, tok, e, ok, D, xs_up_ptr, inv_up_ptr, s, RB)
+    b0 = tl.program_id(2) * span
+    if tl.program_id(1) == 0:
+        _prefill_rotate(x_ptr, suh_gate_ptr, tok, e, ok, D, xs_gate_ptr, inv_gate_ptr, s, b0, b0 + span, RB)
+    else:
+        _prefill_rotate(x_ptr, suh_up_ptr, tok, e, ok, D, xs_up_ptr, inv_up_ptr, s, b0, b0 + span, RB)
 
 
 @triton.jit
@@ -1014,6 +1026,16 @@ def _prefill_tiles(ids: torch.Tensor, experts: int, block_m: int) -> tuple[torch
     return order.to(torch.int32), torch.stack([e, first, rows], 1).to(torch.int32).contiguous()
 
 
+def _rotate_spans(device: torch.device, blocks: int, programs: int) -> int:
+    # Pieces to cut each rotated row into (a power of two dividing its 128-blocks): enough that the
+    # launch has 8 programs per SM.
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    spans = 1
+    while blocks % (2 * spans) == 0 and programs * spans < 8 * sms:
+        spans *= 2
+    return spans
+
+
 def exl3_moe_prefill(x: torch.Tensor, ids: torch.Tensor, route: torch.Tensor,
                      gate: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
                      up: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
@@ -1055,8 +1077,10 @@ def exl3_moe_prefill(x: torch.Tensor, ids: torch.Tensor, route: torch.Tensor,
 
     xs = torch.empty((2, P, D), dtype=torch.float16, device=dev)
     inv = torch.empty((2, P), dtype=torch.float32, device=dev)
-    _prefill_rotate_kernel[(triton.cdiv(P, PREFILL_ROTATE_ROWS),)](
-        x.contiguous(), order, ids, gate[1], up[1], xs[0], xs[1], inv[0], inv[1], P, D, top_k,
+    programs = triton.cdiv(P, PREFILL_ROTATE_ROWS)
+    spans = _rotate_spans(dev, D // 128, 2 * programs)
+    _prefill_rotate_kernel[(programs, 2, spans)](
+        x.contiguous(), order, ids, gate[1], up[1], xs[0], xs[1], inv[0], inv[1], P, D, top_k, D // 128 // spans,
         RB=PREFILL_ROTATE_ROWS, num_warps=PREFILL_ROTATE_WARPS)
     act = torch.empty((P, I), dtype=torch.float32, device=dev)
     for pass_ in ((1, 2) if BM == 256 else (0,)):
@@ -1073,5 +1097,6 @@ def exl3_moe_prefill(x: torch.Tensor, ids: torch.Tensor, route: torch.Tensor,
         acts, inv, words[2], tiles, order, route, down[2], pair_rows, I, D, (I // 16) * (D // 16) * 4 * k2, **launch)
     del acts
     y = torch.empty((m, D), dtype=torch.float32, device=dev)
-    _token_sum_kernel[(m, D // 128)](pair_rows, y, D, top_k, KP=triton.next_power_of_2(top_k), BD=128)
+    width = math.gcd(D, 1024)
+    _token_sum_kernel[(m, D // width)](pair_rows, y, D, top_k, KP=triton.next_power_of_2(top_k), BD=width)
     return y
