@@ -12,7 +12,8 @@ stacked experts that `fastdecode.FastDecoder` prepared; model_glm.forward is thi
   `dsa_kernels.dsa_prefill_attention` (one program per query row and 32 heads), so each query reads
   its 2051 selected positions instead of a mask over the whole context;
 - routed experts (§4.5): `exl3_kernels.exl3_moe_prefill` runs every selected expert of the layer in a few
-  launches instead of a Python loop over up to 288 experts.
+  launches instead of a Python loop over up to 288 experts; a step of a few rows (a short verify pass)
+  takes the decode step's `exl3_moe_decode` instead.
 Decode steps go to FastDecoder; speculative verify passes come here too (dflash.target_forward);
 MTP drafting and the KDA rollback after a partial accept stay in model_glm.
 """
@@ -29,6 +30,11 @@ import kernels
 from fastdecode import FastDecoder, Layer, Unsupported, fp32_linear
 from model_glm import (KDA_CHUNK, ForwardOutput, KDASnapshot, SeqChunk, linear, on_device, rms_norm, route_logits,
                        write_dsa_rows)
+
+# Up to this many rows in a step, the decode kernel's split-k GEMVs beat the grouped GEMMs, whose few
+# tiles leave most SMs idle (H200, full-size K3 experts, uniform routing, session 23: 2.82x at 1 row,
+# 1.56x at 4, 1.30x at 8, 0.98x at 16; `.whl/s23_prefill_ab.py`).
+MOE_DECODE_ROWS = 8
 
 
 @dataclass
@@ -203,5 +209,6 @@ class FastPrefill:
         if ex.exl3 is not None:
             gate, up, down, codebook = ex.exl3
             x = h if h.dtype != torch.float32 else h.half()  # the kernel's GEMMs take fp16 activations
-            return exl3_kernels.exl3_moe_prefill(x, ids, w, gate, up, down, codebook, cfg.swiglu_limit)
+            moe = exl3_kernels.exl3_moe_decode if h.shape[0] <= MOE_DECODE_ROWS else exl3_kernels.exl3_moe_prefill
+            return moe(x, ids, w, gate, up, down, codebook, cfg.swiglu_limit)
         return self.model.routed_experts(f"layers.{L}.mlp.", h, ids, w)

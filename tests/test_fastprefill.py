@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 import torch
 
+import exl3_kernels
 import fastdecode
 import fastprefill
 from cache import CachePool
@@ -94,11 +95,19 @@ def test_prefill_matches_forward_in_bf16():
     _same_caches(caches, tight=False)
 
 
-def test_prefill_with_exl3_experts_runs_the_moe_kernel():
+def test_prefill_with_exl3_experts_runs_the_moe_kernels(monkeypatch):
+    """A step of up to MOE_DECODE_ROWS rows takes the decode kernel, a longer one the grouped GEMMs."""
     model = _two_layers(torch.float32, experts="exl3")
     caches, fast = _both(model)
     assert fast.decoder.layers[1].experts.exl3 is not None
-    worst, kl = _steps(model, caches, fast, _chunks(model, [[19]]))
+    calls = []
+    for name in ("exl3_moe_decode", "exl3_moe_prefill"):
+        real = getattr(exl3_kernels, name)
+        monkeypatch.setattr(exl3_kernels, name, lambda x, *a, real=real, name=name, **k:
+                            calls.append((name, x.shape[0])) or real(x, *a, **k))
+    rows = [19, fastprefill.MOE_DECODE_ROWS, fastprefill.MOE_DECODE_ROWS + 1]
+    worst, kl = _steps(model, caches, fast, _chunks(model, [rows]))
+    assert calls == [("exl3_moe_prefill", rows[0]), ("exl3_moe_decode", rows[1]), ("exl3_moe_prefill", rows[2])]
     assert worst < 5e-3 and kl < 1e-6, (worst, kl)
     _same_caches(caches, tight=EXACT)
 
