@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import RouterScores, _check_block_n, _out_buffer, _route_pick
+from kernels import RouterScores, _check_block_n, _out_buffer, _route_pick, _sm_count
 
 CODEBOOKS = ("3inst", "mcg", "mul1")
 
@@ -454,7 +454,7 @@ def _split_buffers(device: torch.device, n: int, split: int) -> tuple[torch.Tens
 
 def _default_split(device: torch.device, n: int, steps: int, block_n: int) -> int:
     # Enough programs to cover every SM a few times; the split must divide the loop steps.
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    sms = _sm_count(device)
     split = 1
     while steps % (2 * split) == 0 and (n // block_n) * split * 2 <= 4 * sms:
         split *= 2
@@ -640,7 +640,7 @@ def _moe_buffers(device: torch.device, pairs: int, n: int, parts: int, split: in
 
 def _moe_split(device: torch.device, n: int, pairs: int, steps: int, block_n: int) -> int:
     # Up to 8 programs per SM: on the H200 that was 2-3% faster than 4 at batch 1 (twice measured).
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    sms = _sm_count(device)
     split = 1
     while steps % (2 * split) == 0 and (n // block_n) * pairs * split * 2 <= 8 * sms:
         split *= 2
@@ -1029,7 +1029,7 @@ def _prefill_tiles(ids: torch.Tensor, experts: int, block_m: int) -> tuple[torch
 def _rotate_spans(device: torch.device, blocks: int, programs: int) -> int:
     # Pieces to cut each rotated row into (a power of two dividing its 128-blocks): enough that the
     # launch has 8 programs per SM.
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    sms = _sm_count(device)
     spans = 1
     while blocks % (2 * spans) == 0 and programs * spans < 8 * sms:
         spans *= 2

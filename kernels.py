@@ -224,10 +224,15 @@ def _fp8_arrivals(device: torch.device, n_tiles: int) -> torch.Tensor:
     return _FP8_ARRIVALS[key]
 
 
+def _sm_count(device: torch.device) -> int:
+    # SMs that launch grids are sized for; on CPU (the interpreter) a small stand-in, so tests see splits.
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
 def _fp8_default_split(device: torch.device, programs: int, parts: int, target: int) -> int:
     # Double the split of `parts` (k blocks or chunks) while that keeps at most `target` programs
     # (warps, for the FMA kernel) per SM; more splits only add partial sums to reduce.
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    sms = _sm_count(device)
     split = 1
     while 2 * split <= parts and programs * 2 * split <= target * sms:
         split *= 2
