@@ -27,7 +27,7 @@ import torch.nn.functional as F
 import exl3_kernels
 import kda_kernels
 import kernels
-from fastdecode import FastDecoder, Layer, Unsupported, fp32_linear
+from fastdecode import FastDecoder, Layer, Unsupported, fp32_linear, to_device
 from model_glm import (KDA_CHUNK, ForwardOutput, KDASnapshot, SeqChunk, linear, on_device, rms_norm, route_logits,
                        write_dsa_rows)
 
@@ -79,12 +79,12 @@ class FastPrefill:
                 for c, (a, b) in zip(batch, spans)]
         h = torch.cat([r.h for r in runs])
         with on_device(h.device):
-            logits = linear(h[list(logit_rows)] if every_row else h, self.decoder.head).float()
+            logits = linear(h[to_device(logit_rows, h.device)] if every_row else h, self.decoder.head).float()
         tapped = torch.cat([torch.cat([r.taps[L] for r in runs]) for L in taps], dim=-1) if taps else None
         kda_inputs = {}
         if len(kda_input_rows):  # the chunks kept their recorded rows in row order; put them in the asked order
             kept = sorted(kda_input_rows)
-            order = torch.tensor([kept.index(r) for r in kda_input_rows], device=h.device)
+            order = to_device([kept.index(r) for r in kda_input_rows], h.device)
             kda_inputs = {L: torch.cat([r.kda_inputs[L] for r in runs if L in r.kda_inputs])[order]
                           for L in cfg.kda_layers}
         snapshots = {(i, p): snap for i, r in enumerate(runs) for p, snap in r.snapshots.items()}
@@ -100,6 +100,7 @@ class FastPrefill:
         first = d.embed.device
         tokens = c.tokens.to(first)
         run = ChunkRun(snapshots={p: KDASnapshot.empty(len(cfg.kda_layers)) for p in c.snapshots})
+        recorded = to_device(sorted(record), first) if record else None
         X = d.embed[tokens][:, None, :].repeat(1, cfg.hc_mult, 1).contiguous()
         for L, layer in enumerate(d.layers):
             X = X.to(layer.device)  # a layer split: each layer on its device (FastDecoder.run)
@@ -107,7 +108,7 @@ class FastPrefill:
                 x, post, C = d._hc_pre(X, layer.attn_hc, layer.input_norm)
                 if layer.kind == "kda":
                     if record:  # kept on the first device, as model_glm keeps them
-                        run.kda_inputs[L] = x[torch.tensor(sorted(record), device=x.device)].to(first)
+                        run.kda_inputs[L] = x[recorded.to(x.device)].to(first)
                     y = self.kda(layer, x, c, run.snapshots)
                 else:
                     y = self.dsa(layer, x, c)
