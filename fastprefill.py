@@ -19,7 +19,7 @@ MTP drafting and the KDA rollback after a partial accept stay in model_glm.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -28,8 +28,7 @@ import exl3_kernels
 import kda_kernels
 import kernels
 from fastdecode import FastDecoder, Layer, Unsupported, fp32_linear, to_device
-from model_glm import (KDA_CHUNK, ForwardOutput, KDASnapshot, SeqChunk, linear, on_device, rms_norm, route_logits,
-                       write_dsa_rows)
+from model_glm import KDA_CHUNK, ForwardOutput, KDASnapshot, SeqChunk, linear, on_device, rms_norm, write_dsa_rows
 
 # Up to this many rows in a step, the decode kernel's split-k GEMVs beat the grouped GEMMs, whose few
 # tiles leave most SMs idle (H200, full-size K3 experts, uniform routing, session 23: 2.82x at 1 row,
@@ -98,7 +97,12 @@ class FastPrefill:
         taps of its rows and the KDA layers' inputs at the chunk rows `record` (in row order)."""
         d, cfg = self.decoder, self.cfg
         first = d.embed.device
-        tokens = c.tokens.to(first)
+        # the tokens and the block table on the device once, from pinned memory: a copy from pageable
+        # memory waits for the GPU, and each DSA layer read the table (H200, 8K chunk: ~16 ms of the GPU
+        # idle behind the host)
+        tokens = c.tokens if c.tokens.device == first else to_device(c.tokens, first)
+        if c.block_table.device != first:
+            c = replace(c, block_table=to_device(c.block_table, first))
         run = ChunkRun(snapshots={p: KDASnapshot.empty(len(cfg.kda_layers)) for p in c.snapshots})
         recorded = to_device(sorted(record), first) if record else None
         X = d.embed[tokens][:, None, :].repeat(1, cfg.hc_mult, 1).contiguous()
@@ -170,7 +174,8 @@ class FastPrefill:
             outs.append(o)
             if r1 in cuts:
                 at.append(S)
-        return torch.cat(outs), S, at
+        # torch.cat copies even a single piece: 125 us a KDA layer for an 8K chunk on the H200
+        return outs[0] if len(outs) == 1 else torch.cat(outs), S, at
 
     # -- §4.4 DSA ------------------------------------------------------------------------------
 
@@ -205,7 +210,10 @@ class FastPrefill:
     def _routed(self, L: int, layer: Layer, h: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
         gate_w, bias = layer.router
-        ids, w = route_logits(fp32_linear(h, gate_w), bias, cfg)
+        # the decode step's top-k kernel (ties to the lower expert): one launch where model_glm.route_logits
+        # takes ten (~0.2 ms a layer for an 8K chunk on the H200)
+        ids, w = kernels.route_topk(fp32_linear(h, gate_w), bias, cfg.num_experts_per_tok, cfg.norm_topk_prob,
+                                    cfg.routed_scaling_factor)
         ex = layer.experts
         if ex.exl3 is not None:
             gate, up, down, codebook = ex.exl3

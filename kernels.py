@@ -917,6 +917,22 @@ def route_pick(scores: RouterScores) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, weights
 
 
+def route_topk(logits: torch.Tensor, bias: torch.Tensor, top_k: int, norm_topk_prob: bool,
+               scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """model_glm.route_logits in one launch for router logits [B, E] fp32 already made (a prefill's
+    GEMM): route_pick with the logits as the single partial sum. Returns (ids int32, weights fp32)
+    [B, top_k], as moe_route."""
+    if logits.dim() != 2 or logits.dtype != torch.float32:
+        raise ValueError(f"route_topk: logits must be fp32 [B, E], got {logits.dtype} {tuple(logits.shape)}")
+    E = logits.shape[1]
+    if tuple(bias.shape) != (E,):
+        raise ValueError(f"route_topk: bias must be ({E},), got {tuple(bias.shape)}")
+    if not 1 <= top_k <= E:
+        raise ValueError(f"route_topk: top_k = {top_k} must be in 1..{E}")
+    return route_pick(RouterScores(logits.contiguous()[:, None, :], bias.float().contiguous(), top_k, norm_topk_prob,
+                                   float(scaling)))
+
+
 def moe_route(h: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, top_k: int, norm_topk_prob: bool,
               scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
     """model_glm.route for rows h [B, D]: s = sigmoid(h·gate_wᵀ) in fp32 (gate_w [E, D] fp32), the

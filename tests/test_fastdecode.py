@@ -19,7 +19,7 @@ import fp8
 import tiny
 from cache import CachePool
 from model_glm import (GLMConfig, GLMModel, SeqChunk, hc_post, hc_pre, kda_gate, l2_norm, linear, mla_attention,
-                       pool_keys, rms_norm, route, select_tokens, short_conv, swiglu)
+                       pool_keys, rms_norm, route, route_logits, select_tokens, short_conv, swiglu)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CACHE_TENSORS = ("latent", "index_k", "gate", "pooled", "kda_state", "conv_state")
@@ -283,6 +283,41 @@ def test_moe_route_matches_model_glm(dtype, E, D, k, norm):
     order, want_order = ids.long().sort(1), want_ids.sort(1)
     assert torch.equal(order.values, want_order.values)  # the same set of experts per row
     torch.testing.assert_close(w.gather(1, order.indices), want_w.gather(1, want_order.indices), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_route_topk_from_logits_matches_model_glm(norm):
+    # The prefill's router: its GEMM's fp32 logits [B, E] go to the top-k kernel as one partial sum.
+    E, k, B = 40, 6, 37
+    cfg = GLMConfig.from_dict(tiny.tiny_config_dict(n_routed_experts=E, num_experts_per_tok=k, norm_topk_prob=norm))
+    g = torch.Generator().manual_seed(4)
+    logits = (2 * torch.randn(B, E, generator=g)).to(DEVICE)
+    bias = (0.1 * torch.randn(E, generator=g)).to(DEVICE)
+    want_ids, want_w = route_logits(logits, bias, cfg)
+    ids, w = kernels.route_topk(logits, bias, k, norm, cfg.routed_scaling_factor)
+    assert ids.dtype == torch.int32 and tuple(ids.shape) == (B, k)
+    assert torch.equal(ids.long(), want_ids), "the picks, in route_logits' order (largest choice first)"
+    torch.testing.assert_close(w, want_w, rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match=r"bias must be \(40,\)"):
+        kernels.route_topk(logits, bias[:5], k, norm, 1.0)
+    with pytest.raises(ValueError, match=r"logits must be fp32 \[B, E\]"):
+        kernels.route_topk(logits.half(), bias, k, norm, 1.0)
+
+
+@pytest.mark.parametrize("B", [3, 37])
+def test_kda_output_gate_per_row_and_per_block_of_rows(B):
+    # A decode step's rows take a (row, head) pair a program, a prefill chunk's KDA_OUTPUT_ROWS pairs (37
+    # rows of 4 heads: a last program with 4 pairs); o_g a strided view, as layer.proj returns it.
+    H, d = 4, 32
+    g = torch.Generator().manual_seed(8)
+    o = torch.randn(B, H, d, generator=g).to(DEVICE)
+    o_g = torch.randn(B, H * d + 5, generator=g).to(torch.bfloat16).to(DEVICE)[:, :H * d]
+    w = (1 + 0.1 * torch.randn(d, generator=g)).to(DEVICE)
+    want = (rms_norm(o, w, 1e-5) * torch.sigmoid(o_g.float().view(B, H, d))).to(torch.bfloat16).flatten(1)
+    torch.testing.assert_close(kda_kernels.kda_output_gate(o, o_g, w, 1e-5, torch.bfloat16), want, rtol=1e-2,
+                               atol=1e-2)
+    torch.testing.assert_close(kda_kernels.kda_output_gate(o, o_g, w, 1e-5, torch.float32),
+                               rms_norm(o, w, 1e-5).flatten(1) * torch.sigmoid(o_g.float()), rtol=1e-5, atol=1e-6)
 
 
 def test_moe_route_breaks_ties_to_the_lower_expert_and_handles_negative_choices():
