@@ -447,10 +447,7 @@ HC_MIX_ROWS = 16
 HC_POST_MIX_BLOCK = 64  # columns of each of the hc streams a program of `_hc_post_mix_kernel` takes
 HC_DOT_MIN_ROWS = 64
 HC_DOT_ROWS = 64
-# 32 columns a step, 4 stages: 186 us at 8192 rows against 262 at 64 and 3 (H200, 4 x 4096 bf16 streams,
-# `.whl/s24_sweep.py`); 128-row tiles over 2048-column splits were 160 us but halve the programs of short chunks
-HC_DOT_BLOCK = 32
-HC_DOT_STAGES = 4
+HC_DOT_BLOCK = 64
 HC_DOT_SPLIT = 1024
 HC_BLOCK = 512
 HC_POST_BLOCK = 1024  # columns a program of `_hc_post_kernel`: 152 us at 8192 rows of 4 x 4096 against 216 at 512 (H200)
@@ -653,8 +650,7 @@ def _hc_mix(x: torch.Tensor, fn: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
         part = torch.empty(B, S, NP, dtype=torch.float32, device=x.device)
         sq = torch.empty(B, S, dtype=torch.float32, device=x.device)
         _hc_mix_dot_kernel[(triton.cdiv(B, HC_DOT_ROWS), S)](x, fn, part, sq, B, n_in, n_out, S, steps, NP=NP,
-                                                             BM=HC_DOT_ROWS, BK=HC_DOT_BLOCK,
-                                                             num_stages=HC_DOT_STAGES)
+                                                             BM=HC_DOT_ROWS, BK=HC_DOT_BLOCK)
     else:
         S = triton.cdiv(n_in, HC_MIX_BLOCK)
         part = torch.empty(B, S, NP, dtype=torch.float32, device=x.device)
