@@ -447,7 +447,8 @@ HC_MIX_ROWS = 16
 HC_POST_MIX_BLOCK = 64  # columns of each of the hc streams a program of `_hc_post_mix_kernel` takes
 HC_DOT_MIN_ROWS = 64
 HC_DOT_ROWS = 64
-HC_DOT_BLOCK = 64
+HC_DOT_BLOCK = 32  # columns a step, at HC_DOT_STAGES stages (H200, 8192 rows: 186 us against 262 at 64 and 3)
+HC_DOT_STAGES = 4
 HC_DOT_SPLIT = 1024
 HC_BLOCK = 512
 HC_POST_BLOCK = 1024  # columns a program of `_hc_post_kernel`: 152 us at 8192 rows of 4 x 4096 against 216 at 512 (H200)
@@ -501,8 +502,10 @@ def _hc_mix_dot_kernel(x_ptr, fn_ptr, part_ptr, sq_ptr, B, n_in, n_out, S, steps
         fn = tl.load(fn_ptr + o[None, :] * n_in + k[:, None], mask=(o[None, :] < n_out) & inside[:, None], other=0.0)
         fn_hi = _tf32(fn)
         fn_lo = _tf32(fn - fn_hi)
-        acc = tl.dot(x, fn_hi, acc, input_precision="tf32")
-        acc = tl.dot(x, fn_lo, acc, input_precision="tf32")
+        # each step's products summed apart, then added to acc in fp32: the MMA's own accumulation rounds
+        # less evenly, and at 32 columns a step twice as many of its adds into acc missed the exactness
+        # bound on the H200 (tests/test_fastdecode.py)
+        acc += tl.dot(x, fn_lo, tl.dot(x, fn_hi, input_precision="tf32"), input_precision="tf32")
         sq += tl.sum(x * x, axis=1)
     tl.store(part_ptr + (rows[:, None] * S + s) * NP + o[None, :], acc, mask=row_ok[:, None])
     tl.store(sq_ptr + rows * S + s, sq, mask=row_ok)
@@ -650,7 +653,8 @@ def _hc_mix(x: torch.Tensor, fn: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
         part = torch.empty(B, S, NP, dtype=torch.float32, device=x.device)
         sq = torch.empty(B, S, dtype=torch.float32, device=x.device)
         _hc_mix_dot_kernel[(triton.cdiv(B, HC_DOT_ROWS), S)](x, fn, part, sq, B, n_in, n_out, S, steps, NP=NP,
-                                                             BM=HC_DOT_ROWS, BK=HC_DOT_BLOCK)
+                                                             BM=HC_DOT_ROWS, BK=HC_DOT_BLOCK,
+                                                             num_stages=HC_DOT_STAGES)
     else:
         S = triton.cdiv(n_in, HC_MIX_BLOCK)
         part = torch.empty(B, S, NP, dtype=torch.float32, device=x.device)
