@@ -892,6 +892,13 @@ def _route_topk_kernel(part_ptr, bias_ptr, ids_ptr, wt_ptr, E, S, scaling,
     tl.store(wt_ptr + b * TOPK + j, w, mask=j < TOPK)
 
 
+def _check_route(name: str, bias: torch.Tensor, top_k: int, E: int) -> None:
+    if tuple(bias.shape) != (E,):
+        raise ValueError(f"{name}: bias must be ({E},), got {tuple(bias.shape)}")
+    if not 1 <= top_k <= E:
+        raise ValueError(f"{name}: top_k = {top_k} must be in 1..{E}")
+
+
 def router_scores(h: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, top_k: int, norm_topk_prob: bool,
                   scaling: float) -> RouterScores:
     """The first launch of moe_route: the router GEMV h·gate_wᵀ (gate_w [E, D] fp32) as partial sums."""
@@ -900,10 +907,7 @@ def router_scores(h: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, top
     if tuple(gate_w.shape) != (E, D) or gate_w.dtype != torch.float32 or not gate_w.is_contiguous():
         raise ValueError(f"moe_route: gate_w must be contiguous fp32 (E, {D}), got {gate_w.dtype} "
                          f"{tuple(gate_w.shape)}")
-    if tuple(bias.shape) != (E,):
-        raise ValueError(f"moe_route: bias must be ({E},), got {tuple(bias.shape)}")
-    if not 1 <= top_k <= E:
-        raise ValueError(f"moe_route: top_k = {top_k} must be in 1..{E}")
+    _check_route("moe_route", bias, top_k, E)
     _rows(h, "moe_route: h", B, D)
     S = triton.cdiv(D, ROUTE_BLOCK_K)
     part = torch.empty(B, S, E, dtype=torch.float32, device=h.device)
@@ -929,11 +933,7 @@ def route_topk(logits: torch.Tensor, bias: torch.Tensor, top_k: int, norm_topk_p
     [B, top_k], as moe_route."""
     if logits.dim() != 2 or logits.dtype != torch.float32:
         raise ValueError(f"route_topk: logits must be fp32 [B, E], got {logits.dtype} {tuple(logits.shape)}")
-    E = logits.shape[1]
-    if tuple(bias.shape) != (E,):
-        raise ValueError(f"route_topk: bias must be ({E},), got {tuple(bias.shape)}")
-    if not 1 <= top_k <= E:
-        raise ValueError(f"route_topk: top_k = {top_k} must be in 1..{E}")
+    _check_route("route_topk", bias, top_k, logits.shape[1])
     return route_pick(RouterScores(logits.contiguous()[:, None, :], bias.float().contiguous(), top_k, norm_topk_prob,
                                    float(scaling)))
 
