@@ -802,7 +802,7 @@ def _moe_decode(x: torch.Tensor, ids: torch.Tensor, route: torch.Tensor, top_k: 
 # (tests/test_kernels.py); activations enter the tensor cores as fp16 (11 significant bits), which
 # sets the precision (~5e-4 relative), as in EXL3Linear's GEMM path.
 
-PREFILL_ROWS = 16  # rows per program of the scaling kernel
+PREFILL_SCALE_ELEMENTS = 8192  # elements a program of the scaling kernel holds (4 rows of 2048: 64 a thread)
 # block_m's own choice by the mean pairs per expert: 32-row tiles up to PREFILL_128_ROWS, then 128 up to
 # PREFILL_256_ROWS, then 256. H200, full-size experts, K3 and K4, skewed routing (`.whl/s12_sweep.py`),
 # the best tile and the others' time against it: 7 and 14 pairs (256 and 512 tokens) 32 rows, 16 rows
@@ -873,20 +873,18 @@ def _prefill_rotate_kernel(x_ptr, order_ptr, ids_ptr, suh_gate_ptr, suh_up_ptr, 
 
 
 @triton.jit
-def _prefill_scale_kernel(a_ptr, out_ptr, inv_ptr, P, n, RB: tl.constexpr):
-    # out[s] = fp16(a[s] · scale), inv[s] = 1 / scale, for RB rows of a [P, n] fp32.
+def _prefill_scale_kernel(a_ptr, out_ptr, inv_ptr, P, n, RB: tl.constexpr, NP: tl.constexpr):
+    # out[s] = fp16(a[s] · scale), inv[s] = 1 / scale, for RB whole rows of a [P, n] fp32 (NP >= n), held in
+    # registers between the peak and the scaling: one read of a (two reads took 320 us at 8K tokens on the
+    # H200, at the bandwidth of both).
     s = (tl.program_id(0) * RB + tl.arange(0, RB)).to(tl.int64)
     ok = s < P
-    i = tl.arange(0, 128)[None, :]
-    peak = tl.zeros([RB], tl.float32)
-    for b in range(0, n // 128):
-        a = tl.load(a_ptr + s[:, None] * n + b * 128 + i, mask=ok[:, None], other=0.0)
-        peak = tl.maximum(peak, tl.max(tl.abs(a), axis=1))
-    scale, inv = _fp16_scale(peak)
+    i = tl.arange(0, NP)[None, :]
+    inside = ok[:, None] & (i < n)
+    a = tl.load(a_ptr + s[:, None] * n + i, mask=inside, other=0.0)
+    scale, inv = _fp16_scale(tl.max(tl.abs(a), axis=1))
     tl.store(inv_ptr + s, inv, mask=ok)
-    for b in range(0, n // 128):
-        a = tl.load(a_ptr + s[:, None] * n + b * 128 + i, mask=ok[:, None], other=0.0)
-        tl.store(out_ptr + s[:, None] * n + b * 128 + i, (a * scale[:, None]).to(tl.float16), mask=ok[:, None])
+    tl.store(out_ptr + s[:, None] * n + i, (a * scale[:, None]).to(tl.float16), mask=inside)
 
 
 @triton.jit
@@ -1010,6 +1008,18 @@ def _token_sum_kernel(pair_rows_ptr, out_ptr, D, top_k, KP: tl.constexpr, BD: tl
     tl.store(out_ptr + t * D + c, tl.sum(rows, axis=0))
 
 
+def _prefill_scale(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # (fp16 a · scale, 1 / scale) per row of a [P, n] fp32, scale a power of two that puts the row's largest
+    # |value| in [2^13, 2^14) (_fp16_scale).
+    P, n = a.shape
+    out = torch.empty((P, n), dtype=torch.float16, device=a.device)
+    inv = torch.empty((P,), dtype=torch.float32, device=a.device)
+    width = triton.next_power_of_2(n)
+    rows = max(1, PREFILL_SCALE_ELEMENTS // width)
+    _prefill_scale_kernel[(triton.cdiv(P, rows),)](a, out, inv, P, n, RB=rows, NP=width)
+    return out, inv
+
+
 def _prefill_tiles(ids: torch.Tensor, experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     # The pairs sorted by expert (stable) and the tile table [cdiv(P, BM) + E, 3] int32 of
     # (expert, first sorted pair, rows), rows 0 past the last real tile; all on the device.
@@ -1089,9 +1099,7 @@ def exl3_moe_prefill(x: torch.Tensor, ids: torch.Tensor, route: torch.Tensor,
             (D // 16) * (I // 16) * 4 * k2, limit, PASS=pass_, **launch)
     del xs
     pair_rows = torch.empty((P, D), dtype=torch.float32, device=dev)  # xs's memory
-    acts = torch.empty((P, I), dtype=torch.float16, device=dev)
-    inv = torch.empty((P,), dtype=torch.float32, device=dev)
-    _prefill_scale_kernel[(triton.cdiv(P, PREFILL_ROWS),)](act, acts, inv, P, I, RB=PREFILL_ROWS)
+    acts, inv = _prefill_scale(act)
     del act
     _prefill_down_kernel[(D // 128, tiles.shape[0])](
         acts, inv, words[2], tiles, order, route, down[2], pair_rows, I, D, (I // 16) * (D // 16) * 4 * k2, **launch)

@@ -492,6 +492,28 @@ def test_moe_decode_routed_is_route_pick_then_moe_decode():
 
 # ---------------------------------------------------------------- EXL3 MoE prefill
 
+@pytest.mark.parametrize("n", [256, 384])
+def test_prefill_scale_puts_each_rows_largest_magnitude_below_2_to_14(n):
+    # The down GEMM's fp16 input: each row times a power of two that puts its largest |value| in [2^13, 2^14),
+    # whatever its sign (row 2's peak is a negative value 3000x its largest positive one; as a plain max the
+    # row would overflow fp16), a zero row finite; 7 rows leave most of one program's rows masked, and 384
+    # columns a padded tail of the program's 512.
+    g = torch.Generator().manual_seed(3)
+    a = torch.rand(7, n, generator=g)
+    a[2, 5] = -3000.0
+    a[4] = 0.0
+    a[6] *= 1e-6
+    out, inv = exl3_kernels._prefill_scale(a.to(DEVICE))
+    out, inv = out.cpu(), inv.cpu()
+    peak = a.abs().amax(1)
+    expo = torch.floor(torch.log2(peak.clamp_min(1e-30)))
+    want_inv = torch.where(peak > 0, 2.0 ** (expo - 13), inv)  # a zero row: any finite scale
+    assert torch.equal(inv, want_inv) and torch.isfinite(inv).all()
+    assert torch.equal(out, (a / inv[:, None]).half())
+    top = out.float().abs().amax(1)[peak > 0]
+    assert ((top >= 2 ** 13) & (top < 2 ** 14)).all()
+
+
 def _stacked_experts(E: int, D: int, I: int, width: int, seed: int):
     g = torch.Generator().manual_seed(seed)
     projections = _random_experts(E, D, I, width, g)
