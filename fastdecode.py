@@ -66,7 +66,10 @@ class Fused:
 def to_device(values: torch.Tensor | list[int], device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
     """Host values on `device` without waiting for it. A copy from pageable memory (torch.tensor(...,
     device=cuda), a list as an index) synchronizes the stream, so the host could not queue the next work,
-    the sampler's, behind a decode step's graph; from pinned memory it is queued like a kernel."""
+    the sampler's, behind a decode step's graph; from pinned memory it is queued like a kernel. Values
+    already on a GPU are only moved or cast there (no host copy)."""
+    if isinstance(values, torch.Tensor) and values.device.type != "cpu":
+        return values.to(device, dtype)
     host = torch.as_tensor(values, dtype=dtype)
     if torch.device(device).type != "cuda":
         return host.to(device)

@@ -100,9 +100,8 @@ class FastPrefill:
         # the tokens and the block table on the device once, from pinned memory: a copy from pageable
         # memory waits for the GPU, and each DSA layer read the table (H200, 8K chunk: ~16 ms of the GPU
         # idle behind the host)
-        tokens = c.tokens if c.tokens.device == first else to_device(c.tokens, first)
-        if c.block_table.device != first:
-            c = replace(c, block_table=to_device(c.block_table, first))
+        tokens = to_device(c.tokens, first)
+        c = replace(c, block_table=to_device(c.block_table, first))
         run = ChunkRun(snapshots={p: KDASnapshot.empty(len(cfg.kda_layers)) for p in c.snapshots})
         recorded = to_device(sorted(record), first) if record else None
         X = d.embed[tokens][:, None, :].repeat(1, cfg.hc_mult, 1).contiguous()
