@@ -771,38 +771,34 @@ def _moe_decode(x: torch.Tensor, ids: torch.Tensor, route: torch.Tensor, top_k: 
 
 # ---------------------------------------------------------------- EXL3 MoE prefill: many rows per expert
 # For P = m * top_k (row, expert) pairs of one MoE layer, sorted by expert (argsort on the device; no
-# host synchronization), in five launches (six at 256-row tiles):
+# host synchronization), in five launches:
 #   1. rotate every sorted pair's row for gate and for up ((x ⊙ suh_e) · H128, fp32) and store it
 #      in fp16 times a per-row power of two that puts the row's largest value in [2^9.5, 2^14) (from a
 #      bound, see _prefill_rotate): exact, and it keeps small activations out of fp16's subnormals
 #      (spec §4 allows any fp16 suh);
-#   2. gate and up as one grouped GEMM: a program owns a tile of BM sorted pairs of one expert and
-#      one 128-column block, runs over all of k for gate and then for up, decoding each 16x16 trellis
-#      tile in registers straight into tl.dot's A operand (Ŵ^T, as exl3_gemv does; the activations
-#      are B, [32, BM] fp16), so a weight is decoded once per BM rows, the ALU only decodes and the
-#      tensor cores multiply; its epilogue owns a whole 128-column block of both projections: H128,
-#      svh, the clamped SwiGLU (glm53.md §4.5), ⊙ suh_down and H128 again: fp32 down inputs. At
-#      256-row tiles one [128, 256] fp32 accumulator takes 128 registers a thread at 8 warps, so gate
-#      and up run as two launches, the first leaving silu(gate) in the output buffer (at 16 warps
-#      triton's wgmma layout puts two warp groups side by side on the 256 rows, each decoding the
-#      same weights);
-#   3. the down inputs to fp16 with per-row powers of two, as in 1.;
-#   4. down as the same grouped GEMM; its epilogue applies H128, svh, the routing weight and the
-#      row scale and stores the pair's fp32 row (in the rotated rows' memory, free by then);
-#   5. each token's output row: its top_k pair rows added in a fixed order (`_token_sum_kernel`;
-#      atomic adds into the token's row made the sum's order, and its last bits, vary from run to
-#      run);
+#   2. gate and up as one grouped GEMM (`_prefill_gemm_kernel`): a program owns a tile of BM sorted
+#      pairs of one expert, one 128-column block and one projection, runs over all of k decoding each
+#      16x16 trellis tile in registers straight into tl.dot's A operand (Ŵ^T, as exl3_gemv does; the
+#      activations are B, [16 RT, BM] fp16), so a weight is decoded once per BM rows, the ALU only
+#      decodes and the tensor cores multiply, and stores the raw fp32 products;
+#   3. per sorted pair, whole rows in registers (`_prefill_swiglu_kernel`): H128, the row scale's
+#      inverse and svh of both projections, the clamped SwiGLU (glm53.md §4.5), ⊙ suh_down and H128
+#      again, then fp16 with per-row powers of two as in 1.;
+#   4. down as the same grouped GEMM, its raw products by sorted pair;
+#   5. each token's output row (`_token_sum_kernel`): per pair the routing weight, the row scale,
+#      H128 and svh, then the top_k pairs added in a fixed order;
 # plus the small torch ops that sort and build the tile table [tiles, 3] = (expert, first sorted
 # pair, rows). The grid covers cdiv(P, BM) + E tiles, an upper bound; programs past the real tiles
 # do nothing. BM follows the mean rows per expert (32, 128 or 256): at 8K tokens (228 pairs per expert)
 # most experts fit one 256-row tile, so each weight is decoded about once per layer instead of once
 # per row as in the per-expert path, and no decoded weight is written to memory.
-# Transient memory: at most 4 P D + 6 P I bytes (1.9 GB at 8K tokens of the full model).
+# Transient memory: at most 4 P D + 8 P I bytes (2.1 GB at 8K tokens of the full model).
 # Twin: the per-expert fp32 sum Σ_j w_j · down_e(swiglu(gate_e(x), up_e(x))) with exl3.EXL3Linear
 # (tests/test_kernels.py); activations enter the tensor cores as fp16 (11 significant bits), which
 # sets the precision (~5e-4 relative), as in EXL3Linear's GEMM path.
 
-PREFILL_SCALE_ELEMENTS = 8192  # elements a program of the scaling kernel holds (4 rows of 2048: 64 a thread)
+PREFILL_SWIGLU_ELEMENTS = 8192  # elements of each operand a program of the SwiGLU kernel holds (4 rows of 2048)
+PREFILL_SWIGLU_WARPS = 8
 # block_m's own choice by the mean pairs per expert: 32-row tiles up to PREFILL_128_ROWS, then 128 up to
 # PREFILL_256_ROWS, then 256. H200, full-size experts, K3 and K4, skewed routing (`.whl/s12_sweep.py`),
 # the best tile and the others' time against it: 7 and 14 pairs (256 and 512 tokens) 32 rows, 16 rows
@@ -873,18 +869,43 @@ def _prefill_rotate_kernel(x_ptr, order_ptr, ids_ptr, suh_gate_ptr, suh_up_ptr, 
 
 
 @triton.jit
-def _prefill_scale_kernel(a_ptr, out_ptr, inv_ptr, P, n, RB: tl.constexpr, NP: tl.constexpr):
-    # out[s] = fp16(a[s] · scale), inv[s] = 1 / scale, for RB whole rows of a [P, n] fp32 (NP >= n), held in
-    # registers between the peak and the scaling: one read of a (two reads took 320 us at 8K tokens on the
-    # H200, at the bandwidth of both).
+def _times_hadamard_blocks(z, R: tl.constexpr, W: tl.constexpr):
+    # z [R, W] times sqrt(128) * H128 in each 128-column block (W a multiple of 128).
+    return tl.reshape(_times_hadamard(tl.reshape(z, [R * W // 128, 128]), R * W // 128), [R, W])
+
+
+@triton.jit
+def _projection_rows(z, row_factor, svh):
+    # One projection's outputs from its raw products z [R, W] (W a multiple of 128): each row times its
+    # factor (the row scale's inverse; for down also the routing weight), H128 and svh ([R, W] or [1, W]).
+    R: tl.constexpr = z.shape[0]
+    W: tl.constexpr = z.shape[1]
+    return _times_hadamard_blocks(z * row_factor[:, None], R, W) * (0.08838834764831845 * svh)
+
+
+@triton.jit
+def _prefill_swiglu_kernel(gu_ptr, gu_proj, inv_gate_ptr, inv_up_ptr, order_ptr, ids_ptr, svh_gate_ptr, svh_up_ptr,
+                           suh_down_ptr, out_ptr, out_inv_ptr, P, I, limit, RB: tl.constexpr, NP: tl.constexpr):
+    # Program (RB sorted pairs, whole rows): the down GEMM's input from gate's and up's raw products gu
+    # [2, P, I]: act = (swiglu(gate, up) ⊙ suh_down) · H128, stored as fp16(act · scale) with its
+    # 1 / scale (_fp16_scale of the row's largest |act|), each row held in registers throughout.
     s = (tl.program_id(0) * RB + tl.arange(0, RB)).to(tl.int64)
     ok = s < P
+    e = tl.load(ids_ptr + tl.load(order_ptr + s, mask=ok, other=0), mask=ok, other=0).to(tl.int64)[:, None]
     i = tl.arange(0, NP)[None, :]
-    inside = ok[:, None] & (i < n)
-    a = tl.load(a_ptr + s[:, None] * n + i, mask=inside, other=0.0)
-    scale, inv = _fp16_scale(tl.max(tl.abs(a), axis=1))
-    tl.store(inv_ptr + s, inv, mask=ok)
-    tl.store(out_ptr + s[:, None] * n + i, (a * scale[:, None]).to(tl.float16), mask=inside)
+    inside = ok[:, None] & (i < I)
+    gate = tl.load(gu_ptr + s[:, None] * I + i, mask=inside, other=0.0)
+    svh = tl.load(svh_gate_ptr + e * I + i, mask=inside, other=0.0).to(tl.float32)
+    gate = tl.minimum(_projection_rows(gate, tl.load(inv_gate_ptr + s, mask=ok, other=0.0), svh), limit)
+    up = tl.load(gu_ptr + gu_proj + s[:, None] * I + i, mask=inside, other=0.0)
+    svh = tl.load(svh_up_ptr + e * I + i, mask=inside, other=0.0).to(tl.float32)
+    up = _projection_rows(up, tl.load(inv_up_ptr + s, mask=ok, other=0.0), svh)
+    act = gate * tl.sigmoid(gate) * tl.minimum(tl.maximum(up, -limit), limit)
+    suh = tl.load(suh_down_ptr + e * I + i, mask=inside, other=0.0).to(tl.float32)
+    act = _times_hadamard_blocks(act * suh, RB, NP) * 0.08838834764831845
+    scale, inv = _fp16_scale(tl.max(tl.abs(act), axis=1))
+    tl.store(out_inv_ptr + s, inv, mask=ok)
+    tl.store(out_ptr + s[:, None] * I + i, (act * scale[:, None]).to(tl.float16), mask=inside)
 
 
 @triton.jit
@@ -932,99 +953,71 @@ def _prefill_tile(tiles_ptr, tile, rows, BM: tl.constexpr):
 
 
 @triton.jit
-def _prefill_projection(acc, row_factor, svh_ptr, e, n, c, BM: tl.constexpr):
-    # One projection's outputs [BM, 128] for a tile's pairs from its products acc [128, BM]: each row
-    # times its factor (the row scale's inverse, for down also the routing weight), H128 and svh.
-    svh = 0.08838834764831845 * tl.load(svh_ptr + e * n + c).to(tl.float32)
-    return _times_hadamard(tl.trans(acc) * row_factor[:, None], BM) * svh[None, :]
-
-
-@triton.jit
-def _prefill_gate_up_kernel(xs_gate_ptr, xs_up_ptr, inv_gate_ptr, inv_up_ptr, gate_words_ptr, up_words_ptr,
-                            tiles_ptr, svh_gate_ptr, svh_up_ptr, suh_down_ptr, act_ptr, D, I, expert_words, limit,
-                            K2: tl.constexpr, CB: tl.constexpr, RT: tl.constexpr, BM: tl.constexpr,
-                            PASS: tl.constexpr):
-    # Program (128-column block, tile): act[pairs of the tile, block] = (swiglu(gate, up) ⊙ suh_down) · H128.
-    # PASS 0 computes both projections. At 256-row tiles their two accumulators do not fit the registers
-    # together, so they take two launches: PASS 1 stores silu(gate) in act, PASS 2 multiplies it by up.
-    pid_n = tl.program_id(0)
-    tile = tl.program_id(1)
-    rows = tl.load(tiles_ptr + 3 * tile + 2)
-    if rows > 0:
-        e, first, s, ok = _prefill_tile(tiles_ptr, tile, rows, BM)
-        c = pid_n * 128 + tl.arange(0, 128)
-        # PASS 0 runs both k loops before either epilogue (H200, 1024 tokens, 32-row tiles: 1.09-1.15x the
-        # time with the gate's epilogue between the loops)
-        if PASS != 2:
-            gate = _prefill_products(gate_words_ptr + e * expert_words, xs_gate_ptr + first * D, ok[None, :], D, I,
-                                     pid_n, K2, CB, RT, BM)
-        if PASS != 1:
-            up = _prefill_products(up_words_ptr + e * expert_words, xs_up_ptr + first * D, ok[None, :], D, I, pid_n,
-                                   K2, CB, RT, BM)
-        if PASS != 2:
-            inv_gate = tl.load(inv_gate_ptr + s, mask=ok, other=0.0)
-            gate = tl.minimum(_prefill_projection(gate, inv_gate, svh_gate_ptr, e, I, c, BM), limit)
-            silu = gate * tl.sigmoid(gate)
-        if PASS == 1:
-            tl.store(act_ptr + s[:, None] * I + c[None, :], silu, mask=ok[:, None])
-        else:
-            inv_up = tl.load(inv_up_ptr + s, mask=ok, other=0.0)
-            up = _prefill_projection(up, inv_up, svh_up_ptr, e, I, c, BM)
-            up = tl.minimum(tl.maximum(up, -limit), limit)
-            if PASS == 2:
-                silu = tl.load(act_ptr + s[:, None] * I + c[None, :], mask=ok[:, None], other=0.0)
-            act = silu * up
-            suh = tl.load(suh_down_ptr + e * I + c).to(tl.float32)
-            act = _times_hadamard(act * suh[None, :], BM) * 0.08838834764831845
-            tl.store(act_ptr + s[:, None] * I + c[None, :], act, mask=ok[:, None])
-
-
-@triton.jit
-def _prefill_down_kernel(acts_ptr, inv_ptr, words_ptr, tiles_ptr, order_ptr, route_ptr, svh_ptr, pair_rows_ptr,
-                         I, D, expert_words,
+def _prefill_gemm_kernel(xs_ptr, xs_proj, words_ptr, words_up_ptr, tiles_ptr, out_ptr, out_proj, k, n, expert_words,
                          K2: tl.constexpr, CB: tl.constexpr, RT: tl.constexpr, BM: tl.constexpr):
-    # Program (128-column block, tile): pair_rows[pair, block] = route · (down products · H128) ⊙ svh.
+    # Program (128-column block, tile, projection): out[proj][the tile's sorted pairs, block] = their rows
+    # of xs[proj] times the expert's Ŵ of that projection (words_ptr for 0, words_up_ptr for 1), the raw
+    # fp32 products. Their H128 runs in the kernels that read them, whose layout keeps a row's 128-blocks
+    # together: here the accumulator's wgmma layout spreads each block over lanes and warps, and the
+    # butterflies took a quarter of the kernel (H200, ncu, session 23), with nothing to overlap them.
     pid_n = tl.program_id(0)
     tile = tl.program_id(1)
+    proj = tl.program_id(2).to(tl.int64)
     rows = tl.load(tiles_ptr + 3 * tile + 2)
     if rows > 0:
         e, first, s, ok = _prefill_tile(tiles_ptr, tile, rows, BM)
-        z = _prefill_products(words_ptr + e * expert_words, acts_ptr + first * I, ok[None, :], I, D, pid_n,
-                              K2, CB, RT, BM)
-        pair = tl.load(order_ptr + s, mask=ok, other=0)
-        weight = tl.load(route_ptr + pair, mask=ok, other=0.0) * tl.load(inv_ptr + s, mask=ok, other=0.0)
+        words = words_ptr
+        if proj == 1:
+            words = words_up_ptr
+        acc = _prefill_products(words + e * expert_words, xs_ptr + proj * xs_proj + first * k, ok[None, :], k, n,
+                                pid_n, K2, CB, RT, BM)
         c = pid_n * 128 + tl.arange(0, 128)
-        y = _prefill_projection(z, weight, svh_ptr, e, D, c, BM)
-        tl.store(pair_rows_ptr + pair.to(tl.int64)[:, None] * D + c[None, :], y, mask=ok[:, None])
+        tl.store(out_ptr + proj * out_proj + s[:, None] * n + c[None, :], tl.trans(acc), mask=ok[:, None])
 
 
 @triton.jit
-def _token_sum_kernel(pair_rows_ptr, out_ptr, D, top_k, KP: tl.constexpr, BD: tl.constexpr):
-    # Program (token, BD columns): out[token] = Σ_j pair_rows[token · top_k + j], one fixed order.
+def _token_sum_kernel(z_ptr, rank_ptr, ids_ptr, route_ptr, inv_ptr, svh_ptr, out_ptr, D, top_k, KP: tl.constexpr,
+                      BD: tl.constexpr):
+    # Program (token, BD columns): out[token] = Σ_j route_j · (z[rank_j] / scale_j · H128) ⊙ svh_(e_j) over
+    # its top_k pairs j in one fixed order (atomic adds into the token's row made the order, and the sum's
+    # last bits, vary from run to run); z holds down's raw products by sorted pair, rank_j is pair j's row.
     t = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1) * BD + tl.arange(0, BD)
-    j = tl.arange(0, KP)[:, None]
-    rows = tl.load(pair_rows_ptr + (t * top_k + j) * D + c[None, :], mask=j < top_k, other=0.0)
-    tl.store(out_ptr + t * D + c, tl.sum(rows, axis=0))
+    c = tl.program_id(1) * BD + tl.arange(0, BD)[None, :]
+    j = tl.arange(0, KP)
+    okj = j < top_k
+    pair = t * top_k + j
+    row = tl.load(rank_ptr + pair, mask=okj, other=0).to(tl.int64)
+    e = tl.load(ids_ptr + pair, mask=okj, other=0).to(tl.int64)[:, None]
+    weight = tl.load(route_ptr + pair, mask=okj, other=0.0) * tl.load(inv_ptr + row, mask=okj, other=0.0)
+    z = tl.load(z_ptr + row[:, None] * D + c, mask=okj[:, None], other=0.0)
+    svh = tl.load(svh_ptr + e * D + c, mask=okj[:, None], other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * D + c, tl.sum(_projection_rows(z, weight, svh), axis=0)[None, :])
 
 
-def _prefill_scale(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    # (fp16 a · scale, 1 / scale) per row of a [P, n] fp32, scale a power of two that puts the row's largest
-    # |value| in [2^13, 2^14) (_fp16_scale).
-    P, n = a.shape
-    out = torch.empty((P, n), dtype=torch.float16, device=a.device)
-    inv = torch.empty((P,), dtype=torch.float32, device=a.device)
-    width = triton.next_power_of_2(n)
-    rows = max(1, PREFILL_SCALE_ELEMENTS // width)
-    _prefill_scale_kernel[(triton.cdiv(P, rows),)](a, out, inv, P, n, RB=rows, NP=width)
-    return out, inv
+def _prefill_swiglu(gu: torch.Tensor, inv: torch.Tensor, order: torch.Tensor, ids: torch.Tensor,
+                    svh_gate: torch.Tensor, svh_up: torch.Tensor, suh_down: torch.Tensor,
+                    limit: float) -> tuple[torch.Tensor, torch.Tensor]:
+    # The down GEMM's fp16 input and its row scales' inverses from gate's and up's raw products
+    # gu [2, P, I] by sorted pair (_prefill_swiglu_kernel).
+    _, P, I = gu.shape
+    out = torch.empty((P, I), dtype=torch.float16, device=gu.device)
+    out_inv = torch.empty((P,), dtype=torch.float32, device=gu.device)
+    width = triton.next_power_of_2(I)
+    rows = max(1, PREFILL_SWIGLU_ELEMENTS // width)
+    _prefill_swiglu_kernel[(triton.cdiv(P, rows),)](
+        gu, P * I, inv[0], inv[1], order, ids, svh_gate, svh_up, suh_down, out, out_inv, P, I, limit, RB=rows,
+        NP=width, num_warps=PREFILL_SWIGLU_WARPS)
+    return out, out_inv
 
 
-def _prefill_tiles(ids: torch.Tensor, experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    # The pairs sorted by expert (stable) and the tile table [cdiv(P, BM) + E, 3] int32 of
-    # (expert, first sorted pair, rows), rows 0 past the last real tile; all on the device.
+def _prefill_tiles(ids: torch.Tensor, experts: int,
+                   block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # The pairs sorted by expert (stable: order), each pair's place in that order (rank), and the tile
+    # table [cdiv(P, BM) + E, 3] int32 of (expert, first sorted pair, rows), rows 0 past the last real
+    # tile; all on the device.
     P = ids.numel()
     order = torch.argsort(ids, stable=True)
+    rank = torch.empty_like(order).scatter_(0, order, torch.arange(P, device=ids.device))
     counts = torch.zeros(experts, dtype=torch.int64, device=ids.device).scatter_add_(0, ids, torch.ones_like(ids))
     per_expert = (counts + block_m - 1) // block_m
     tile_end = torch.cumsum(per_expert, 0)
@@ -1033,7 +1026,7 @@ def _prefill_tiles(ids: torch.Tensor, experts: int, block_m: int) -> tuple[torch
     j = t - (tile_end[e] - per_expert[e])
     first = torch.cumsum(counts, 0)[e] - counts[e] + j * block_m
     rows = (counts[e] - j * block_m).clamp(0, block_m)
-    return order.to(torch.int32), torch.stack([e, first, rows], 1).to(torch.int32).contiguous()
+    return order.to(torch.int32), rank.to(torch.int32), torch.stack([e, first, rows], 1).to(torch.int32).contiguous()
 
 
 def _rotate_spans(device: torch.device, blocks: int, programs: int) -> int:
@@ -1079,7 +1072,7 @@ def exl3_moe_prefill(x: torch.Tensor, ids: torch.Tensor, route: torch.Tensor,
     warps = num_warps or (8 if BM >= 64 else 4)
     row_tiles = row_tiles or (4 if BM >= 128 else 2)
     ids = ids.reshape(-1).to(torch.int64)
-    order, tiles = _prefill_tiles(ids, E, BM)
+    order, rank, tiles = _prefill_tiles(ids, E, BM)
     ids = ids.to(torch.int32)
     route = route.reshape(-1).float().contiguous()
     words = [t[0].contiguous().view(torch.int32) for t in (gate, up, down)]
@@ -1092,19 +1085,18 @@ def exl3_moe_prefill(x: torch.Tensor, ids: torch.Tensor, route: torch.Tensor,
     _prefill_rotate_kernel[(programs, 2, spans)](
         x.contiguous(), order, ids, gate[1], up[1], xs[0], xs[1], inv[0], inv[1], P, D, top_k, D // 128 // spans,
         RB=PREFILL_ROTATE_ROWS, num_warps=PREFILL_ROTATE_WARPS)
-    act = torch.empty((P, I), dtype=torch.float32, device=dev)
-    for pass_ in ((1, 2) if BM == 256 else (0,)):
-        _prefill_gate_up_kernel[(I // 128, tiles.shape[0])](
-            xs[0], xs[1], inv[0], inv[1], words[0], words[1], tiles, gate[2], up[2], down[1], act, D, I,
-            (D // 16) * (I // 16) * 4 * k2, limit, PASS=pass_, **launch)
+    gu = torch.empty((2, P, I), dtype=torch.float32, device=dev)
+    _prefill_gemm_kernel[(I // 128, tiles.shape[0], 2)](
+        xs, P * D, words[0], words[1], tiles, gu, P * I, D, I, (D // 16) * (I // 16) * 4 * k2, **launch)
     del xs
-    pair_rows = torch.empty((P, D), dtype=torch.float32, device=dev)  # xs's memory
-    acts, inv = _prefill_scale(act)
-    del act
-    _prefill_down_kernel[(D // 128, tiles.shape[0])](
-        acts, inv, words[2], tiles, order, route, down[2], pair_rows, I, D, (I // 16) * (D // 16) * 4 * k2, **launch)
+    acts, inv = _prefill_swiglu(gu, inv, order, ids, gate[2], up[2], down[1], limit)
+    del gu
+    z = torch.empty((P, D), dtype=torch.float32, device=dev)
+    _prefill_gemm_kernel[(D // 128, tiles.shape[0], 1)](
+        acts, 0, words[2], words[2], tiles, z, 0, I, D, (I // 16) * (D // 16) * 4 * k2, **launch)
     del acts
     y = torch.empty((m, D), dtype=torch.float32, device=dev)
     width = math.gcd(D, 1024)
-    _token_sum_kernel[(m, D // width)](pair_rows, y, D, top_k, KP=triton.next_power_of_2(top_k), BD=width)
+    _token_sum_kernel[(m, D // width)](z, rank, ids, route, inv, down[2], y, D, top_k,
+                                       KP=triton.next_power_of_2(top_k), BD=width)
     return y

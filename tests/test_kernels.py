@@ -492,26 +492,55 @@ def test_moe_decode_routed_is_route_pick_then_moe_decode():
 
 # ---------------------------------------------------------------- EXL3 MoE prefill
 
-@pytest.mark.parametrize("n", [256, 384])
-def test_prefill_scale_puts_each_rows_largest_magnitude_below_2_to_14(n):
-    # The down GEMM's fp16 input: each row times a power of two that puts its largest |value| in [2^13, 2^14),
-    # whatever its sign (row 2's peak is a negative value 3000x its largest positive one; as a plain max the
-    # row would overflow fp16), a zero row finite; 7 rows leave most of one program's rows masked, and 384
-    # columns a padded tail of the program's 512.
+def _had64(x: torch.Tensor) -> torch.Tensor:
+    # x · H_n in fp64 (each 128-block of the last dim times the normalized H128)
+    h = exl3.hadamard_128(dtype=torch.float64)
+    return (x.double().reshape(*x.shape[:-1], -1, 128) @ h).reshape(x.shape)
+
+
+@pytest.mark.parametrize("I", [256, 384])
+def test_prefill_swiglu_matches_its_twin_and_puts_each_rows_peak_below_2_to_14(I):
+    """The down GEMM's fp16 input from gate's and up's raw products (_prefill_swiglu): per sorted pair, both
+    projections (row scale, H128, svh of the pair's expert), the clamped SwiGLU, ⊙ suh_down and H128, then
+    fp16 times the power of two that puts the row's largest |value| in [2^13, 2^14). Sorted row 2 is built to
+    come out as one value -30 among values in [0, 0.01): a scale from the plain max would overflow fp16 to
+    inf. Row 4 is zero (its scale must stay finite); 7 rows leave most of a program's rows masked, and 384
+    columns a padded tail of 512."""
     g = torch.Generator().manual_seed(3)
-    a = torch.rand(7, n, generator=g)
-    a[2, 5] = -3000.0
-    a[4] = 0.0
-    a[6] *= 1e-6
-    out, inv = exl3_kernels._prefill_scale(a.to(DEVICE))
-    out, inv = out.cpu(), inv.cpu()
-    peak = a.abs().amax(1)
-    expo = torch.floor(torch.log2(peak.clamp_min(1e-30)))
-    want_inv = torch.where(peak > 0, 2.0 ** (expo - 13), inv)  # a zero row: any finite scale
-    assert torch.equal(inv, want_inv) and torch.isfinite(inv).all()
-    assert torch.equal(out, (a / inv[:, None]).half())
-    top = out.float().abs().amax(1)[peak > 0]
+    P, E, limit = 7, 3, 3.0
+    order = torch.tensor([3, 0, 6, 1, 5, 2, 4])
+    ids = torch.tensor([0, 1, 0, 1, 0, 1, 2])  # sorted row 2 is pair 6: expert 2, whose factors are ones
+    factors = [(torch.rand(E, I, generator=g) + 0.5) * torch.sign(torch.randn(E, I, generator=g)) for _ in range(3)]
+    for f in factors:
+        f[2] = 1.0
+    svh_gate, svh_up, suh_down = (f.half() for f in factors)
+    inv = 2.0 ** -torch.randint(0, 8, (2, P), generator=g).float()
+    gu = torch.randn(2, P, I, generator=g)
+    v = 0.01 * torch.rand(I, generator=g)
+    v[5] = -30.0
+    silu_limit = torch.nn.functional.silu(torch.tensor(limit, dtype=torch.float64))
+    gu[0, 2] = ((limit + 1) * 128 ** 0.5 * (torch.arange(I) % 128 == 0) / inv[0, 2]).float()  # gate = limit + 1
+    gu[1, 2] = (v.double() / (silu_limit * inv[1, 2])).float()  # up = H(v) / silu(limit)
+    gu[0, 4] = 0.0
+
+    e = ids[order].long()
+    gate = (_had64(gu[0] * inv[0, :, None]) * svh_gate[e].double()).clamp(max=limit)
+    up = (_had64(gu[1] * inv[1, :, None]) * svh_up[e].double()).clamp(-limit, limit)
+    want = _had64(torch.nn.functional.silu(gate) * up * suh_down[e].double())
+    peak = want.abs().amax(1)
+    assert want[2].argmin() == 5 and abs(want[2, 5] + 30) < 1e-3 and want[2].max() < 0.011 and peak[4] == 0
+
+    dev = lambda t: t.to(DEVICE)
+    out, out_inv = exl3_kernels._prefill_swiglu(dev(gu), dev(inv), dev(order.int()), dev(ids.int()), dev(svh_gate),
+                                                dev(svh_up), dev(suh_down), limit)
+    out, out_inv = out.cpu().double(), out_inv.cpu().double()
+    assert torch.isfinite(out_inv).all() and (out[4] == 0).all()
+    want_inv = 2.0 ** (torch.floor(torch.log2(peak.clamp_min(1e-30))) - 13)
+    assert torch.equal(out_inv[peak > 0], want_inv[peak > 0])
+    top = out.abs().amax(1)[peak > 0]
     assert ((top >= 2 ** 13) & (top < 2 ** 14)).all()
+    # fp16's rounding of each value (2^-11 of the row's peak at most) plus fp32 against fp64
+    assert ((out * out_inv[:, None] - want).abs() <= 2 ** -10 * peak[:, None] + 1e-6).all()
 
 
 def _stacked_experts(E: int, D: int, I: int, width: int, seed: int):
@@ -551,7 +580,7 @@ PREFILL_MOE_REL = 2e-3
     (48, "3inst", None, 8, 4.0, torch.float16),   # K3; 37 rows x 2 -> block_m 32, one tile an expert
     (64, "mcg", 128, 8, 0.05, torch.bfloat16),    # K4, small activations (down's input ~1e-5), bf16 x, 128-row tiles
     (40, "mul1", 16, 4, 4.0, torch.float16),      # K2.5 (a half rate), 4 k-tiles per step, experts over 2 tiles
-    (48, "mcg", 256, 8, 1.0, torch.bfloat16),     # 256-row tiles: gate and up in two launches
+    (48, "mcg", 256, 8, 1.0, torch.bfloat16),     # 256-row tiles
 ])
 def test_moe_prefill_matches_expert_twins(width, codebook, block_m, row_tiles, scale, dtype):
     m, top_k, E, D, I, limit = 37, 2, 6, 256, 128, 1.0  # a low limit, so both clamps act
