@@ -797,8 +797,9 @@ def _moe_decode(x: torch.Tensor, ids: torch.Tensor, route: torch.Tensor, top_k: 
 # (tests/test_kernels.py); activations enter the tensor cores as fp16 (11 significant bits), which
 # sets the precision (~5e-4 relative), as in EXL3Linear's GEMM path.
 
-PREFILL_SWIGLU_ELEMENTS = 8192  # elements of each operand a program of the SwiGLU kernel holds (4 rows of 2048)
-PREFILL_SWIGLU_WARPS = 8
+PREFILL_SWIGLU_WARPS = 2  # a program holds one sorted pair's row
+TOKEN_SUM_BLOCKS = 8  # 128-column blocks of a token's row a program sums
+TOKEN_SUM_WARPS = 4
 # block_m's own choice by the mean pairs per expert: 32-row tiles up to PREFILL_128_ROWS, then 128 up to
 # PREFILL_256_ROWS, then 256. H200, full-size experts, K3 and K4, skewed routing (`.whl/s12_sweep.py`),
 # the best tile and the others' time against it: 7 and 14 pairs (256 and 512 tokens) 32 rows, 16 rows
@@ -869,43 +870,37 @@ def _prefill_rotate_kernel(x_ptr, order_ptr, ids_ptr, suh_gate_ptr, suh_up_ptr, 
 
 
 @triton.jit
-def _times_hadamard_blocks(z, R: tl.constexpr, W: tl.constexpr):
-    # z [R, W] times sqrt(128) * H128 in each 128-column block (W a multiple of 128).
-    return tl.reshape(_times_hadamard(tl.reshape(z, [R * W // 128, 128]), R * W // 128), [R, W])
-
-
-@triton.jit
-def _projection_rows(z, row_factor, svh):
-    # One projection's outputs from its raw products z [R, W] (W a multiple of 128): each row times its
-    # factor (the row scale's inverse; for down also the routing weight), H128 and svh ([R, W] or [1, W]).
-    R: tl.constexpr = z.shape[0]
-    W: tl.constexpr = z.shape[1]
-    return _times_hadamard_blocks(z * row_factor[:, None], R, W) * (0.08838834764831845 * svh)
+def _projection_blocks(z, factor, svh):
+    # One projection's outputs from its raw products z [NB, 128] (a row's 128-blocks as rows): times the
+    # row's factor (the row scale's inverse; for down also the routing weight), H128 and svh [NB, 128].
+    # H128 on a tile whose rows are the blocks runs at the bandwidth of a copy (H200: 4.0 TB/s at 1 to 64
+    # blocks a program); a row held as [rows, I] and reshaped to blocks took its kernel to a third of that.
+    NB: tl.constexpr = z.shape[0]
+    return _times_hadamard(z * factor, NB) * (0.08838834764831845 * svh)
 
 
 @triton.jit
 def _prefill_swiglu_kernel(gu_ptr, gu_proj, inv_gate_ptr, inv_up_ptr, order_ptr, ids_ptr, svh_gate_ptr, svh_up_ptr,
-                           suh_down_ptr, out_ptr, out_inv_ptr, P, I, limit, RB: tl.constexpr, NP: tl.constexpr):
-    # Program (RB sorted pairs, whole rows): the down GEMM's input from gate's and up's raw products gu
-    # [2, P, I]: act = (swiglu(gate, up) ⊙ suh_down) · H128, stored as fp16(act · scale) with its
-    # 1 / scale (_fp16_scale of the row's largest |act|), each row held in registers throughout.
-    s = (tl.program_id(0) * RB + tl.arange(0, RB)).to(tl.int64)
-    ok = s < P
-    e = tl.load(ids_ptr + tl.load(order_ptr + s, mask=ok, other=0), mask=ok, other=0).to(tl.int64)[:, None]
-    i = tl.arange(0, NP)[None, :]
-    inside = ok[:, None] & (i < I)
-    gate = tl.load(gu_ptr + s[:, None] * I + i, mask=inside, other=0.0)
+                           suh_down_ptr, out_ptr, out_inv_ptr, I, limit, NB: tl.constexpr):
+    # Program (sorted pair s): the down GEMM's input row from gate's and up's raw products gu [2, P, I]:
+    # act = (swiglu(gate, up) ⊙ suh_down) · H128, stored as fp16(act · scale) with its 1 / scale
+    # (_fp16_scale of the row's largest |act|); the row stays in registers as [NB, 128] throughout.
+    s = tl.program_id(0).to(tl.int64)
+    e = tl.load(ids_ptr + tl.load(order_ptr + s)).to(tl.int64)
+    i = tl.arange(0, NB)[:, None] * 128 + tl.arange(0, 128)[None, :]
+    inside = i < I
+    gate = tl.load(gu_ptr + s * I + i, mask=inside, other=0.0)
     svh = tl.load(svh_gate_ptr + e * I + i, mask=inside, other=0.0).to(tl.float32)
-    gate = tl.minimum(_projection_rows(gate, tl.load(inv_gate_ptr + s, mask=ok, other=0.0), svh), limit)
-    up = tl.load(gu_ptr + gu_proj + s[:, None] * I + i, mask=inside, other=0.0)
+    gate = tl.minimum(_projection_blocks(gate, tl.load(inv_gate_ptr + s), svh), limit)
+    up = tl.load(gu_ptr + gu_proj + s * I + i, mask=inside, other=0.0)
     svh = tl.load(svh_up_ptr + e * I + i, mask=inside, other=0.0).to(tl.float32)
-    up = _projection_rows(up, tl.load(inv_up_ptr + s, mask=ok, other=0.0), svh)
+    up = _projection_blocks(up, tl.load(inv_up_ptr + s), svh)
     act = gate * tl.sigmoid(gate) * tl.minimum(tl.maximum(up, -limit), limit)
     suh = tl.load(suh_down_ptr + e * I + i, mask=inside, other=0.0).to(tl.float32)
-    act = _times_hadamard_blocks(act * suh, RB, NP) * 0.08838834764831845
-    scale, inv = _fp16_scale(tl.max(tl.abs(act), axis=1))
-    tl.store(out_inv_ptr + s, inv, mask=ok)
-    tl.store(out_ptr + s[:, None] * I + i, (act * scale[:, None]).to(tl.float16), mask=inside)
+    act = _times_hadamard(act * suh, NB) * 0.08838834764831845
+    scale, inv = _fp16_scale(tl.max(tl.max(tl.abs(act), axis=1), axis=0))
+    tl.store(out_inv_ptr + s, inv)
+    tl.store(out_ptr + s * I + i, (act * scale).to(tl.float16), mask=inside)
 
 
 @triton.jit
@@ -976,22 +971,22 @@ def _prefill_gemm_kernel(xs_ptr, xs_proj, words_ptr, words_up_ptr, tiles_ptr, ou
 
 
 @triton.jit
-def _token_sum_kernel(z_ptr, rank_ptr, ids_ptr, route_ptr, inv_ptr, svh_ptr, out_ptr, D, top_k, KP: tl.constexpr,
-                      BD: tl.constexpr):
-    # Program (token, BD columns): out[token] = Σ_j route_j · (z[rank_j] / scale_j · H128) ⊙ svh_(e_j) over
-    # its top_k pairs j in one fixed order (atomic adds into the token's row made the order, and the sum's
-    # last bits, vary from run to run); z holds down's raw products by sorted pair, rank_j is pair j's row.
+def _token_sum_kernel(z_ptr, rank_ptr, ids_ptr, route_ptr, inv_ptr, svh_ptr, out_ptr, D, TOP_K: tl.constexpr,
+                      NB: tl.constexpr):
+    # Program (token, NB 128-column blocks): out[token] = Σ_j route_j · (z[rank_j] / scale_j · H128) ⊙ svh_(e_j)
+    # over its pairs j = 0, 1, .. in that order (atomic adds into the token's row made the order, and the
+    # sum's last bits, vary from run to run); z holds down's raw products by sorted pair, rank_j is pair j's row.
     t = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1) * BD + tl.arange(0, BD)[None, :]
-    j = tl.arange(0, KP)
-    okj = j < top_k
-    pair = t * top_k + j
-    row = tl.load(rank_ptr + pair, mask=okj, other=0).to(tl.int64)
-    e = tl.load(ids_ptr + pair, mask=okj, other=0).to(tl.int64)[:, None]
-    weight = tl.load(route_ptr + pair, mask=okj, other=0.0) * tl.load(inv_ptr + row, mask=okj, other=0.0)
-    z = tl.load(z_ptr + row[:, None] * D + c, mask=okj[:, None], other=0.0)
-    svh = tl.load(svh_ptr + e * D + c, mask=okj[:, None], other=0.0).to(tl.float32)
-    tl.store(out_ptr + t * D + c, tl.sum(_projection_rows(z, weight, svh), axis=0)[None, :])
+    c = tl.program_id(1) * NB * 128 + tl.arange(0, NB)[:, None] * 128 + tl.arange(0, 128)[None, :]
+    total = tl.zeros([NB, 128], tl.float32)
+    for j in tl.static_range(TOP_K):
+        pair = t * TOP_K + j
+        row = tl.load(rank_ptr + pair).to(tl.int64)
+        e = tl.load(ids_ptr + pair).to(tl.int64)
+        weight = tl.load(route_ptr + pair) * tl.load(inv_ptr + row)
+        svh = tl.load(svh_ptr + e * D + c).to(tl.float32)
+        total += _projection_blocks(tl.load(z_ptr + row * D + c), weight, svh)
+    tl.store(out_ptr + t * D + c, total)
 
 
 def _prefill_swiglu(gu: torch.Tensor, inv: torch.Tensor, order: torch.Tensor, ids: torch.Tensor,
@@ -1002,11 +997,8 @@ def _prefill_swiglu(gu: torch.Tensor, inv: torch.Tensor, order: torch.Tensor, id
     _, P, I = gu.shape
     out = torch.empty((P, I), dtype=torch.float16, device=gu.device)
     out_inv = torch.empty((P,), dtype=torch.float32, device=gu.device)
-    width = triton.next_power_of_2(I)
-    rows = max(1, PREFILL_SWIGLU_ELEMENTS // width)
-    _prefill_swiglu_kernel[(triton.cdiv(P, rows),)](
-        gu, P * I, inv[0], inv[1], order, ids, svh_gate, svh_up, suh_down, out, out_inv, P, I, limit, RB=rows,
-        NP=width, num_warps=PREFILL_SWIGLU_WARPS)
+    _prefill_swiglu_kernel[(P,)](gu, P * I, inv[0], inv[1], order, ids, svh_gate, svh_up, suh_down, out, out_inv, I,
+                                 limit, NB=triton.next_power_of_2(I // 128), num_warps=PREFILL_SWIGLU_WARPS)
     return out, out_inv
 
 
@@ -1096,7 +1088,7 @@ def exl3_moe_prefill(x: torch.Tensor, ids: torch.Tensor, route: torch.Tensor,
         acts, 0, words[2], words[2], tiles, z, 0, I, D, (I // 16) * (D // 16) * 4 * k2, **launch)
     del acts
     y = torch.empty((m, D), dtype=torch.float32, device=dev)
-    width = math.gcd(D, 1024)
-    _token_sum_kernel[(m, D // width)](z, rank, ids, route, inv, down[2], y, D, top_k,
-                                       KP=triton.next_power_of_2(top_k), BD=width)
+    blocks = math.gcd(D // 128, TOKEN_SUM_BLOCKS)
+    _token_sum_kernel[(m, D // 128 // blocks)](z, rank, ids, route, inv, down[2], y, D, TOP_K=top_k, NB=blocks,
+                                                num_warps=TOKEN_SUM_WARPS)
     return y
