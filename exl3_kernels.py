@@ -797,9 +797,12 @@ def _moe_decode(x: torch.Tensor, ids: torch.Tensor, route: torch.Tensor, top_k: 
 # (tests/test_kernels.py); activations enter the tensor cores as fp16 (11 significant bits), which
 # sets the precision (~5e-4 relative), as in EXL3Linear's GEMM path.
 
-PREFILL_SWIGLU_WARPS = 2  # a program holds one sorted pair's row
-TOKEN_SUM_BLOCKS = 8  # 128-column blocks of a token's row a program sums
-TOKEN_SUM_WARPS = 4
+# Launch settings from the H200 sweep at 8K tokens' sizes (P 65536, I 2048, D 4096; `.whl/s25_epi_ab.py`):
+# the SwiGLU kernel at 1 warp a pair 626 us (2, 4, 8 warps: 651, 719, 744); the token sum at 4 blocks and
+# 1 warp 335 us (8 blocks at 2 and 4 warps: 407, 414; 16 and 32 blocks 422-461).
+PREFILL_SWIGLU_WARPS = 1  # a program holds one sorted pair's row
+TOKEN_SUM_BLOCKS = 4  # 128-column blocks of a token's row a program sums
+TOKEN_SUM_WARPS = 1
 # block_m's own choice by the mean pairs per expert: 32-row tiles up to PREFILL_128_ROWS, then 128 up to
 # PREFILL_256_ROWS, then 256. H200, full-size experts, K3 and K4, skewed routing (`.whl/s12_sweep.py`),
 # the best tile and the others' time against it: 7 and 14 pairs (256 and 512 tokens) 32 rows, 16 rows
