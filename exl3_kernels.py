@@ -1071,9 +1071,10 @@ def exl3_moe_prefill(x: torch.Tensor, ids: torch.Tensor, route: torch.Tensor,
     ids = ids.to(torch.int32)
     route = route.reshape(-1).float().contiguous()
     words = [t[0].contiguous().view(torch.int32) for t in (gate, up, down)]
-    # the activations' pipeline: 4 stages at 256-row tiles for K <= 3, else triton's 3 (H200, 8K tokens, full-size
-    # experts, `.whl/s25_gemm_sweep.py`: K3 gate+up 1.040x, down 1.046x; K4 0.979x / 0.989x; 2 stages 0.70-0.94x)
-    stages = 4 if BM == 256 and k2 <= 6 else 3
+    # the activations' pipeline: 4 stages at 256-row tiles of 4 trellis rows a step for K <= 3, else triton's 3
+    # (H200, 8K tokens, full-size experts, `.whl/s25_gemm_sweep.py`: K3 gate+up 1.040x, down 1.046x; K4 0.979x /
+    # 0.989x; 2 stages 0.70-0.94x). At 8 rows a step 4 stages of [128, 256] fp16 need 256 KB of shared memory.
+    stages = 4 if BM == 256 and row_tiles <= 4 and k2 <= 6 else 3
     launch = dict(K2=k2, CB=CODEBOOKS.index(codebook), RT=row_tiles, BM=BM, num_warps=warps, num_stages=stages)
 
     xs = torch.empty((2, P, D), dtype=torch.float16, device=dev)
