@@ -504,8 +504,7 @@ def test_prefill_swiglu_matches_its_twin_and_puts_each_rows_peak_below_2_to_14(I
     projections (row scale, H128, svh of the pair's expert), the clamped SwiGLU, ⊙ suh_down and H128, then
     fp16 times the power of two that puts the row's largest |value| in [2^13, 2^14). Sorted row 2 is built to
     come out as one value -30 among values in [0, 0.01): a scale from the plain max would overflow fp16 to
-    inf. Row 4 is zero (its scale must stay finite); 7 rows leave most of a program's rows masked, and 384
-    columns a padded tail of 512."""
+    inf. Row 4 is zero (its scale must stay finite); 384 columns leave a padded 128-block."""
     g = torch.Generator().manual_seed(3)
     P, E, limit = 7, 3, 3.0
     order = torch.tensor([3, 0, 6, 1, 5, 2, 4])
