@@ -789,9 +789,10 @@ def _moe_decode(x: torch.Tensor, ids: torch.Tensor, route: torch.Tensor, top_k: 
 #      H128 and svh, then the top_k pairs added in a fixed order;
 # plus the small torch ops that sort, rank each pair in that order and build the tile table
 # [tiles, 3] = (expert, first sorted pair, rows). The grid covers cdiv(P, BM) + E tiles, an upper
-# bound; programs past the real tiles do nothing. BM follows the mean rows per expert (32, 128 or 256): at 8K tokens (228 pairs per expert)
-# most experts fit one 256-row tile, so each weight is decoded about once per layer instead of once
-# per row as in the per-expert path, and no decoded weight is written to memory.
+# bound; programs past the real tiles do nothing. BM follows the mean rows per expert (32, 128 or
+# 256): at 8K tokens (228 pairs per expert) most experts fit one 256-row tile, so each weight is
+# decoded about once per layer instead of once per row as in the per-expert path, and no decoded
+# weight is written to memory.
 # Transient memory: at most 4 P D + 8 P I bytes (2.1 GB at 8K tokens of the full model).
 # Twin: the per-expert fp32 sum Σ_j w_j · down_e(swiglu(gate_e(x), up_e(x))) with exl3.EXL3Linear
 # (tests/test_kernels.py); activations enter the tensor cores as fp16 (11 significant bits), which
