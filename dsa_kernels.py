@@ -372,48 +372,106 @@ def head_matmul(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = Non
 # (one block table, positions start..start+n-1). A program owns one query row and BH of its heads for
 # the whole selection (no splits once n fills the GPU): all heads of a row share the row's selected
 # positions, so the heads are the MMA's M rows and the selection stays exact.
-# Why not blocks of query rows over the union of their selections: registers bound M. q̂ (bf16 hi +
-# lo) and the fp32 output accumulator take M·R·8 bytes: M = 32 at R = 512 is half the 256 KB register
-# file, M = 64 all of it. At a fixed M, BQ rows x M/BQ heads over the union U of the rows' pools
-# costs per row H·U·kpool·R·8 flops and H·U·kpool·2R/M bytes of latent, against the same with U = NT
-# for one row x M heads: rows only help when there are fewer heads than M (and 8K-context rows each
-# pick 25% of the pools, random picks of 16 rows cover 99%).
-# Cost at full size (H = 64, R = 512, 2051 positions a row, M = 32): per row 2 programs x 65 steps of
-# 32 positions; four bf16 MMAs per product pair (q̂ and p split in hi + lo) = 64·2051·512·2·4 = 0.54
-# GFLOP, 8192 rows = 4.4 TFLOP (about 4.5 ms at the H200's dense bf16 peak); each row reads its 2 MB
-# of selected latent rows twice (34 GB at 8192 rows, from L2: an 8K-32K context's latent is 8-32 MB).
-# The decode kernel reads them four times, with M = 16 heads and 16 positions a step.
+# Why not blocks of query rows over the union of their selections: registers bound M. q̂ and the fp32
+# output accumulator take M·R·6 bytes: M = 32 at R = 512 is 96 KB of the 256 KB register file. At a
+# fixed M, BQ rows x M/BQ heads over the union U of the rows' pools costs per row H·U·kpool·R·4 flops
+# and H·U·kpool·2R/M bytes of latent, against the same with U = NT for one row x M heads: rows only
+# help when there are fewer heads than M (and 8K-context rows each pick 25% of the pools, random picks
+# of 16 rows cover 99%).
+#
+# Precision: a 16-bit cache runs fp16 products, 11 significant bits an operand, three more than a
+# bf16 cache holds. The context's latent is first copied in position order as fp16 times a power of
+# two f that puts its peak |value| in [2^14, 2^15) (`_latent_peak_kernel`, `_latent_copy_kernel`):
+# exact for a bf16 cache, down to values 2^-28 below the peak (smaller ones keep an absolute error
+# under 2^-25 / f). q̂ is rounded to fp16 times a power of two a head, p = exp(s - m) <= 1 to fp16: each
+# product off by ~2^-12 of its size. Against fp64, full size (R 512), the output's largest error is
+# 1.6e-5 of its peak for flat scores and 1.3e-3 for peaked ones (std ~6), where the bf16 hi + lo split
+# of both (four MMAs a step, session 25's kernel) gave 2.4e-7 and 1.7e-5, at 1.94x the time (H200,
+# BENCHMARKS session 26). The copy is what keeps the conversion out of the loop (converting each
+# step's tile there: 1.43x instead of 1.94x). An fp32 cache runs fp32 products on a copy scaled alike.
+#
+# Cost at full size (H = 64, R = 512, 2051 positions a row, M = 32): per row 2 programs x 33 steps of
+# 64 positions; two fp16 MMAs a step: 64·2051·512·2·2 = 0.27 GFLOP, 8192 rows = 2.2 TFLOP; each row
+# reads its 2 MB of selected latent rows twice (from L2: an 8K-32K context's fp16 copy is 8-32 MB).
 
-# The selection reaches the kernel as slots (`_dsa_prefill_slots_kernel`): per row, slot j -> the cache
-# row of its first position plus (its positions - 1), -1 for none (a first row is a multiple of kpool, as
-# bs is); the picked pools in top-k order, then the tail. The loop then only adds a member's offset,
-# instead of dividing positions by the block size and reading the table (sm_90 AOT: the loop 1689 -> 1172
-# instructions, spills 308 -> 8 B). Where the time goes (ncu, H200, 2048 rows at 8K context): 2 programs
-# an SM (255 registers), L1 / shared memory 65-74 % busy (each warp reads all of q̂'s pieces from shared
-# memory every step: triton gives both MMAs warpsPerCTA [1, 4]), stalls on those reads and on the score
-# MMAs' chains. Slower there (session 14): 16 or 64 positions a step (1.4-1.7x the time), 64 heads a
-# program on wgmma with R split over two programs (4 warps: 1.2x). At 8 warps triton runs the score MMA
-# twice (warpsPerCTA [8, 1] for 64 rows) and spills 7 KB (AOT, not run).
-
-# Launch settings from the H200 sweep (triton 3.6, `.whl/s3_dsa_prefill_time.py --sweep`, 8K-32K
-# contexts, 2048 and 8192 rows; session 14 kept them): 32 heads x 32 positions a step, 4 warps,
-# 2 stages; 8 warps 1.8-3.1x slower, 16 heads at most 3.2x, 3 stages 7-25% slower than 2 at 4 warps.
+# The selection reaches the kernel as slots (`_dsa_prefill_slots_kernel`): per row, slot j -> the last
+# position of its pool (a pick's kpool - 1 past its first, the tail's last), -1 for none; the picked
+# pools in top-k order, then the tail. The loop then only adds a member's offset. Launch settings from
+# the H200 sweep (triton 3.6, full size, 8192 rows from 0 and 2048 at 6144, `.whl/s26_dsa16.py`): 32
+# heads x 64 positions a step, 4 warps, 2 stages; 128 positions 0.83x, 16 heads 0.69x, 8 warps
+# 0.57-0.79x, 3 stages 0.89x (each against 64 positions at 4 warps, fp16 q̂ and latent, both shapes).
+# 64 heads a program with R split over two programs (wgmma) reached 0.79x.
 DSA_PREFILL_HEADS = 32  # heads per program (M of the MMAs; see above why not more)
-DSA_PREFILL_BLOCK = 32  # selected positions per step
+DSA_PREFILL_BLOCK = 64  # selected positions per step
 DSA_PREFILL_WARPS = 4
 DSA_PREFILL_STAGES = 2
+DSA_COPY_ROWS = 16  # positions per program of the latent's peak and copy
 
 
 @triton.jit
-def _dsa_prefill_kernel(q_ptr, q_sn, q_sh, lat_ptr, slots_ptr, slots_stride, m_ptr, l_ptr, o_ptr, o_sn, o_sh,
-                        start, H, NT, scale, R: tl.constexpr, KPOOL: tl.constexpr, TAIL: tl.constexpr,
-                        BH: tl.constexpr, BK: tl.constexpr, ONE: tl.constexpr, TC: tl.constexpr):
+def _latent_rows(lat_ptr, table_ptr, bs, T, R: tl.constexpr, BT: tl.constexpr):
+    # Positions BT·pid.. of the context (their cache rows through the block table) as fp32 [BT, R].
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    row = tl.load(table_ptr + t // bs, mask=t < T, other=0).to(tl.int64) * bs + t % bs
+    r = tl.arange(0, R)
+    return t, tl.load(lat_ptr + row[:, None] * R + r[None, :], mask=t[:, None] < T, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _latent_peak_kernel(lat_ptr, table_ptr, bs, T, peak_ptr, R: tl.constexpr, BT: tl.constexpr):
+    # peak = the largest |value| of positions 0..T-1 as fp32 bits (non-negative floats order as their
+    # bits, so an integer max is exact and in no particular order the same).
+    _, c = _latent_rows(lat_ptr, table_ptr, bs, T, R, BT)
+    tl.atomic_max(peak_ptr, tl.max(tl.max(tl.abs(c), axis=1), axis=0).to(tl.int32, bitcast=True))
+
+
+@triton.jit
+def _latent_factor(peak_ptr):
+    # (f, 1 / f): powers of two that put the peak in [2^14, 2^15), below fp16's 65504 (see the section
+    # comment); a zero peak gets a finite f.
+    expo = (tl.maximum(tl.load(peak_ptr).to(tl.float32, bitcast=True), 7.888609052210118e-31).to(tl.int32, bitcast=True)
+            >> 23) & 0xFF
+    return ((268 - expo) << 23).to(tl.float32, bitcast=True), ((expo - 14) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _latent_copy_kernel(lat_ptr, table_ptr, bs, T, peak_ptr, out_ptr, R: tl.constexpr, BT: tl.constexpr):
+    # out[t] = latent at position t times f, in out's dtype (exact: see the section comment).
+    t, c = _latent_rows(lat_ptr, table_ptr, bs, T, R, BT)
+    f, _ = _latent_factor(peak_ptr)
+    r = tl.arange(0, R)
+    tl.store(out_ptr + t[:, None].to(tl.int64) * R + r[None, :], (c * f).to(out_ptr.dtype.element_ty),
+             mask=t[:, None] < T)
+
+
+@triton.jit
+def _dot_lat(a, b, acc=None):
+    # acc + a · b against the latent copy b: fp16 tensor-core products, or exact fp32 ones.
+    if b.dtype == tl.float32:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        return tl.dot(a.to(b.dtype), b, acc)
+
+
+@triton.jit
+def _dsa_prefill_kernel(q_ptr, q_sn, q_sh, lat_ptr, peak_ptr, slots_ptr, slots_stride, m_ptr, l_ptr, o_ptr, o_sn,
+                        o_sh, start, H, NT, scale, R: tl.constexpr, KPOOL: tl.constexpr, TAIL: tl.constexpr,
+                        BH: tl.constexpr, BK: tl.constexpr, ONE: tl.constexpr):
     row = tl.program_id(0)
     h = tl.program_id(1) * BH + tl.arange(0, BH)
     split = tl.program_id(2)
     r = tl.arange(0, R)
     q = tl.load(q_ptr + row * q_sn + h[:, None] * q_sh + r[None, :], mask=h[:, None] < H, other=0.0)
-    q_hi, q_lo = _split(q, lat_ptr.dtype.element_ty)
+    # scores = (q̂ · s_h) · (c · f) / (s_h f scale): s_h a head's power of two into fp16 (exl3_kernels'
+    # row rule, peak in [2^13, 2^14)), 1 for an fp32 copy
+    _, inv_f = _latent_factor(peak_ptr)
+    inv_q = tl.full([BH], 1.0, tl.float32)
+    if lat_ptr.dtype.element_ty == tl.float16:
+        expo = (tl.maximum(tl.max(tl.abs(q), axis=1), 7.888609052210118e-31).to(tl.int32, bitcast=True) >> 23) & 0xFF
+        q = q * ((267 - expo) << 23).to(tl.float32, bitcast=True)[:, None]
+        inv_q = ((expo - 13) << 23).to(tl.float32, bitcast=True)
+    q = q.to(lat_ptr.dtype.element_ty)
+    score_scale = inv_q * inv_f / scale
     pos = start + row
     n_cand = (pos + 1) // KPOOL
     n_slots = tl.minimum(n_cand, NT)
@@ -430,9 +488,17 @@ def _dsa_prefill_kernel(q_ptr, q_sn, q_sh, lat_ptr, slots_ptr, slots_stride, m_p
         slot = tl.load(slots_ptr + row * slots_stride + k // KPOOL)
         member = k % KPOOL
         valid = (slot >= 0) & (member <= slot % KPOOL)
-        lat_row = slot - slot % KPOOL + member
-        lat = tl.load(lat_ptr + lat_row[:, None] * R + r[None, :], mask=valid[:, None], other=0.0)
-        m, l, acc = _online_softmax_step(q_hi, q_lo, lat, valid, scale, m, l, acc, TC)
+        t = slot - slot % KPOOL + member
+        lat = tl.load(lat_ptr + t[:, None].to(tl.int64) * R + r[None, :], mask=valid[:, None], other=0.0)
+        s = tl.where(valid[None, :], _dot_lat(q, tl.trans(lat)) * score_scale[:, None], -float("inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # a head with only -inf so far
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m - m_safe)
+        l = l * alpha + tl.sum(p, axis=1)
+        acc = _dot_lat(p, lat, acc * alpha[:, None])
+        m = m_new
+    acc = acc * inv_f  # Σ p · c, the copy's f undone
     if ONE:
         tl.store(o_ptr + row * o_sn + h[:, None] * o_sh + r[None, :], acc / l[:, None], mask=h[:, None] < H)
     else:  # partial sums for _dsa_combine_kernel
@@ -443,8 +509,8 @@ def _dsa_prefill_kernel(q_ptr, q_sn, q_sh, lat_ptr, slots_ptr, slots_stride, m_p
 
 
 @triton.jit
-def _dsa_prefill_slots_kernel(top_ptr, top_stride, table_ptr, slots_ptr, W, start, NT, bs, KPOOL: tl.constexpr,
-                              TAIL: tl.constexpr, HAS_TOP: tl.constexpr, BW: tl.constexpr):
+def _dsa_prefill_slots_kernel(top_ptr, top_stride, slots_ptr, W, start, NT, KPOOL: tl.constexpr, TAIL: tl.constexpr,
+                              HAS_TOP: tl.constexpr, BW: tl.constexpr):
     # One row's slots (see the section comment): a row with more complete pools than NT takes its
     # picks in top-k order (a pick not complete at the row: -1), otherwise every complete pool in
     # order; then the tail; -1 past the row's last slot.
@@ -452,19 +518,16 @@ def _dsa_prefill_slots_kernel(top_ptr, top_stride, table_ptr, slots_ptr, W, star
     pos = start + row
     n_cand = (pos + 1) // KPOOL
     n_pools = tl.minimum(n_cand, NT)
-    count = pos + 1 - n_cand * KPOOL  # the tail's positions, from n_cand * KPOOL on (maybe past the table)
-    tail_row = tl.load(table_ptr + n_cand * KPOOL // bs, mask=count > 0, other=0) * bs + n_cand * KPOOL % bs
+    count = pos + 1 - n_cand * KPOOL  # the tail's positions, from n_cand * KPOOL on
     for j0 in range(0, W, BW):
         j = j0 + tl.arange(0, BW)
         pool = j
         if HAS_TOP:
             pool = tl.where(n_cand > NT, tl.load(top_ptr + row * top_stride + j, mask=j < NT, other=-1), j)
         ok = (pool >= 0) & (pool < n_cand) & (j < n_pools)
-        first = pool * KPOOL
-        slot = tl.load(table_ptr + first // bs, mask=ok, other=0) * bs + first % bs + (KPOOL - 1)
-        slot = tl.where(ok, slot, -1)
+        slot = tl.where(ok, pool * KPOOL + (KPOOL - 1), -1)
         if TAIL:
-            slot = tl.where((j == n_pools) & (count > 0), tail_row + count - 1, slot)
+            slot = tl.where((j == n_pools) & (count > 0), pos, slot)
         tl.store(slots_ptr + row * W + j, slot.to(tl.int32), mask=j < W)
 
 
@@ -488,9 +551,9 @@ def dsa_prefill_attention(q_hat: torch.Tensor, latent: torch.Tensor, table: torc
     if table.dim() != 1 or table.stride(0) != 1:
         raise ValueError(f"dsa_prefill_attention: table must be one sequence's [width] block ids with unit "
                          f"stride, got {tuple(table.shape)} {table.stride()}")
-    if bs % kpool or start < 0 or start + n > table.shape[0] * bs:
+    if start < 0 or start + n > table.shape[0] * bs:
         raise ValueError(f"dsa_prefill_attention: positions {start}..{start + n - 1} do not fit a table of "
-                         f"{table.shape[0]} blocks of {bs} (a multiple of kpool {kpool})")
+                         f"{table.shape[0]} blocks of {bs}")
     if top is None:
         NT = table.shape[0] * (bs // kpool)  # every row has at most NT candidates
     elif top.dim() != 2 or top.shape[0] != n:
@@ -500,9 +563,16 @@ def dsa_prefill_attention(q_hat: torch.Tensor, latent: torch.Tensor, table: torc
     per_step = DSA_PREFILL_BLOCK // kpool
     W = triton.cdiv(NT + 1, per_step) * per_step  # NT picks and the tail, in whole steps
     slots = torch.empty(n, W, dtype=torch.int32, device=q_hat.device)
-    _dsa_prefill_slots_kernel[(n,)](table if top is None else top, 0 if top is None else top.stride(0), table, slots,
-                                    W, start, NT, bs, KPOOL=kpool, TAIL=bool(select_tail), HAS_TOP=top is not None,
+    _dsa_prefill_slots_kernel[(n,)](table if top is None else top, 0 if top is None else top.stride(0), slots, W,
+                                    start, NT, KPOOL=kpool, TAIL=bool(select_tail), HAS_TOP=top is not None,
                                     BW=min(256, triton.next_power_of_2(W)))
+    T = start + n  # the context in position order, fp16 (fp32 for an fp32 cache) times f
+    copy = torch.empty(T, R, dtype=torch.float32 if latent.dtype == torch.float32 else torch.float16,
+                       device=q_hat.device)
+    peak = torch.zeros(1, dtype=torch.int32, device=q_hat.device)
+    grid = (triton.cdiv(T, DSA_COPY_ROWS),)
+    _latent_peak_kernel[grid](latent, table, bs, T, peak, R=R, BT=DSA_COPY_ROWS)
+    _latent_copy_kernel[grid](latent, table, bs, T, peak, copy, R=R, BT=DSA_COPY_ROWS)
     BH = min(DSA_PREFILL_HEADS, max(16, triton.next_power_of_2(H)))  # tl.dot needs >= 16 rows
     head_blocks = triton.cdiv(H, BH)
     if splits is None:
@@ -519,10 +589,9 @@ def dsa_prefill_attention(q_hat: torch.Tensor, latent: torch.Tensor, table: torc
         acc = torch.empty(n, splits, H, R, dtype=torch.float32, device=q_hat.device)
     out = o if one else acc
     _dsa_prefill_kernel[(n, head_blocks, splits)](
-        q_hat, q_hat.stride(0), q_hat.stride(1), latent, slots, slots.stride(0), m, l, out, out.stride(0),
+        q_hat, q_hat.stride(0), q_hat.stride(1), copy, peak, slots, slots.stride(0), m, l, out, out.stride(0),
         out.stride(1), start, H, NT, scale, R=R, KPOOL=kpool, TAIL=bool(select_tail), BH=BH,
-        BK=DSA_PREFILL_BLOCK, ONE=one, TC=q_hat.is_cuda, num_warps=DSA_PREFILL_WARPS,
-        num_stages=DSA_PREFILL_STAGES)
+        BK=DSA_PREFILL_BLOCK, ONE=one, num_warps=DSA_PREFILL_WARPS, num_stages=DSA_PREFILL_STAGES)
     if not one:
         _dsa_combine_kernel[(n, H)](m, l, acc, o, o.stride(0), o.stride(1), H, splits, R=R,
                                     SP=triton.next_power_of_2(splits))
