@@ -309,8 +309,11 @@ def dsa_sparse_attention(q_hat: torch.Tensor, latent: torch.Tensor, tables: torc
 # size, 1-16 rows in CUDA graphs, `.whl/s15_head.py`: q · W_UK 8.0-8.4 us, o · W_UVᵀ 11.0-11.3, against
 # 11.8-12.2 and 12.9-13.3 with triton's own tf32x3; error 5.6-6.9e-7 of the largest output, against 1.2-1.5e-7).
 # At 1 and 16 rows the bf16 pieces were 0.93-1.73x triton's tf32x3 (eager calls), no clear win.
-# One program: BM rows x BN columns of one head.
+# One program: BM rows x BN columns of one head. From HEAD_MM_BIG_ROWS rows (prefill chunks) 128 x 256
+# tiles, 64 of K a step, 8 warps, 4 stages (H200, 2048 rows x 64 heads, `.whl/s26_hc.py`: q · W_UK
+# 1.08x, o · W_UVᵀ 1.11x against 64 x 128, 32, 4 warps, 3 stages; o in two pieces 1.37x).
 HEAD_MM_BLOCK_K = 32
+HEAD_MM_BIG_ROWS = 256
 
 
 @triton.jit
@@ -343,11 +346,15 @@ def _head_matmul_kernel(a_ptr, a_sb, a_sh, a_sk, w_ptr, w_sh, w_sk, w_sn, o_ptr,
 
 
 def head_matmul(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
-                out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                out_dtype: torch.dtype = torch.float32, pieces: int | None = None) -> torch.Tensor:
     """out[b, h] = a[b, h] · w[h] for a [B, H, K] (any float dtype, any strides), w [H, K, N] fp32, bf16
     or fp16 (any strides, e.g. a slice of kv_b_proj's view or W_UV.transpose(1, 2)); out [B, H, N] (any
     strides, given or new in out_dtype). Twin: torch.einsum("bhk,hkn->bhn", a.float(), w.float()) (see
-    the section comment for the precision)."""
+    the section comment for the precision). pieces: for more than 16 rows against bf16 w, the bf16
+    pieces a is cut into (default all of a's bits: 1 for bf16, 2 for fp16, 3 for fp32); fewer where a
+    holds fewer bits that matter (dsa_prefill_attention's o: 2)."""
+    if pieces not in (None, 1, 2, 3):
+        raise ValueError(f"head_matmul: pieces must be 1, 2 or 3, got {pieces}")
     if a.dim() != 3 or w.dim() != 3 or a.shape[1] != w.shape[0] or a.shape[2] != w.shape[1]:
         raise ValueError(f"head_matmul: a must be [B, H, K] and w [H, K, N], got {tuple(a.shape)} and {tuple(w.shape)}")
     if w.dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -358,12 +365,15 @@ def head_matmul(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = Non
         out = torch.empty(B, H, N, dtype=out_dtype, device=a.device)
     elif tuple(out.shape) != (B, H, N):
         raise ValueError(f"head_matmul: out must be [{B}, {H}, {N}], got {tuple(out.shape)}")
-    BM = 16 if B <= 16 else 64
-    BN = 64 if B <= 16 else 128
-    pieces = {torch.bfloat16: 1, torch.float16: 2}.get(a.dtype, 3) if w.dtype == torch.bfloat16 and B > 16 else 0
+    BM, BN, BK, warps, stages = ((16, 64, HEAD_MM_BLOCK_K, 4, 3) if B <= 16 else (64, 128, HEAD_MM_BLOCK_K, 4, 3)
+                                 if B < HEAD_MM_BIG_ROWS else (128, 256, 64, 8, 4))
+    if w.dtype == torch.bfloat16 and B > 16:
+        pieces = pieces or {torch.bfloat16: 1, torch.float16: 2}.get(a.dtype, 3)
+    else:
+        pieces = 0
     _head_matmul_kernel[(H, triton.cdiv(B, BM), triton.cdiv(N, BN))](
-        a, *a.stride(), w, *w.stride(), out, *out.stride(), B, K, N, BM=BM, BN=BN, BK=HEAD_MM_BLOCK_K,
-        PIECES=pieces, TC=a.is_cuda)
+        a, *a.stride(), w, *w.stride(), out, *out.stride(), B, K, N, BM=BM, BN=BN, BK=BK, PIECES=pieces,
+        TC=a.is_cuda, num_warps=warps, num_stages=stages)
     return out
 
 

@@ -596,7 +596,8 @@ class FastDecoder:
         else:
             o = dsa_kernels.dsa_prefill_attention(q_hat, cache.latent[row], tables[0], chunk_start, top, kpool, tail,
                                               scale)
-        dsa_kernels.head_matmul(o, a["W_UV"].transpose(1, 2), out=out)
+        # the prefill kernel's o holds ~12 significant bits (fp16 products): two bf16 pieces of it (16 bits)
+        dsa_kernels.head_matmul(o, a["W_UV"].transpose(1, 2), out=out, pieces=None if chunk_start is None else 2)
 
     # -- §4.5 feed-forward ------------------------------------------------------------------------
 

@@ -116,6 +116,27 @@ def test_hc_mix_tensor_core_sums_are_fp32_exact(dtype):
     torch.testing.assert_close(sq.double().sum(1), x64.pow(2).sum(1), rtol=1e-6, atol=0)
 
 
+@pytest.mark.parametrize("dtype,parts", [(torch.bfloat16, 2), (torch.float16, 1)])
+def test_hc_post_mix_on_tensor_cores_gives_hc_posts_bits_and_fp32_exact_sums(dtype, parts):
+    """A prefill chunk's fused boundary: X' bit for bit hc_post's, the mix of X' as stored against fp64
+    (bound as above), over a ragged row tile and two splits of D, the second ending inside a step."""
+    g = torch.Generator().manual_seed(2)
+    B, hc, D = kernels.HC_DOT_MIN_ROWS + 5, 4, kernels.HC_DOT_SPLIT // 4 + kernels.HC_DOT_BLOCK // 2
+    rand = lambda *shape: torch.randn(*shape, generator=g).to(DEVICE)
+    X = rand(B, hc, D).to(dtype)
+    post, C = rand(B, hc).abs(), rand(B, hc, hc).abs()
+    y, y2 = (rand(B, D), rand(B, D).to(dtype)) if parts == 2 else (rand(B, D).to(dtype), None)
+    fn = 0.02 * rand(24, hc * D)
+    want = kernels.hc_post(X, y, post, C, y2)
+    got, part, sq = kernels._hc_post_mix(*kernels._hc_post_operands("t", X, y, y2, post, C), fn, True)
+    assert part.shape[1] == 2 and torch.equal(got, want)
+    x64, fn64 = want.view(B, hc * D).double(), fn.double()
+    err = (part[:, :, :24].double().sum(1) - x64 @ fn64.T).abs()
+    bound = 1e-6 * (x64.abs() @ fn64.abs().T)
+    assert (err <= bound).all(), f"max error / Σ|x·fn| = {float((err / bound).max()) * 1e-6:.2e}"
+    torch.testing.assert_close(sq.double().sum(1), x64.pow(2).sum(1), rtol=1e-6, atol=0)
+
+
 @pytest.mark.parametrize("B", [1, 3])
 def test_hc_sinkhorn_apart_gives_hc_pre_post_and_c(B):
     # The decode step computes post and C on its second stream (kernels.hc_pre's `beside`): the launch it
@@ -431,11 +452,12 @@ def test_dsa_kernels_match_select_tokens_and_mla_attention(dtype, width):
 
 
 
-@pytest.mark.parametrize("B", [3, 21])
+@pytest.mark.parametrize("B", [3, 21, dsa_kernels.HEAD_MM_BIG_ROWS + 5])
 def test_head_matmul_matches_einsum(B):
     """The absorbed MLA's per-head products, as the fast path calls them: q̂ = q · W_UK from a bf16
     column slice, and o · W_UVᵀ through a transposed view into a strided bf16 output. 21 rows take
-    the prefill tiles (a ragged row tile); K 40 ends inside a k block, N 72 inside a column block."""
+    the prefill tiles, 261 the big ones (ragged row tiles); K 40 ends inside a k block, N 72 inside a
+    column block."""
     g = torch.Generator().manual_seed(3)
     H, K, N = 3, 40, 72
     q = torch.randn(B, H * K + 5, generator=g).to(torch.bfloat16).to(DEVICE)[:, :H * K].reshape(B, H, K)
@@ -461,6 +483,13 @@ def test_head_matmul_matches_einsum(B):
         for got in (dsa_kernels.head_matmul(a, w16), dsa_kernels.head_matmul(a, w16.float())):
             err = ((got.double() - want).abs() / size).max().item()
             assert err <= 2.0 ** -20, f"{a.dtype} a: error {err:.2e} of the sum of |products|"
+    if B > 16:  # fp32 o in two pieces, as the prefill passes it: 16 bits
+        two = dsa_kernels.head_matmul(o, kv_b[:, :K].transpose(1, 2), pieces=2)
+        assert not torch.equal(two, dsa_kernels.head_matmul(o, kv_b[:, :K].transpose(1, 2)))
+        err = ((two.double() - want).abs() / size).max().item()
+        assert err <= 2.0 ** -16, f"two pieces: error {err:.2e} of the sum of |products|"
+    with pytest.raises(ValueError, match=r"pieces must be 1, 2 or 3, got 4"):
+        dsa_kernels.head_matmul(o, kv_b[:, :K].transpose(1, 2), pieces=4)
     with pytest.raises(ValueError, match=r"w must be fp32, bf16 or fp16, got torch.float64"):
         dsa_kernels.head_matmul(q, w.double())
     with pytest.raises(ValueError, match=r"a must be \[B, H, K\] and w \[H, K, N\], got \(%d, 3, 40\) and \(3, 41, 72\)" % B):
