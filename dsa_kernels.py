@@ -309,8 +309,8 @@ def dsa_sparse_attention(q_hat: torch.Tensor, latent: torch.Tensor, tables: torc
 # size, 1-16 rows in CUDA graphs, `.whl/s15_head.py`: q · W_UK 8.0-8.4 us, o · W_UVᵀ 11.0-11.3, against
 # 11.8-12.2 and 12.9-13.3 with triton's own tf32x3; error 5.6-6.9e-7 of the largest output, against 1.2-1.5e-7).
 # At 1 and 16 rows the bf16 pieces were 0.93-1.73x triton's tf32x3 (eager calls), no clear win.
-# One program: BM rows x BN columns of one head. From HEAD_MM_BIG_ROWS rows (prefill chunks) 128 x 256
-# tiles, 64 of K a step, 8 warps, 4 stages (H200, 2048 rows x 64 heads, `.whl/s26_hc.py`: q · W_UK
+# One program: BM rows x BN columns of one head. From HEAD_MM_BIG_ROWS rows (prefill chunks) against bf16
+# weights 128 x 256 tiles, 64 of K a step, 8 warps, 4 stages (H200, 2048 rows x 64 heads, `.whl/s26_hc.py`: q · W_UK
 # 1.08x, o · W_UVᵀ 1.11x against 64 x 128, 32, 4 warps, 3 stages; o in two pieces 1.37x).
 HEAD_MM_BLOCK_K = 32
 HEAD_MM_BIG_ROWS = 256
@@ -365,12 +365,13 @@ def head_matmul(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = Non
         out = torch.empty(B, H, N, dtype=out_dtype, device=a.device)
     elif tuple(out.shape) != (B, H, N):
         raise ValueError(f"head_matmul: out must be [{B}, {H}, {N}], got {tuple(out.shape)}")
-    BM, BN, BK, warps, stages = ((16, 64, HEAD_MM_BLOCK_K, 4, 3) if B <= 16 else (64, 128, HEAD_MM_BLOCK_K, 4, 3)
-                                 if B < HEAD_MM_BIG_ROWS else (128, 256, 64, 8, 4))
     if w.dtype == torch.bfloat16 and B > 16:
         pieces = pieces or {torch.bfloat16: 1, torch.float16: 2}.get(a.dtype, 3)
     else:
         pieces = 0
+    # the big tiles' 4 stages of w fit shared memory for 16-bit w only (fp32: 256 KB)
+    BM, BN, BK, warps, stages = ((16, 64, HEAD_MM_BLOCK_K, 4, 3) if B <= 16 else (128, 256, 64, 8, 4)
+                                 if B >= HEAD_MM_BIG_ROWS and pieces else (64, 128, HEAD_MM_BLOCK_K, 4, 3))
     _head_matmul_kernel[(H, triton.cdiv(B, BM), triton.cdiv(N, BN))](
         a, *a.stride(), w, *w.stride(), out, *out.stride(), B, K, N, BM=BM, BN=BN, BK=BK, PIECES=pieces,
         TC=a.is_cuda, num_warps=warps, num_stages=stages)

@@ -4,8 +4,7 @@ kernels where the reference spends its time (spec performance.md §5: prefill is
 The trunk is model_glm's, in the same order (spec glm53.md §4.1), over the fused projections and
 stacked experts that `fastdecode.FastDecoder` prepared; model_glm.forward is this file's twin
 (tests/test_fastprefill.py holds them together). What differs:
-- mHC (§4.2): `kernels.hc_pre` / `hc_post_pre`, row-parallel, as in the decode step (a boundary's hc_post
-  and the next hc_pre's mix in one launch);
+- mHC (§4.2): `kernels.hc_pre` / `hc_post`, row-parallel, as in the decode step;
 - KDA (§4.3): the short conv, norms, gate and β in one launch (`kda_kernels.kda_chunk_inputs`), then the
   chunked WY form in `kda_kernels.kda_chunk_prefill` (three launches for the whole chunk) instead of a
   Python loop of torch ops per 64 tokens;
@@ -106,38 +105,26 @@ class FastPrefill:
         run = ChunkRun(snapshots={p: KDASnapshot.empty(len(cfg.kda_layers)) for p in c.snapshots})
         recorded = to_device(sorted(record), first) if record else None
         X = d.embed[tokens][:, None, :].repeat(1, cfg.hc_mult, 1).contiguous()
-        ahead = None  # the next layer's (x, post, C), from the boundary before it when on one device
         for L, layer in enumerate(d.layers):
             X = X.to(layer.device)  # a layer split: each layer on its device (FastDecoder.run)
             with on_device(layer.device):
-                x, post, C = ahead or d._hc_pre(X, layer.attn_hc, layer.input_norm)
+                x, post, C = d._hc_pre(X, layer.attn_hc, layer.input_norm)
                 if layer.kind == "kda":
                     if record:  # kept on the first device, as model_glm keeps them
                         run.kda_inputs[L] = x[recorded.to(x.device)].to(first)
                     y = self.kda(layer, x, c, run.snapshots)
                 else:
                     y = self.dsa(layer, x, c)
-                X, h, post, C = self.boundary(X, (y, None, post, C), layer.ffn_hc, layer.post_norm)
+                X = kernels.hc_post(X, y, post, C)
+                h, post, C = d._hc_pre(X, layer.ffn_hc, layer.post_norm)
                 y, y2 = self.moe(L, layer, h) if layer.experts is not None else (d.mlp(layer, h), None)
-                following = d.layers[L + 1] if L + 1 < len(d.layers) else None
-                if following is not None and following.device == layer.device:
-                    X, *ahead = self.boundary(X, (y, y2, post, C), following.attn_hc, following.input_norm)
-                else:
-                    X, ahead = kernels.hc_post(X, y, post, C, y2), None
+                X = kernels.hc_post(X, y, post, C, y2)
             if L in taps:  # DFlash2 §2.4: mean of the streams after the layer, fp32 in stream order
                 run.taps[L] = (X.float().sum(1) * (1 / cfg.hc_mult)).to(X.dtype).to(first)
         X = X.to(first)
         last = X if every_row else X[-1:]
         run.h = rms_norm(last.float().mean(1).to(X.dtype), d.norm, cfg.rms_norm_eps)
         return run
-
-    def boundary(self, X: torch.Tensor, done: tuple, hc: tuple, norm: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """§4.2 between two sub-layers: hc_post of the one before (done = (y, y2, post, C)) and hc_pre of
-        the next, (X', x, post', C'), in kernels.hc_post_pre's fused launch (X' is read once less)."""
-        cfg = self.cfg
-        y, y2, post, C = done
-        return kernels.hc_post_pre(X, y, post, C, *hc, norm, cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters,
-                                   y2=y2)
 
     # -- §4.3 KDA ------------------------------------------------------------------------------
 

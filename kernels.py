@@ -440,9 +440,7 @@ def bf16_fp32_linear(x: torch.Tensor, w: torch.Tensor, *, block_m: int = 64, blo
 # reductions, which with 4 warps cross warps through shared memory (H200, one decode row: 7.4 us a
 # call with 4 warps, 4.7 with one; 4.3 with 4 warps and a single Sinkhorn iteration).
 # `_hc_post_kernel`: X'_j = post_j y + Σ_i C[i, j] X_i. `hc_post_pre`: a sub-layer's hc_post and the
-# next one's hc_pre, the post and the mix in one launch: `_hc_post_mix_kernel` for a decode step's rows,
-# `_hc_post_mix_dot_kernel` for a prefill chunk's (the mix on the tensor cores, as `_hc_mix_dot_kernel`),
-# so that X' is read once less after it is written (a prefill boundary at 8K rows moves 256 MB of X).
+# next one's hc_pre (the decode step's order), the post and the mix in one launch.
 
 HC_MIX_BLOCK = 256
 HC_MIX_ROWS = 16
@@ -452,7 +450,6 @@ HC_DOT_ROWS = 64
 HC_DOT_BLOCK = 32  # columns a step, at HC_DOT_STAGES stages (H200, 8192 rows: 189 us against 263 at 64 and 3)
 HC_DOT_STAGES = 4
 HC_DOT_SPLIT = 1024
-HC_POST_DOT_STAGES = 3
 HC_BLOCK = 512
 HC_POST_BLOCK = 1024  # columns a program of `_hc_post_kernel`: 152 us at 8192 rows of 4 x 4096 against 216 at 512 (H200)
 
@@ -644,50 +641,6 @@ def _hc_post_mix_kernel(x_ptr, y_ptr, y2_ptr, post_ptr, c_ptr, out_ptr, fn_ptr, 
             tl.store(sq_ptr + b * S + s, tl.sum(tl.sum(v * v, axis=1), axis=0))
 
 
-@triton.jit
-def _hc_post_mix_dot_kernel(x_ptr, y_ptr, y2_ptr, post_ptr, c_ptr, out_ptr, fn_ptr, part_ptr, sq_ptr, B, D, n_out,
-                            S, steps, HC: tl.constexpr, NP: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
-                            SUM: tl.constexpr):
-    # `_hc_post_block`'s X' for BM rows, then `_hc_mix_dot_kernel`'s partial sums from X' as stored: split s
-    # takes columns s·steps·BK.. of every stream (its sums group the flattened row's products by those
-    # columns instead of by runs of it: the same sums up to fp32 rounding), BK columns a step, the HC
-    # streams' [BM, BK] tiles as one [BM, HC·BK] operand.
-    rows = tl.program_id(0) * BM + tl.arange(0, BM)
-    s = tl.program_id(1)
-    row_ok = rows < B
-    o = tl.arange(0, NP)
-    j = tl.arange(0, HC)
-    rb = rows[:, None].to(tl.int64)
-    post = tl.load(post_ptr + rb * HC + j[None, :], mask=row_ok[:, None], other=0.0)[:, :, None]  # [BM, HC, 1]
-    acc = tl.zeros((BM, NP), dtype=tl.float32)
-    sq = tl.zeros((BM,), dtype=tl.float32)
-    for step in range(steps):
-        d = (s * steps + step) * BK + tl.arange(0, BK)
-        ok = row_ok[:, None] & (d < D)[None, :]
-        y = tl.load(y_ptr + rb * D + d[None, :], mask=ok, other=0.0).to(tl.float32)
-        if SUM:  # a MoE layer's routed (fp32) + shared, rounded to the stream's dtype, as _hc_post_block
-            y2 = tl.load(y2_ptr + rb * D + d[None, :], mask=ok, other=0.0).to(tl.float32)
-            y = _cast(y + y2, out_ptr.dtype.element_ty).to(tl.float32)
-        mixed = tl.zeros([BM, HC, BK], tl.float32)
-        for i in tl.static_range(HC):  # source streams one by one, as _hc_post_block
-            X_i = tl.load(x_ptr + (rb * HC + i) * D + d[None, :], mask=ok, other=0.0).to(tl.float32)
-            c_i = tl.load(c_ptr + rb * (HC * HC) + i * HC + j[None, :], mask=row_ok[:, None], other=0.0)
-            mixed += c_i[:, :, None] * X_i[:, None, :]  # C[source i, destination j]
-        out = _cast(post * y[:, None, :] + mixed, out_ptr.dtype.element_ty)
-        flat = j[None, :, None] * D + d[None, None, :]  # [1, HC, BK]: places in the flattened row
-        tl.store(out_ptr + rb[:, :, None] * (HC * D) + flat, out, mask=ok[:, None, :])
-        v = tl.reshape(tl.where(ok[:, None, :], out.to(tl.float32), 0.0), [BM, HC * BK])
-        fn = tl.load(fn_ptr + o[None, None, :] * (HC * D) + tl.reshape(flat, [HC, BK, 1]),
-                     mask=(o[None, None, :] < n_out) & (d < D)[None, :, None], other=0.0)
-        fn = tl.reshape(fn, [HC * BK, NP])
-        fn_hi = _tf32(fn)
-        fn_lo = _tf32(fn - fn_hi)
-        acc += tl.dot(v, fn_lo, tl.dot(v, fn_hi, input_precision="tf32"), input_precision="tf32")
-        sq += tl.sum(v * v, axis=1)
-    tl.store(part_ptr + (rows[:, None] * S + s) * NP + o[None, :], acc, mask=row_ok[:, None])
-    tl.store(sq_ptr + rows * S + s, sq, mask=row_ok)
-
-
 def _hc_mix(x: torch.Tensor, fn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Partial sums of x [B, n_in] · fnᵀ and of x² over S splits of n_in: part [B, S, NP] (NP >= n_out,
     the padding zero) and sq [B, S], fp32. The tensor-core kernel needs x exact in TF32 (16-bit)."""
@@ -802,42 +755,23 @@ def hc_post_pre(X: torch.Tensor, y: torch.Tensor, post: torch.Tensor, C: torch.T
                 iters: int, y2: torch.Tensor | None = None, beside: "torch.cuda.Stream | None" = None
                 ) -> tuple[torch.Tensor, ...]:
     """hc_post(X, y, post, C, y2) followed by the next sub-layer's hc_pre(X', fn, base, scale, norm, ...):
-    (X', x, post', C'). hc_post and hc_pre's mix share one launch: `_hc_post_mix_kernel` below
-    HC_DOT_MIN_ROWS rows (the decode step's), `_hc_post_mix_dot_kernel` from there for 16-bit X (prefill
-    chunks); fp32 X of more rows runs the two functions. `beside`: see hc_pre."""
+    (X', x, post', C'). Below HC_DOT_MIN_ROWS rows (the decode step's) hc_post and hc_pre's mix share
+    one launch (`_hc_post_mix_kernel`); more rows run the two functions. `beside`: see hc_pre."""
     B, hc, D = X.shape
     _hc_check("hc_post_pre", X, fn)
-    dot = B >= HC_DOT_MIN_ROWS and X.dtype in (torch.bfloat16, torch.float16)  # as _hc_mix picks
-    if not dot and (B >= HC_DOT_MIN_ROWS or D % HC_POST_MIX_BLOCK):
+    if B >= HC_DOT_MIN_ROWS or D % HC_POST_MIX_BLOCK:
         X = hc_post(X, y, post, C, y2)
         return X, *hc_pre(X, fn, base, scale, norm, rms_eps, hc_eps, iters, beside)
-    out, part, sq = _hc_post_mix(*_hc_post_operands("hc_post_pre", X, y, y2, post, C), fn, dot)
-    return out, *_hc_finish(out, part, sq, base, scale, norm, rms_eps, hc_eps, iters, beside)
-
-
-def _hc_post_mix(X: torch.Tensor, y: torch.Tensor, y2: torch.Tensor, post: torch.Tensor, C: torch.Tensor,
-                 fn: torch.Tensor, dot: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """hc_post's X' and the mix's partial sums part [B, S, NP] and sq [B, S] from it (see _hc_mix), in one
-    launch: on the tensor cores (`dot`) or in fp32 FMA. Operands as _hc_post_operands gives them."""
-    B, hc, D = X.shape
+    X, y, y2, post, C = _hc_post_operands("hc_post_pre", X, y, y2, post, C)
     out = torch.empty_like(X)
+    S = D // HC_POST_MIX_BLOCK
     NP = max(16, triton.next_power_of_2(fn.shape[0]))
-    if dot:
-        steps = triton.cdiv(min(HC_DOT_SPLIT // hc, D), HC_DOT_BLOCK)  # a split: HC_DOT_SPLIT of the flat row
-        S = triton.cdiv(D, steps * HC_DOT_BLOCK)
-    else:
-        S = D // HC_POST_MIX_BLOCK
     part = torch.empty(B, S, NP, dtype=torch.float32, device=X.device)
     sq = torch.empty(B, S, dtype=torch.float32, device=X.device)
-    if dot:
-        _hc_post_mix_dot_kernel[(triton.cdiv(B, HC_DOT_ROWS), S)](
-            X, y, y2, post, C, out, fn, part, sq, B, D, fn.shape[0], S, steps, HC=hc, NP=NP, BM=HC_DOT_ROWS,
-            BK=HC_DOT_BLOCK, SUM=y2 is not y, num_stages=HC_POST_DOT_STAGES)
-    else:
-        _hc_post_mix_kernel[(triton.cdiv(B, HC_MIX_ROWS), S)](X, y, y2, post, C, out, fn, part, sq, B, D, fn.shape[0],
-                                                             S, HC=hc, BD=HC_POST_MIX_BLOCK, NP=NP, BR=HC_MIX_ROWS,
-                                                             SUM=y2 is not y)
-    return out, part, sq
+    _hc_post_mix_kernel[(triton.cdiv(B, HC_MIX_ROWS), S)](X, y, y2, post, C, out, fn, part, sq, B, D, fn.shape[0], S,
+                                                         HC=hc, BD=HC_POST_MIX_BLOCK, NP=NP, BR=HC_MIX_ROWS,
+                                                         SUM=y2 is not y)
+    return out, *_hc_finish(out, part, sq, base, scale, norm, rms_eps, hc_eps, iters, beside)
 
 
 # ================================================================ the clamped SwiGLU (§4.5)

@@ -116,27 +116,6 @@ def test_hc_mix_tensor_core_sums_are_fp32_exact(dtype):
     torch.testing.assert_close(sq.double().sum(1), x64.pow(2).sum(1), rtol=1e-6, atol=0)
 
 
-@pytest.mark.parametrize("dtype,parts", [(torch.bfloat16, 2), (torch.float16, 1)])
-def test_hc_post_mix_on_tensor_cores_gives_hc_posts_bits_and_fp32_exact_sums(dtype, parts):
-    """A prefill chunk's fused boundary: X' bit for bit hc_post's, the mix of X' as stored against fp64
-    (bound as above), over a ragged row tile and two splits of D, the second ending inside a step."""
-    g = torch.Generator().manual_seed(2)
-    B, hc, D = kernels.HC_DOT_MIN_ROWS + 5, 4, kernels.HC_DOT_SPLIT // 4 + kernels.HC_DOT_BLOCK // 2
-    rand = lambda *shape: torch.randn(*shape, generator=g).to(DEVICE)
-    X = rand(B, hc, D).to(dtype)
-    post, C = rand(B, hc).abs(), rand(B, hc, hc).abs()
-    y, y2 = (rand(B, D), rand(B, D).to(dtype)) if parts == 2 else (rand(B, D).to(dtype), None)
-    fn = 0.02 * rand(24, hc * D)
-    want = kernels.hc_post(X, y, post, C, y2)
-    got, part, sq = kernels._hc_post_mix(*kernels._hc_post_operands("t", X, y, y2, post, C), fn, True)
-    assert part.shape[1] == 2 and torch.equal(got, want)
-    x64, fn64 = want.view(B, hc * D).double(), fn.double()
-    err = (part[:, :, :24].double().sum(1) - x64 @ fn64.T).abs()
-    bound = 1e-6 * (x64.abs() @ fn64.abs().T)
-    assert (err <= bound).all(), f"max error / Σ|x·fn| = {float((err / bound).max()) * 1e-6:.2e}"
-    torch.testing.assert_close(sq.double().sum(1), x64.pow(2).sum(1), rtol=1e-6, atol=0)
-
-
 @pytest.mark.parametrize("B", [1, 3])
 def test_hc_sinkhorn_apart_gives_hc_pre_post_and_c(B):
     # The decode step computes post and C on its second stream (kernels.hc_pre's `beside`): the launch it
