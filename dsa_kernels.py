@@ -395,11 +395,12 @@ def head_matmul(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = Non
 # two f that puts its peak |value| in [2^14, 2^15) (`_latent_peak_kernel`, `_latent_copy_kernel`):
 # exact for a bf16 cache, down to values 2^-28 below the peak (smaller ones keep an absolute error
 # under 2^-25 / f). q̂ is rounded to fp16 times a power of two a head, p = exp(s - m) <= 1 to fp16: each
-# product off by ~2^-12 of its size. Against fp64, full size (R 512), the output's largest error is
-# 1.6e-5 of its peak for flat scores and 1.3e-3 for peaked ones (std ~6), where the bf16 hi + lo split
-# of both (four MMAs a step, session 25's kernel) gave 2.4e-7 and 1.7e-5, at 1.94x the time (H200,
-# BENCHMARKS session 26). The copy is what keeps the conversion out of the loop (converting each
-# step's tile there: 1.43x instead of 1.94x). An fp32 cache runs fp32 products on a copy scaled alike.
+# product off by ~2^-12 of its size. Against fp64, full size (R 512, 8192 and 2048 rows), the output's
+# largest error is 1.5e-5-2.3e-4 of its peak for flat scores and 1.3-1.5e-3 for peaked ones (std ~6),
+# where the bf16 hi + lo split of both (four MMAs a step, session 25's kernel) gave 2.4e-7-6.1e-6 and
+# 1.7-1.8e-5, at 1.61-1.65x the time (H200, the whole call; BENCHMARKS session 26). The copy keeps the
+# conversion out of the loop (the kernel alone, converting each step's tile there: 1.43x against 1.94x).
+# An fp32 cache runs fp32 products on a copy scaled alike.
 #
 # Cost at full size (H = 64, R = 512, 2051 positions a row, M = 32): per row 2 programs x 33 steps of
 # 64 positions; two fp16 MMAs a step: 64·2051·512·2·2 = 0.27 GFLOP, 8192 rows = 2.2 TFLOP; each row
