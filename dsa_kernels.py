@@ -551,8 +551,9 @@ def dsa_prefill_attention(q_hat: torch.Tensor, latent: torch.Tensor, table: torc
     selected positions t. q̂ [n, H, R] fp32 (unit last stride); latent the cache row; top [n, NT] the
     rows' picked pools (dsa_index_scores' top-k: picks not complete at the row's position are skipped,
     a row with no more complete pools than NT takes them all) or None for every complete pool; plus
-    the tail with select_tail. Returns o [n, H, R] fp32 in q̂'s memory layout. `splits`: programs
-    per (row, head block) (default: more than one only while the rows leave SMs idle)."""
+    the tail with select_tail. Returns o [n, H, R] fp32 in q̂'s memory layout, from fp16 products for a
+    16-bit cache (see the section comment). `splits`: programs per (row, head block) (default: more
+    than one only while the rows leave SMs idle)."""
     if q_hat.dim() != 3 or q_hat.dtype != torch.float32 or q_hat.stride(2) != 1:
         raise ValueError(f"dsa_prefill_attention: q_hat must be fp32 [n, H, R] with unit last stride, got "
                          f"{q_hat.dtype} {tuple(q_hat.shape)} {q_hat.stride()}")
