@@ -475,7 +475,7 @@ def test_head_matmul_matches_einsum(B):
         dsa_kernels.head_matmul(q, torch.zeros(H, K + 1, N, device=DEVICE))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_dsa_prefill_attention_matches_sparse_attention(dtype):
     """A chunk's rows (one table, their own positions) through dsa_prefill_attention and through the
     decode kernel with the rows as its batch: top-k picks of 10 pools, rows with fewer complete pools
