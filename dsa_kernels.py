@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import _cast, _check_pow2, _dot_bf16, _dot_f32, _dot_pair, _dot_tf32x3, _rows, _split
+from kernels import _cast, _check_pow2, _dot_bf16, _dot_f32, _dot_pair, _dot_tf32x3, _pow2_scale, _rows, _split
 
 # ================================================================ decode-step kernels: DSA (§4.4)
 # One token per sequence against a paged cache: row tensors latent [blocks, bs, R], index_k / gate
@@ -441,9 +441,7 @@ def _latent_peak_kernel(lat_ptr, table_ptr, bs, T, peak_ptr, R: tl.constexpr, BT
 def _latent_factor(peak_ptr):
     # (f, 1 / f): powers of two that put the peak in [2^14, 2^15), below fp16's 65504 (see the section
     # comment); a zero peak gets a finite f.
-    expo = (tl.maximum(tl.load(peak_ptr).to(tl.float32, bitcast=True), 7.888609052210118e-31).to(tl.int32, bitcast=True)
-            >> 23) & 0xFF
-    return ((268 - expo) << 23).to(tl.float32, bitcast=True), ((expo - 14) << 23).to(tl.float32, bitcast=True)
+    return _pow2_scale(tl.load(peak_ptr).to(tl.float32, bitcast=True), 14)
 
 
 @triton.jit
@@ -479,9 +477,8 @@ def _dsa_prefill_kernel(q_ptr, q_sn, q_sh, lat_ptr, peak_ptr, slots_ptr, slots_s
     _, inv_f = _latent_factor(peak_ptr)
     inv_q = tl.full([BH], 1.0, tl.float32)
     if lat_ptr.dtype.element_ty == tl.float16:
-        expo = (tl.maximum(tl.max(tl.abs(q), axis=1), 7.888609052210118e-31).to(tl.int32, bitcast=True) >> 23) & 0xFF
-        q = q * ((267 - expo) << 23).to(tl.float32, bitcast=True)[:, None]
-        inv_q = ((expo - 13) << 23).to(tl.float32, bitcast=True)
+        s_h, inv_q = _pow2_scale(tl.max(tl.abs(q), axis=1), 13)
+        q = q * s_h[:, None]
     q = q.to(lat_ptr.dtype.element_ty)
     score_scale = inv_q * inv_f / scale
     pos = start + row

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import RouterScores, _check_block_n, _out_buffer, _route_pick, _sm_count
+from kernels import RouterScores, _check_block_n, _out_buffer, _pow2_scale, _route_pick, _sm_count
 
 CODEBOOKS = ("3inst", "mcg", "mul1")
 
@@ -820,16 +820,6 @@ PREFILL_ROTATE_WARPS = 1
 
 
 @triton.jit
-def _fp16_scale(peak):
-    # Powers of two s = 2^(13 - e) and 1 / s for a row whose largest |value| is peak in [2^e, 2^(e+1)),
-    # built from the exponent bits (exact; no exp2). Zero rows get a finite scale.
-    expo = (tl.maximum(peak, 7.888609052210118e-31).to(tl.int32, bitcast=True) >> 23) & 0xFF
-    scale = ((267 - expo) << 23).to(tl.float32, bitcast=True)
-    inv = ((expo - 13) << 23).to(tl.float32, bitcast=True)
-    return scale, inv
-
-
-@triton.jit
 def _prefill_rotate(x_ptr, suh_ptr, tok, e, ok, D, out_ptr, inv_ptr, s, b0, b1, RB: tl.constexpr):
     # out[s] = fp16((x[tok] ⊙ suh[e]) · H128 · scale) in the 128-blocks b0..b1 - 1, inv[s] = 1 / scale,
     # for RB sorted pairs. The scale comes from a bound on the row's largest value instead of the
@@ -844,7 +834,7 @@ def _prefill_rotate(x_ptr, suh_ptr, tok, e, ok, D, out_ptr, inv_ptr, s, b0, b1, 
         suh = tl.load(suh_ptr + e[:, None] * D + b * 128 + i, mask=ok[:, None], other=0.0).to(tl.float32)
         v = x * suh
         bound = tl.maximum(bound, tl.sqrt(tl.sum(v * v, axis=1)))
-    scale, inv = _fp16_scale(bound)
+    scale, inv = _pow2_scale(bound, 13)
     tl.store(inv_ptr + s, inv, mask=ok)  # every span stores the same value
     scale = scale * 0.08838834764831845  # 1/sqrt(128) of the normalized H128, times the row's scale
     for b in range(b0, b1):
@@ -888,7 +878,7 @@ def _prefill_swiglu_kernel(gu_ptr, gu_proj, inv_gate_ptr, inv_up_ptr, order_ptr,
                            suh_down_ptr, out_ptr, out_inv_ptr, I, limit, NB: tl.constexpr):
     # Program (sorted pair s): the down GEMM's input row from gate's and up's raw products gu [2, P, I]:
     # act = (swiglu(gate, up) ⊙ suh_down) · H128, stored as fp16(act · scale) with its 1 / scale
-    # (_fp16_scale of the row's largest |act|); the row stays in registers as [NB, 128] throughout.
+    # (`kernels._pow2_scale` of the row's largest |act|); the row stays in registers as [NB, 128] throughout.
     s = tl.program_id(0).to(tl.int64)
     e = tl.load(ids_ptr + tl.load(order_ptr + s)).to(tl.int64)
     i = tl.arange(0, NB)[:, None] * 128 + tl.arange(0, 128)[None, :]
@@ -902,7 +892,7 @@ def _prefill_swiglu_kernel(gu_ptr, gu_proj, inv_gate_ptr, inv_up_ptr, order_ptr,
     act = gate * tl.sigmoid(gate) * tl.minimum(tl.maximum(up, -limit), limit)
     suh = tl.load(suh_down_ptr + e * I + i, mask=inside, other=0.0).to(tl.float32)
     act = _times_hadamard(act * suh, NB) * 0.08838834764831845
-    scale, inv = _fp16_scale(tl.max(tl.max(tl.abs(act), axis=1), axis=0))
+    scale, inv = _pow2_scale(tl.max(tl.max(tl.abs(act), axis=1), axis=0), 13)
     tl.store(out_inv_ptr + s, inv)
     tl.store(out_ptr + s * I + i, (act * scale).to(tl.float16), mask=inside)
 

@@ -60,6 +60,15 @@ def _check_pow2(name: str, n: int) -> None:
 
 
 @triton.jit
+def _pow2_scale(peak, TOP: tl.constexpr):
+    # Powers of two s = 2^(TOP - e) and 1 / s for values whose largest |value| is peak in [2^e, 2^(e+1)), so
+    # that peak · s lies in [2^TOP, 2^(TOP+1)): built from the exponent bits (exact; no exp2). A zero peak
+    # gets a finite scale.
+    expo = (tl.maximum(peak, 7.888609052210118e-31).to(tl.int32, bitcast=True) >> 23) & 0xFF
+    return ((254 + TOP - expo) << 23).to(tl.float32, bitcast=True), ((expo - TOP) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _cast(x, DT: tl.constexpr):
     # fp32 -> DT rounding to nearest even. bf16 by hand: the CPU interpreter truncates (numpy has no
     # bf16) where the GPU's conversion rounds; the bit form gives the GPU's result on both.
