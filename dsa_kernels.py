@@ -155,6 +155,20 @@ def _dsa_scores_kernel(q_ptr, q_stride, w_ptr, pool_ptr, tables_ptr, t_stride, p
     tl.store(out_ptr + b * P + p, tl.where(candidate, score, -float("inf")), mask=p < P)
 
 
+def _check_index_operands(name: str, q_idx: torch.Tensor, w_idx: torch.Tensor, pooled: torch.Tensor,
+                          B: int) -> tuple[int, int, int]:
+    # (heads, index_head_dim, pools per block) of an indexer call's operands, checked
+    _, Hi, d = q_idx.shape
+    nb, ppb = pooled.shape[:2]
+    _check_cache_row(f"{name}: pooled", pooled, nb, ppb, d)
+    if q_idx.stride(2) != 1 or q_idx.stride(1) != d or tuple(w_idx.shape) != (B, Hi):
+        raise ValueError(f"{name}: q_idx must be [{B}, heads, {d}] with packed heads and w_idx "
+                         f"[{B}, heads], got {tuple(q_idx.shape)} {q_idx.stride()} and {tuple(w_idx.shape)}")
+    _check_pow2(f"{name}: index heads", Hi)
+    _check_pow2(f"{name}: index_head_dim", d)
+    return Hi, d, ppb
+
+
 def dsa_index_scores(q_idx: torch.Tensor, w_idx: torch.Tensor, pooled: torch.Tensor, tables: torch.Tensor,
                      positions: torch.Tensor, kpool: int) -> torch.Tensor:
     """The indexer's pool scores (model_glm.select_tokens before its top-k) over every pool of the
@@ -162,14 +176,7 @@ def dsa_index_scores(q_idx: torch.Tensor, w_idx: torch.Tensor, pooled: torch.Ten
     fp32 (weights_proj's output, divided by √heads here), pooled the cache row. Returns fp32
     [B, width · bs / kpool], -inf for pools that are not complete at the position."""
     B = _check_tables("dsa_index_scores", tables, positions)
-    _, Hi, d = q_idx.shape
-    nb, ppb = pooled.shape[:2]
-    _check_cache_row("dsa_index_scores: pooled", pooled, nb, ppb, d)
-    if q_idx.stride(2) != 1 or q_idx.stride(1) != d or tuple(w_idx.shape) != (B, Hi):
-        raise ValueError(f"dsa_index_scores: q_idx must be [{B}, heads, {d}] with packed heads and w_idx "
-                         f"[{B}, heads], got {tuple(q_idx.shape)} {q_idx.stride()} and {tuple(w_idx.shape)}")
-    _check_pow2("dsa_index_scores: index heads", Hi)
-    _check_pow2("dsa_index_scores: index_head_dim", d)
+    Hi, d, ppb = _check_index_operands("dsa_index_scores", q_idx, w_idx, pooled, B)
     P = tables.shape[1] * ppb
     out = torch.empty(B, P, dtype=torch.float32, device=q_idx.device)
     _dsa_scores_kernel[(B, triton.cdiv(P, DSA_SCORE_BLOCK))](
@@ -420,17 +427,11 @@ def dsa_prefill_index_scores(q_idx: torch.Tensor, w_idx: torch.Tensor, pooled: t
     block table [width]: q_idx [n, heads, d] (packed heads, rows may be strided), w_idx [n, heads]
     fp32, pooled the cache row. Returns fp32 [n, width · bs / kpool], -inf for pools that are not
     complete at a row's position."""
-    n, Hi, d = q_idx.shape
-    nb, ppb = pooled.shape[:2]
-    _check_cache_row("dsa_prefill_index_scores: pooled", pooled, nb, ppb, d)
-    if q_idx.stride(2) != 1 or q_idx.stride(1) != d or tuple(w_idx.shape) != (n, Hi):
-        raise ValueError(f"dsa_prefill_index_scores: q_idx must be [{n}, heads, {d}] with packed heads and w_idx "
-                         f"[{n}, heads], got {tuple(q_idx.shape)} {q_idx.stride()} and {tuple(w_idx.shape)}")
+    n = q_idx.shape[0]
+    Hi, d, ppb = _check_index_operands("dsa_prefill_index_scores", q_idx, w_idx, pooled, n)
     if table.dim() != 1 or table.stride(0) != 1:
         raise ValueError(f"dsa_prefill_index_scores: table must be one sequence's [width] block ids with unit "
                          f"stride, got {tuple(table.shape)} {table.stride()}")
-    _check_pow2("dsa_prefill_index_scores: index heads", Hi)
-    _check_pow2("dsa_prefill_index_scores: index_head_dim", d)
     P = table.shape[0] * ppb
     out = torch.empty(n, P, dtype=torch.float32, device=q_idx.device)
     grid = (triton.cdiv(n, DSA_PREFILL_SCORE_ROWS), triton.cdiv(P, DSA_PREFILL_SCORE_BLOCK))
