@@ -4,8 +4,8 @@ indexer k_norm, the token's cache rows and pooled key: `rms_norm`, `pool_keys` a
 writes), `dsa_index_scores` (the indexer's pool scores: `select_tokens` before its top-k) and
 `dsa_sparse_attention` (absorbed MLA over the selected positions, gathered from the paged cache:
 `mla_attention` between W_UK and W_UV); `head_matmul`, the absorbed MLA's per-head products around
-it; the prefill's `dsa_prefill_attention`, the attention for the query rows of one sequence's chunk
-(fastprefill.py).
+it; the prefill's `dsa_prefill_index_scores` and `dsa_prefill_attention`, the indexer and the attention
+for the query rows of one sequence's chunk (fastprefill.py).
 
 Like kernels.py, this file imports neither exl3.py nor model_glm.py; it takes kernels.py's shared
 helpers (checks, roundings, the exact products on the tensor cores).
@@ -155,6 +155,20 @@ def _dsa_scores_kernel(q_ptr, q_stride, w_ptr, pool_ptr, tables_ptr, t_stride, p
     tl.store(out_ptr + b * P + p, tl.where(candidate, score, -float("inf")), mask=p < P)
 
 
+def _check_index_operands(name: str, q_idx: torch.Tensor, w_idx: torch.Tensor, pooled: torch.Tensor,
+                          B: int) -> tuple[int, int, int]:
+    # (heads, index_head_dim, pools per block) of an indexer call's operands, checked
+    _, Hi, d = q_idx.shape
+    nb, ppb = pooled.shape[:2]
+    _check_cache_row(f"{name}: pooled", pooled, nb, ppb, d)
+    if q_idx.stride(2) != 1 or q_idx.stride(1) != d or tuple(w_idx.shape) != (B, Hi):
+        raise ValueError(f"{name}: q_idx must be [{B}, heads, {d}] with packed heads and w_idx "
+                         f"[{B}, heads], got {tuple(q_idx.shape)} {q_idx.stride()} and {tuple(w_idx.shape)}")
+    _check_pow2(f"{name}: index heads", Hi)
+    _check_pow2(f"{name}: index_head_dim", d)
+    return Hi, d, ppb
+
+
 def dsa_index_scores(q_idx: torch.Tensor, w_idx: torch.Tensor, pooled: torch.Tensor, tables: torch.Tensor,
                      positions: torch.Tensor, kpool: int) -> torch.Tensor:
     """The indexer's pool scores (model_glm.select_tokens before its top-k) over every pool of the
@@ -162,14 +176,7 @@ def dsa_index_scores(q_idx: torch.Tensor, w_idx: torch.Tensor, pooled: torch.Ten
     fp32 (weights_proj's output, divided by √heads here), pooled the cache row. Returns fp32
     [B, width · bs / kpool], -inf for pools that are not complete at the position."""
     B = _check_tables("dsa_index_scores", tables, positions)
-    _, Hi, d = q_idx.shape
-    nb, ppb = pooled.shape[:2]
-    _check_cache_row("dsa_index_scores: pooled", pooled, nb, ppb, d)
-    if q_idx.stride(2) != 1 or q_idx.stride(1) != d or tuple(w_idx.shape) != (B, Hi):
-        raise ValueError(f"dsa_index_scores: q_idx must be [{B}, heads, {d}] with packed heads and w_idx "
-                         f"[{B}, heads], got {tuple(q_idx.shape)} {q_idx.stride()} and {tuple(w_idx.shape)}")
-    _check_pow2("dsa_index_scores: index heads", Hi)
-    _check_pow2("dsa_index_scores: index_head_dim", d)
+    Hi, d, ppb = _check_index_operands("dsa_index_scores", q_idx, w_idx, pooled, B)
     P = tables.shape[1] * ppb
     out = torch.empty(B, P, dtype=torch.float32, device=q_idx.device)
     _dsa_scores_kernel[(B, triton.cdiv(P, DSA_SCORE_BLOCK))](
@@ -378,7 +385,62 @@ def head_matmul(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = Non
     return out
 
 
-# ================================================================ prefill: DSA attention of a chunk (§4.4)
+# ================================================================ prefill: DSA of a chunk (§4.4)
+# `dsa_prefill_index_scores`: dsa_index_scores for the n rows of ONE sequence's chunk (one block table,
+# positions start..start+n-1). A program takes BR rows x BP pools, the rows' heads stacked as the MMA's
+# M (BR · heads), so each tile of pooled keys is read once for BR rows (the decode kernel, one row a
+# program, reads every pool once a row: at 8K rows of an 8K context 4 GB from L2 a DSA layer); pool
+# blocks past the last row's candidates are not computed. The heads' sum is a tl.sum of the reshaped
+# products: its order may differ from the decode kernel's in the last bits.
+DSA_PREFILL_SCORE_ROWS = 4
+DSA_PREFILL_SCORE_BLOCK = 64
+
+
+@triton.jit
+def _dsa_prefill_scores_kernel(q_ptr, q_stride, w_ptr, pool_ptr, table_ptr, out_ptr, n, start, P, ppb, q_scale,
+                               w_scale, HI: tl.constexpr, DI: tl.constexpr, KPOOL: tl.constexpr, BR: tl.constexpr,
+                               BP: tl.constexpr, TC: tl.constexpr):
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    p = tl.program_id(1) * BP + tl.arange(0, BP)
+    ok = (rows < n)[:, None] & (p < P)[None, :]
+    candidate = p[None, :] < ((start + rows + 1) // KPOOL)[:, None]
+    score = tl.full([BR, BP], -float("inf"), tl.float32)
+    last = tl.minimum(tl.program_id(0) * BR + BR, n) - 1
+    if tl.program_id(1) * BP < (start + last + 1) // KPOOL:  # some row has a candidate here
+        m = tl.arange(0, BR * HI)  # (row, head) pairs
+        r = tl.program_id(0) * BR + m // HI
+        d = tl.arange(0, DI)
+        q = tl.load(q_ptr + r[:, None] * q_stride + (m % HI)[:, None] * DI + d[None, :], mask=(r < n)[:, None],
+                    other=0.0)
+        blk = tl.load(table_ptr + p // ppb, mask=p < P, other=0)
+        keys = tl.load(pool_ptr + (blk * ppb + p % ppb)[:, None] * DI + d[None, :], mask=(p < P)[:, None], other=0.0)
+        dots = _dot_f32(q, tl.trans(keys), TC) / q_scale
+        w = tl.load(w_ptr + r * HI + m % HI, mask=r < n, other=0.0) / w_scale
+        summed = tl.sum(tl.reshape(w[:, None] * tl.maximum(dots, 0.0), [BR, HI, BP]), axis=1)
+        score = tl.where(candidate, summed, score)
+    tl.store(out_ptr + rows[:, None] * P + p[None, :], score, mask=ok)
+
+
+def dsa_prefill_index_scores(q_idx: torch.Tensor, w_idx: torch.Tensor, pooled: torch.Tensor, table: torch.Tensor,
+                             start: int, kpool: int) -> torch.Tensor:
+    """dsa_index_scores for the n rows of one sequence's chunk at positions start..start+n-1 over one
+    block table [width]: q_idx [n, heads, d] (packed heads, rows may be strided), w_idx [n, heads]
+    fp32, pooled the cache row. Returns fp32 [n, width · bs / kpool], -inf for pools that are not
+    complete at a row's position."""
+    n = q_idx.shape[0]
+    Hi, d, ppb = _check_index_operands("dsa_prefill_index_scores", q_idx, w_idx, pooled, n)
+    if table.dim() != 1 or table.stride(0) != 1:
+        raise ValueError(f"dsa_prefill_index_scores: table must be one sequence's [width] block ids with unit "
+                         f"stride, got {tuple(table.shape)} {table.stride()}")
+    P = table.shape[0] * ppb
+    out = torch.empty(n, P, dtype=torch.float32, device=q_idx.device)
+    grid = (triton.cdiv(n, DSA_PREFILL_SCORE_ROWS), triton.cdiv(P, DSA_PREFILL_SCORE_BLOCK))
+    _dsa_prefill_scores_kernel[grid](q_idx, q_idx.stride(0), w_idx.float().contiguous(), pooled, table, out, n, start,
+                                     P, ppb, d ** 0.5, Hi ** 0.5, HI=Hi, DI=d, KPOOL=kpool, BR=DSA_PREFILL_SCORE_ROWS,
+                                     BP=DSA_PREFILL_SCORE_BLOCK, TC=q_idx.is_cuda)
+    return out
+
+
 # `dsa_prefill_attention`: dsa_sparse_attention's math for the n query rows of ONE sequence's chunk
 # (one block table, positions start..start+n-1). A program owns one query row and BH of its heads for
 # the whole selection (no splits once n fills the GPU): all heads of a row share the row's selected

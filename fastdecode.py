@@ -573,8 +573,9 @@ class FastDecoder:
         """§4.4 after the cache rows are written, for B query rows (x their layer input, q and q_idx
         their projections) at `positions` over `tables` [B, width]: the indexer's selection, then the
         absorbed NoPE MLA over it into out [B, H, d_v]. fastprefill.py passes a chunk's rows of one
-        sequence (positions chunk_start.., one table): they go to the chunk kernel, which gives
-        each row all its heads' work instead of splitting rows over head groups and position ranges."""
+        sequence (positions chunk_start.., one table): they go to the chunk kernels, whose indexer reads
+        each pooled key once for several rows and whose attention gives each row all its heads' work
+        instead of splitting rows over head groups and position ranges."""
         cfg, cache, a = self.cfg, self.cache, layer.attn
         kpool, row = cfg.index_kpool, layer.row
         B, H, dn = x.shape[0], cfg.num_attention_heads, cfg.qk_nope_head_dim
@@ -585,8 +586,12 @@ class FastDecoder:
         n_top = cfg.index_topk // kpool
         if tables.shape[1] * (cache.block_size // kpool) > n_top:
             w_idx = fp32_linear(x, a["w_idx"])
-            score = dsa_kernels.dsa_index_scores(q_idx.reshape(B, cfg.index_n_heads, cfg.index_head_dim), w_idx,
-                                             cache.pooled[row], tables, positions, kpool)
+            q_idx = q_idx.reshape(B, cfg.index_n_heads, cfg.index_head_dim)
+            if chunk_start is None:
+                score = dsa_kernels.dsa_index_scores(q_idx, w_idx, cache.pooled[row], tables, positions, kpool)
+            else:
+                score = dsa_kernels.dsa_prefill_index_scores(q_idx, w_idx, cache.pooled[row], tables[0], chunk_start,
+                                                             kpool)
             top = torch.topk(score, n_top, dim=1, sorted=False).indices
         # Absorbed NoPE MLA over the selected positions (model_glm.mla_attention).
         q_hat = dsa_kernels.head_matmul(q.reshape(B, H, dn), a["W_UK"])

@@ -475,6 +475,30 @@ def test_head_matmul_matches_einsum(B):
         dsa_kernels.head_matmul(q, torch.zeros(H, K + 1, N, device=DEVICE))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dsa_prefill_index_scores_match_the_decode_kernels(dtype):
+    """A chunk's rows (one table; positions 25..34, a ragged last row block) through the chunk kernel
+    and through dsa_index_scores with the rows as its batch: the same scores up to the heads' sum order,
+    -inf at the same places, also in the pool block past the rows' candidates (skipped); rows at
+    250..259 cross into that block (62..65 candidate pools), rows at 300.. reach into it."""
+    g = torch.Generator().manual_seed(13)
+    nb, bs, Hi, d, kpool, width = 90, 8, 16, 32, 4, 40
+    pooled = torch.randn(nb, bs // kpool, d, generator=g).to(dtype).to(DEVICE)
+    table = torch.randperm(nb, generator=g)[:width].to(DEVICE)  # 80 pools: two blocks of the kernel
+    assert width * bs // kpool > dsa_kernels.DSA_PREFILL_SCORE_BLOCK
+    for start, n in ((25, 10), (250, 10), (300, 3)):
+        q_idx = torch.randn(n, Hi * d + 3, generator=g).to(dtype).to(DEVICE)[:, :Hi * d].view(n, Hi, d)
+        w_idx = torch.randn(n, Hi, generator=g).to(DEVICE)
+        positions = torch.arange(start, start + n, device=DEVICE)
+        got = dsa_kernels.dsa_prefill_index_scores(q_idx, w_idx, pooled, table, start, kpool)
+        want = dsa_kernels.dsa_index_scores(q_idx, w_idx, pooled, table.expand(n, width), positions, kpool)
+        assert torch.equal(torch.isinf(got), torch.isinf(want))
+        ok = ~torch.isinf(want)
+        torch.testing.assert_close(got[ok], want[ok], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match=r"table must be one sequence's \[width\] block ids"):
+        dsa_kernels.dsa_prefill_index_scores(q_idx, w_idx, pooled, table[None], 0, kpool)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_dsa_prefill_attention_matches_sparse_attention(dtype):
     """A chunk's rows (one table, their own positions) through dsa_prefill_attention and through the
