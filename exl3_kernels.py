@@ -812,8 +812,12 @@ TOKEN_SUM_WARPS = 1
 # Tiles of 16 and 64 rows stay for callers that ask for them.
 PREFILL_128_ROWS = 48
 PREFILL_256_ROWS = 160
-# The rotation at 4 warps a sorted pair (TO BE MEASURED on the H200).
-PREFILL_ROTATE_WARPS = 4
+# The rotation at 1 warp a sorted pair. H200, D 4096, top-8 of 288 experts, against the former kernel (4 pairs and
+# one 128-block span a program, the row read twice: once for its scale's bound, once to rotate; the same bits):
+# 8192 rows 1.00-1.04x, 1024 rows 1.07-1.23x, 8 and 32 rows 1.45-1.53x (`.whl/s27_rot_ab.py`, `s27_rot_ab2.py`).
+# 2, 4 and 8 warps: 0.90-1.01x at 8192 rows. The Hadamard on the tensor cores (fp16 hi + lo pieces times
+# sqrt(128) H128) took as many instructions a pair and ran 0.42-0.71x at 8192 rows.
+PREFILL_ROTATE_WARPS = 1
 
 
 @triton.jit
