@@ -772,10 +772,10 @@ def _moe_decode(x: torch.Tensor, ids: torch.Tensor, route: torch.Tensor, top_k: 
 # ---------------------------------------------------------------- EXL3 MoE prefill: many rows per expert
 # For P = m * top_k (row, expert) pairs of one MoE layer, sorted by expert (argsort on the device; no
 # host synchronization), in five launches:
-#   1. rotate every sorted pair's row for gate and for up ((x ⊙ suh_e) · H128, fp32) and store it
-#      in fp16 times a per-row power of two that puts the row's largest value in [2^9.5, 2^14) (from a
-#      bound, see _prefill_rotate): exact, and it keeps small activations out of fp16's subnormals
-#      (spec §4 allows any fp16 suh);
+#   1. per sorted pair, the token's row read once and held in registers (`_prefill_rotate_kernel`):
+#      rotated for gate and for up ((x ⊙ suh_e) · H128, fp32), each stored in fp16 times a per-row power
+#      of two that puts the row's largest value in [2^9.5, 2^14) (from a bound, see _rotate_row): exact,
+#      and it keeps small activations out of fp16's subnormals (spec §4 allows any fp16 suh);
 #   2. gate and up as one grouped GEMM (`_prefill_gemm_kernel`): a program owns a tile of BM sorted
 #      pairs of one expert, one 128-column block and one projection, runs over all of k decoding each
 #      16x16 trellis tile in registers straight into tl.dot's A operand (Ŵ^T, as exl3_gemv does; the
@@ -812,55 +812,43 @@ TOKEN_SUM_WARPS = 1
 # Tiles of 16 and 64 rows stay for callers that ask for them.
 PREFILL_128_ROWS = 48
 PREFILL_256_ROWS = 160
-# The rotation at 4 sorted pairs a program and 1 warp: 0.95-0.99 ms against 1.48-1.52 at 16 pairs and 2 warps (H200,
-# 8192 tokens x top-8, D 4096, the same output bit for bit: `.whl/rot_check.py`; session 12: 8 pairs 0.98 ms, 16
-# pairs at 1 warp 1.17)
-PREFILL_ROTATE_ROWS = 4
+# The rotation at 1 warp a sorted pair. H200, D 4096, top-8 of 288 experts, against the former kernel (4 pairs and
+# one 128-block span a program, the row read twice: once for its scale's bound, once to rotate; the same bits):
+# 8192 rows 1.00-1.04x, 1024 rows 1.07-1.23x, 8 and 32 rows 1.45-1.53x (`.whl/s27_rot_ab.py`, `s27_rot_ab2.py`).
+# 2, 4 and 8 warps: 0.90-1.01x at 8192 rows. The Hadamard on the tensor cores (fp16 hi + lo pieces times
+# sqrt(128) H128) took as many instructions a pair and ran 0.42-0.71x at 8192 rows.
 PREFILL_ROTATE_WARPS = 1
 
 
 @triton.jit
-def _prefill_rotate(x_ptr, suh_ptr, tok, e, ok, D, out_ptr, inv_ptr, s, b0, b1, RB: tl.constexpr):
-    # out[s] = fp16((x[tok] ⊙ suh[e]) · H128 · scale) in the 128-blocks b0..b1 - 1, inv[s] = 1 / scale,
-    # for RB sorted pairs. The scale comes from a bound on the row's largest value instead of the
-    # value itself, so that the Hadamard runs once: an element of v · H128 / sqrt(128) (orthonormal)
-    # is at most |v|, the 128-block's L2 norm. The largest value then lands in [2^13 / sqrt(128),
-    # 2^14): far from overflow and from fp16's subnormals, and a power-of-two scale does not change a
-    # normal fp16's rounding, so the products are those of the exact peak's scale.
-    i = tl.arange(0, 128)[None, :]
-    bound = tl.zeros([RB], tl.float32)
-    for b in range(0, D // 128):
-        x = tl.load(x_ptr + tok[:, None] * D + b * 128 + i, mask=ok[:, None], other=0.0).to(tl.float32)
-        suh = tl.load(suh_ptr + e[:, None] * D + b * 128 + i, mask=ok[:, None], other=0.0).to(tl.float32)
-        v = x * suh
-        bound = tl.maximum(bound, tl.sqrt(tl.sum(v * v, axis=1)))
-    scale, inv = _pow2_scale(bound, 13)
-    tl.store(inv_ptr + s, inv, mask=ok)  # every span stores the same value
-    scale = scale * 0.08838834764831845  # 1/sqrt(128) of the normalized H128, times the row's scale
-    for b in range(b0, b1):
-        x = tl.load(x_ptr + tok[:, None] * D + b * 128 + i, mask=ok[:, None], other=0.0).to(tl.float32)
-        suh = tl.load(suh_ptr + e[:, None] * D + b * 128 + i, mask=ok[:, None], other=0.0).to(tl.float32)
-        xh = _times_hadamard(x * suh, RB) * scale[:, None]
-        tl.store(out_ptr + s[:, None] * D + b * 128 + i, xh.to(tl.float16), mask=ok[:, None])
+def _rotate_row(x, suh_ptrs, inside, out_ptrs, inv_ptr, NB: tl.constexpr):
+    # out = fp16((x ⊙ suh) · H128 · scale), inv = 1 / scale, for one row held as [NB, 128] (its 128-blocks
+    # as rows). The scale comes from a bound on the row's largest rotated value instead of the value
+    # itself: an element of v · H128 / sqrt(128) (orthonormal) is at most |v|, the 128-block's L2 norm.
+    # The largest value then lands in [2^13 / sqrt(128), 2^14): far from overflow and from fp16's
+    # subnormals, and a power-of-two scale does not change a normal fp16's rounding, so the products are
+    # those of the exact peak's scale.
+    v = x * tl.load(suh_ptrs, mask=inside, other=0.0).to(tl.float32)
+    scale, inv = _pow2_scale(tl.max(tl.sqrt(tl.sum(v * v, axis=1)), axis=0), 13)
+    tl.store(inv_ptr, inv)
+    xh = _times_hadamard(v, NB) * (scale * 0.08838834764831845)  # 1/sqrt(128) of the normalized H128
+    tl.store(out_ptrs, xh.to(tl.float16), mask=inside)
 
 
 @triton.jit
-def _prefill_rotate_kernel(x_ptr, order_ptr, ids_ptr, suh_gate_ptr, suh_up_ptr, xs_gate_ptr, xs_up_ptr,
-                           inv_gate_ptr, inv_up_ptr, P, D, top_k, span, RB: tl.constexpr):
-    # Program (RB sorted pairs, gate or up, span 128-blocks of D): those blocks of xs_gate or xs_up.
-    # Few pairs (a verify pass) split the rows into spans, so that the launch still fills the GPU;
-    # every span recomputes the row's bound (a read of the row, no Hadamard).
-    s = tl.program_id(0) * RB + tl.arange(0, RB)
-    ok = s < P
-    pair = tl.load(order_ptr + s, mask=ok, other=0)
-    e = tl.load(ids_ptr + pair, mask=ok, other=0).to(tl.int64)
+def _prefill_rotate_kernel(x_ptr, order_ptr, ids_ptr, suh_gate_ptr, suh_up_ptr, xs_ptr, xs_proj, inv_ptr, P, D,
+                           top_k, NB: tl.constexpr):
+    # Program (sorted pair s): its rows of xs [2, P, D] and inv [2, P] for gate and for up, from one read
+    # of the token's row x, which stays in registers as [NB, 128].
+    s = tl.program_id(0).to(tl.int64)
+    pair = tl.load(order_ptr + s)
+    e = tl.load(ids_ptr + pair).to(tl.int64)
     tok = (pair // top_k).to(tl.int64)
-    s = s.to(tl.int64)
-    b0 = tl.program_id(2) * span
-    if tl.program_id(1) == 0:
-        _prefill_rotate(x_ptr, suh_gate_ptr, tok, e, ok, D, xs_gate_ptr, inv_gate_ptr, s, b0, b0 + span, RB)
-    else:
-        _prefill_rotate(x_ptr, suh_up_ptr, tok, e, ok, D, xs_up_ptr, inv_up_ptr, s, b0, b0 + span, RB)
+    i = tl.arange(0, NB)[:, None] * 128 + tl.arange(0, 128)[None, :]
+    inside = i < D
+    x = tl.load(x_ptr + tok * D + i, mask=inside, other=0.0).to(tl.float32)
+    _rotate_row(x, suh_gate_ptr + e * D + i, inside, xs_ptr + s * D + i, inv_ptr + s, NB)
+    _rotate_row(x, suh_up_ptr + e * D + i, inside, xs_ptr + xs_proj + s * D + i, inv_ptr + P + s, NB)
 
 
 @triton.jit
@@ -1016,14 +1004,16 @@ def _prefill_tiles(ids: torch.Tensor, experts: int,
     return order.to(torch.int32), rank.to(torch.int32), torch.stack([e, first, rows], 1).to(torch.int32).contiguous()
 
 
-def _rotate_spans(device: torch.device, blocks: int, programs: int) -> int:
-    # Pieces to cut each rotated row into (a power of two dividing its 128-blocks): enough that the
-    # launch has 8 programs per SM.
-    sms = _sm_count(device)
-    spans = 1
-    while blocks % (2 * spans) == 0 and programs * spans < 8 * sms:
-        spans *= 2
-    return spans
+def _prefill_rotate(x: torch.Tensor, order: torch.Tensor, ids: torch.Tensor, suh_gate: torch.Tensor,
+                    suh_up: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    # The gate and up GEMMs' fp16 inputs xs [2, P, D] by sorted pair and their row scales' inverses
+    # inv [2, P] (_prefill_rotate_kernel).
+    P, D = order.numel(), x.shape[1]
+    xs = torch.empty((2, P, D), dtype=torch.float16, device=x.device)
+    inv = torch.empty((2, P), dtype=torch.float32, device=x.device)
+    _prefill_rotate_kernel[(P,)](x.contiguous(), order, ids, suh_gate, suh_up, xs, P * D, inv, P, D, top_k,
+                                 NB=triton.next_power_of_2(D // 128), num_warps=PREFILL_ROTATE_WARPS)
+    return xs, inv
 
 
 def exl3_moe_prefill(x: torch.Tensor, ids: torch.Tensor, route: torch.Tensor,
@@ -1069,13 +1059,7 @@ def exl3_moe_prefill(x: torch.Tensor, ids: torch.Tensor, route: torch.Tensor,
     stages = 4 if BM == 256 and row_tiles <= 4 and k2 <= 6 else 3
     launch = dict(K2=k2, CB=CODEBOOKS.index(codebook), RT=row_tiles, BM=BM, num_warps=warps, num_stages=stages)
 
-    xs = torch.empty((2, P, D), dtype=torch.float16, device=dev)
-    inv = torch.empty((2, P), dtype=torch.float32, device=dev)
-    programs = triton.cdiv(P, PREFILL_ROTATE_ROWS)
-    spans = _rotate_spans(dev, D // 128, 2 * programs)
-    _prefill_rotate_kernel[(programs, 2, spans)](
-        x.contiguous(), order, ids, gate[1], up[1], xs[0], xs[1], inv[0], inv[1], P, D, top_k, D // 128 // spans,
-        RB=PREFILL_ROTATE_ROWS, num_warps=PREFILL_ROTATE_WARPS)
+    xs, inv = _prefill_rotate(x, order, ids, gate[1], up[1], top_k)
     gu = torch.empty((2, P, I), dtype=torch.float32, device=dev)
     _prefill_gemm_kernel[(I // 128, tiles.shape[0], 2)](
         xs, P * D, words[0], words[1], tiles, gu, P * I, D, I, (D // 16) * (I // 16) * 4 * k2, **launch)

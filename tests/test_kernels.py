@@ -4,6 +4,8 @@
 On CPU the kernels run under TRITON_INTERPRET=1 (tests/conftest.py), so shapes stay tiny there;
 the larger cases run only on a GPU.
 """
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -597,6 +599,33 @@ def test_moe_prefill_equals_moe_decode():
     ref = exl3_kernels.exl3_moe_decode(x, ids, route, *projections, codebook, limit, row_tiles=8)
     err = rel_err(y, ref)
     assert err <= PREFILL_MOE_REL, f"relative error {err:.2e} against exl3_moe_decode"
+
+
+@pytest.mark.parametrize("D", [256, 384])
+def test_moe_prefill_rotation_matches_its_fp64_twin(D):
+    """_prefill_rotate: per sorted pair s of (token, expert e), xs[p, s] = fp16((x ⊙ suh_p[e]) · H128 / sqrt(128)
+    · 2^(13 - ⌊log2 bound⌋)) with bound the largest 128-block L2 norm of x ⊙ suh_p[e], inv[p, s] that
+    power's inverse, for gate (p 0) and up (p 1); D 384 pads the row's three blocks to four."""
+    m, top_k, E = 5, 2, 3
+    g = torch.Generator().manual_seed(D)
+    x = (torch.randn(m, D, generator=g) * torch.tensor([[1e-3], [1.0], [30.0], [0.2], [4.0]])).bfloat16()
+    suh = torch.randn(2, E, D, generator=g).half()
+    ids = torch.stack([torch.randperm(E, generator=g)[:top_k] for _ in range(m)]).reshape(-1)
+    order = torch.argsort(ids, stable=True)
+    xs, inv = exl3_kernels._prefill_rotate(x.to(DEVICE), order.to(torch.int32).to(DEVICE),
+                                           ids.to(torch.int32).to(DEVICE), suh[0].to(DEVICE), suh[1].to(DEVICE), top_k)
+    xs, inv = xs.cpu().double(), inv.cpu().double()
+    H = exl3.hadamard_128(dtype=torch.float64)
+    for p in range(2):
+        for s, pair in enumerate(order.tolist()):
+            v = (x[pair // top_k].double() * suh[p, ids[pair]].double()).view(-1, 128)
+            expo = math.floor(math.log2(v.norm(dim=1).max().item()))
+            assert inv[p, s].item() == 2.0 ** (expo - 13), f"projection {p}, sorted pair {s}: inv {inv[p, s].item()}"
+            ref = ((v @ H) * 2.0 ** (13 - expo)).reshape(-1)
+            ulp = torch.finfo(torch.float16).eps * 2.0 ** torch.floor(torch.log2(ref.abs().clamp(min=2.0 ** -14)))
+            err = ((xs[p, s] - ref).abs() / ulp).max().item()
+            assert err <= 1.0, f"projection {p}, sorted pair {s}: {err:.2f} fp16 ulps from the fp64 twin"
+            assert 2.0 ** 13 / 128 ** 0.5 <= xs[p, s].abs().max().item() < 2.0 ** 14
 
 
 def test_moe_prefill_scales_a_row_that_rotates_to_spikes():
