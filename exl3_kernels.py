@@ -814,7 +814,8 @@ PREFILL_128_ROWS = 48
 PREFILL_256_ROWS = 160
 # The rotation at 1 warp a sorted pair. H200, D 4096, top-8 of 288 experts, against the former kernel (4 pairs and
 # one 128-block span a program, the row read twice: once for its scale's bound, once to rotate; the same bits):
-# 8192 rows 1.00-1.04x, 1024 rows 1.07-1.23x, 8 and 32 rows 1.45-1.53x (`.whl/s27_rot_ab.py`, `s27_rot_ab2.py`).
+# 8192 rows 1.00-1.04x alone but 0.965x inside an 8K prefill (769 vs 741 us), 1024 rows 1.07-1.23x, 8 and 32 rows
+# 1.45-1.53x (`.whl/s27_rot_ab.py`, `s27_rot_ab2.py`, `s24_prefill_prof.py`).
 # 2, 4 and 8 warps: 0.90-1.01x at 8192 rows. The Hadamard on the tensor cores (fp16 hi + lo pieces times
 # sqrt(128) H128) took as many instructions a pair and ran 0.42-0.71x at 8192 rows.
 PREFILL_ROTATE_WARPS = 1
