@@ -268,15 +268,14 @@ def test_fast_path_runs_a_layer_split(ckpt):
     fast = fastdecode.FastDecoder(eng.model, eng.cache, max_context=64)
     assert len(fast.spans) == 3
     ids, table = torch.tensor(prompt(6, 21)), torch.arange(4)
-    for tokens, start in ((ids, 0), (None, ids.shape[0])):
-        if tokens is None:  # then one decode step with the reference's greedy token
-            tokens = ref.argmax(-1).cpu()
-            got = fast.step([SeqChunk(tokens, start, table, 0)]).logits
-        else:
-            got = fastprefill.FastPrefill(fast).forward([SeqChunk(tokens, start, table, 0)]).logits
-        ref = eng.model.forward([SeqChunk(tokens, start, table + 4, 1)], eng.cache).logits
-        # the EXL3 expert kernels take fp16 activations (tests/test_fastprefill.py: the same bound)
-        torch.testing.assert_close(got, ref, rtol=0, atol=5e-3)
+    reference = lambda tokens, start: eng.model.forward([SeqChunk(tokens, start, table + 4, 1)], eng.cache).logits
+    got = fastprefill.FastPrefill(fast).forward([SeqChunk(ids, 0, table, 0)]).logits
+    ref = reference(ids, 0)
+    # the EXL3 expert kernels take fp16 activations (tests/test_fastprefill.py: the same bound)
+    torch.testing.assert_close(got, ref, rtol=0, atol=5e-3)
+    token = ref.argmax(-1).cpu()  # then one decode step with the reference's greedy token
+    got = fast.step([SeqChunk(token, ids.shape[0], table, 0)]).logits
+    torch.testing.assert_close(got, reference(token, ids.shape[0]), rtol=0, atol=5e-3)
     split = E.load(ckpt, devices=PAIR, split_experts=True, **OPTS)
     with pytest.raises(fastdecode.Unsupported, match="split over devices"):
         fastdecode.FastDecoder(split.model, split.cache, max_context=64)
