@@ -8,7 +8,7 @@ stacked experts that `fastdecode.FastDecoder` prepared; model_glm.forward is thi
 - KDA (§4.3): the short conv, norms, gate and β in one launch (`kda_kernels.kda_chunk_inputs`), then the
   chunked WY form in `kda_kernels.kda_chunk_prefill` (three launches for the whole chunk) instead of a
   Python loop of torch ops per 64 tokens;
-- DSA (§4.4): the decode step's indexer kernel with the chunk's rows as the batch, then
+- DSA (§4.4): `dsa_kernels.dsa_prefill_index_scores` (each pooled key read once for 4 of the chunk's rows), then
   `dsa_kernels.dsa_prefill_attention` (one program per query row and 32 heads, fp16 products), so each
   query reads its 2051 selected positions instead of a mask over the whole context;
 - routed experts (§4.5): `exl3_kernels.exl3_moe_prefill` runs every selected expert of the layer in a few
