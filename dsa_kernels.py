@@ -138,6 +138,14 @@ def dsa_decode_inputs(q_a: torch.Tensor, kv_a: torch.Tensor, wk: torch.Tensor, g
 
 
 @triton.jit
+def _pooled_keys(pool_ptr, table_ptr, p, ppb, mask, DI: tl.constexpr):
+    # The pooled keys of pools p [BP] through a block table of ppb pools a block: [BP, DI], 0 off mask.
+    blk = tl.load(table_ptr + p // ppb, mask=mask, other=0)
+    d = tl.arange(0, DI)
+    return tl.load(pool_ptr + (blk * ppb + p % ppb)[:, None] * DI + d[None, :], mask=mask[:, None], other=0.0)
+
+
+@triton.jit
 def _dsa_scores_kernel(q_ptr, q_stride, w_ptr, pool_ptr, tables_ptr, t_stride, pos_ptr, out_ptr, P, ppb,
                        q_scale, w_scale, HI: tl.constexpr, DI: tl.constexpr, KPOOL: tl.constexpr,
                        BP: tl.constexpr, TC: tl.constexpr):
@@ -147,8 +155,7 @@ def _dsa_scores_kernel(q_ptr, q_stride, w_ptr, pool_ptr, tables_ptr, t_stride, p
     h = tl.arange(0, HI)
     d = tl.arange(0, DI)
     q = tl.load(q_ptr + b * q_stride + h[:, None] * DI + d[None, :])
-    blk = tl.load(tables_ptr + b * t_stride + p // ppb, mask=candidate, other=0)
-    keys = tl.load(pool_ptr + (blk * ppb + p % ppb)[:, None] * DI + d[None, :], mask=candidate[:, None], other=0.0)
+    keys = _pooled_keys(pool_ptr, tables_ptr + b * t_stride, p, ppb, candidate, DI)
     dots = _dot_f32(q, tl.trans(keys), TC) / q_scale
     w = tl.load(w_ptr + b * HI + h) / w_scale
     score = tl.sum(w[:, None] * tl.maximum(dots, 0.0), axis=0)
@@ -412,8 +419,7 @@ def _dsa_prefill_scores_kernel(q_ptr, q_stride, w_ptr, pool_ptr, table_ptr, out_
         d = tl.arange(0, DI)
         q = tl.load(q_ptr + r[:, None] * q_stride + (m % HI)[:, None] * DI + d[None, :], mask=(r < n)[:, None],
                     other=0.0)
-        blk = tl.load(table_ptr + p // ppb, mask=p < P, other=0)
-        keys = tl.load(pool_ptr + (blk * ppb + p % ppb)[:, None] * DI + d[None, :], mask=(p < P)[:, None], other=0.0)
+        keys = _pooled_keys(pool_ptr, table_ptr, p, ppb, p < P, DI)
         dots = _dot_f32(q, tl.trans(keys), TC) / q_scale
         w = tl.load(w_ptr + r * HI + m % HI, mask=r < n, other=0.0) / w_scale
         summed = tl.sum(tl.reshape(w[:, None] * tl.maximum(dots, 0.0), [BR, HI, BP]), axis=1)

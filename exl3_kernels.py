@@ -986,13 +986,20 @@ def _prefill_swiglu(gu: torch.Tensor, inv: torch.Tensor, order: torch.Tensor, id
     return out, out_inv
 
 
+SORT_MAX_EXPERTS = 32767
+
+
 def _prefill_tiles(ids: torch.Tensor, experts: int,
                    block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # The pairs sorted by expert (stable: order), each pair's place in that order (rank), and the tile
     # table [cdiv(P, BM) + E, 3] int32 of (expert, first sorted pair, rows), rows 0 past the last real
     # tile; all on the device.
+    if experts > SORT_MAX_EXPERTS:
+        raise ValueError(f"the MoE prefill sorts expert ids as int16: at most {SORT_MAX_EXPERTS} experts, got {experts}")
     P = ids.numel()
-    order = torch.argsort(ids, stable=True)
+    # torch's CUDA radix sort takes a pass per digit of the key's width: int16 keys take a quarter of
+    # int64's passes (an 8K prefill sorts 420 times: 2.5 ms at int64, H200)
+    order = torch.argsort(ids.to(torch.int16), stable=True)
     rank = torch.empty_like(order).scatter_(0, order, torch.arange(P, device=ids.device))
     counts = torch.zeros(experts, dtype=torch.int64, device=ids.device).scatter_add_(0, ids, torch.ones_like(ids))
     per_expert = (counts + block_m - 1) // block_m

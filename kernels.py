@@ -408,18 +408,33 @@ def _bf16_fp32_linear_kernel(x_ptr, w_ptr, y_ptr, m, n, k, BM: tl.constexpr, BN:
              mask=(rows[:, None] < m) & (cols[None, :] < n))
 
 
-def bf16_fp32_linear(x: torch.Tensor, w: torch.Tensor, *, block_m: int = 64, block_n: int = 32,
-                     block_k: int = 64, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+def _linear_tiles(m: int, n: int) -> tuple[int, int, int]:
+    """(block_m, block_n, block_k) of `bf16_fp32_linear` for y [m, n]. H200, k 4096 (`.whl/s27_lin_sweep.py`,
+    session 27 run 5, against the former fixed (64, 32, 64)): 32 outputs (the indexer's head weights) take
+    128 of k a step, 1.14-1.32x at 2048-8192 rows; from 4096 rows the router's 288 outputs take 128 x 64
+    tiles, 1.23x at 8192 rows (at 2048 rows (64, 32, 64) was still the best)."""
+    if n <= 32:
+        return 64, 32, 128
+    if m >= 4096:
+        return 128, 64, 64
+    return 64, 32, 64
+
+
+def bf16_fp32_linear(x: torch.Tensor, w: torch.Tensor, *, block_m: int | None = None, block_n: int | None = None,
+                     block_k: int | None = None, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
     """y = x.float() @ w.T, fp32 [m, n], for x bf16 [m, k] and w fp32 [n, k], on bf16 tensor cores.
 
     Twin: that torch expression (fp32 FMA); the two differ only in how the fp32 sums are ordered and
     rounded (see the section comment).
-    block_m / block_n / block_k (powers of two >= 16), num_warps and num_stages are launch tuning.
+    block_m / block_n / block_k (powers of two >= 16), num_warps and num_stages are launch tuning; a
+    block left None is `_linear_tiles`' choice for the shape.
     """
     if x.dim() != 2 or x.dtype != torch.bfloat16:
         raise ValueError(f"x must be bf16 [m, k], got {x.dtype} {tuple(x.shape)}")
     if w.dim() != 2 or w.dtype != torch.float32 or w.shape[1] != x.shape[1]:
         raise ValueError(f"w must be fp32 [n, {x.shape[1]}] for x {tuple(x.shape)}, got {w.dtype} {tuple(w.shape)}")
+    tiles = _linear_tiles(x.shape[0], w.shape[0])
+    block_m, block_n, block_k = (chosen if given is None else given for given, chosen in zip((block_m, block_n, block_k), tiles))
     for name, size in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
         _check_pow2(name, size)
     (m, k), n = x.shape, w.shape[0]
@@ -830,6 +845,10 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
 
 ROUTE_BLOCK_E = 16
 ROUTE_BLOCK_K = 512
+# `_route_topk_kernel` at one warp: its top-k is a serial chain of max reductions over EP values, which
+# across 4 warps meet in shared memory at every step (sm_90 code for EP 512, top-8: 2064 instructions a
+# row and no barrier at 1 warp, against 4096 and 28 barriers at 4)
+ROUTE_PICK_WARPS = 1
 
 
 @dataclass
@@ -931,7 +950,8 @@ def route_pick(scores: RouterScores) -> tuple[torch.Tensor, torch.Tensor]:
     dev = scores.part.device
     ids = torch.empty(B, scores.top_k, dtype=torch.int32, device=dev)
     weights = torch.empty(B, scores.top_k, dtype=torch.float32, device=dev)
-    _route_topk_kernel[(B,)](scores.part, scores.bias, ids, weights, E, S, scores.scaling, **scores.pick_constants())
+    _route_topk_kernel[(B,)](scores.part, scores.bias, ids, weights, E, S, scores.scaling, **scores.pick_constants(),
+                             num_warps=ROUTE_PICK_WARPS)
     return ids, weights
 
 

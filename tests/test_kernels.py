@@ -601,6 +601,20 @@ def test_moe_prefill_equals_moe_decode():
     assert err <= PREFILL_MOE_REL, f"relative error {err:.2e} against exl3_moe_decode"
 
 
+def test_moe_prefill_tiles_sort_ids_of_many_experts():
+    """The pairs' order (sorted by expert, stable) at the model's 288 experts, whose ids pass int8's range:
+    the int16 sort key must give int64's order (an int8 key, tried below, wraps ids >= 128 and fails)."""
+    E = 288
+    ids = torch.randint(0, E, (257 * 8,), generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    order, rank, tiles = exl3_kernels._prefill_tiles(ids, E, 32)
+    expected = torch.argsort(ids, stable=True)
+    assert torch.equal(order.long(), expected)
+    assert torch.equal(order.long()[rank.long()], torch.arange(ids.numel(), device=DEVICE))
+    assert not torch.equal(torch.argsort(ids.to(torch.int8), stable=True), expected)
+    with pytest.raises(ValueError, match="at most 32767 experts, got 32768"):
+        exl3_kernels._prefill_tiles(ids, 32768, 32)
+
+
 @pytest.mark.parametrize("D", [256, 384])
 def test_moe_prefill_rotation_matches_its_fp64_twin(D):
     """_prefill_rotate: per sorted pair s of (token, expert e), xs[p, s] = fp16((x ⊙ suh_p[e]) · H128 / sqrt(128)
@@ -677,20 +691,26 @@ def test_moe_prefill_bad_input_is_named():
 
 # ---------------------------------------------------------------- bf16 rows x fp32 weight, fp32-accurate
 
-@pytest.mark.parametrize("signs", ["mixed", "positive"])
-def test_bf16_fp32_linear_has_fp32_accuracy(signs):
+@pytest.mark.parametrize("signs,m,n,blocks", [
+    ("mixed", 70, 40, (32, 32, 64)), ("positive", 70, 40, (32, 32, 64)),
+    ("positive", 70, 32, (None, None, None)),  # the indexer's 32 outputs: 128 of k a step
+    ("mixed", 4100, 40, (None, None, None)),  # the router's rows: 128 x 64 tiles, one row past a block
+])
+def test_bf16_fp32_linear_has_fp32_accuracy(signs, m, n, blocks):
     """Against the fp64 product, relative to Σ|x||w| per output: on CPU the fp32 twin's error level
     (<= 4e-7 here). The weights use all 24 significand bits; dropping the split's last bf16 part (w3)
     costs >= 2e-6, which that tolerance catches (checked below on the same data). On a GPU the tensor
     cores add the products in fp32 truncating the aligned addends: 2.8e-6 measured on the H200 with
     positive data (errors of one sign), so there the bound is 5e-6 (dropping w2 costs 1.5e-3)."""
     g = torch.Generator().manual_seed(11)
-    m, n, k = 70, 40, 200  # ragged against every block size
+    k = 200  # ragged against every block size
     x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g) * torch.exp2(torch.randn(n, 1, generator=g))
     if signs == "positive":  # dropped bits then add up instead of cancelling
         x, w = x.abs(), w.abs()
     x = x.bfloat16()
-    y = kernels.bf16_fp32_linear(x.to(DEVICE), w.to(DEVICE), block_m=32, block_n=32, block_k=64)
+    block_m, block_n, block_k = blocks
+    assert blocks[0] is not None or kernels._linear_tiles(m, n) == ((64, 32, 128) if n <= 32 else (128, 64, 64))
+    y = kernels.bf16_fp32_linear(x.to(DEVICE), w.to(DEVICE), block_m=block_m, block_n=block_n, block_k=block_k)
     assert y.shape == (m, n) and y.dtype == torch.float32
     exact = x.double() @ w.double().T
     scale = x.double().abs() @ w.double().abs().T
