@@ -998,7 +998,7 @@ def _prefill_tiles(ids: torch.Tensor, experts: int,
         raise ValueError(f"the MoE prefill sorts expert ids as int16: at most {SORT_MAX_EXPERTS} experts, got {experts}")
     P = ids.numel()
     # torch's CUDA radix sort takes a pass per digit of the key's width: int16 keys take a quarter of
-    # int64's passes (an 8K prefill sorts 420 times: 2.5 ms at int64, H200)
+    # int64's passes (H200, an 8K prefill's 42 sorts: 84 instead of 336 onesweep launches, 0.67 vs 2.11 ms)
     order = torch.argsort(ids.to(torch.int16), stable=True)
     rank = torch.empty_like(order).scatter_(0, order, torch.arange(P, device=ids.device))
     counts = torch.zeros(experts, dtype=torch.int64, device=ids.device).scatter_add_(0, ids, torch.ones_like(ids))
