@@ -8,7 +8,8 @@ stacked experts that `fastdecode.FastDecoder` prepared; model_glm.forward is thi
 - KDA (§4.3): the short conv, norms, gate and β in one launch (`kda_kernels.kda_chunk_inputs`), then the
   chunked WY form in `kda_kernels.kda_chunk_prefill` (three launches for the whole chunk) instead of a
   Python loop of torch ops per 64 tokens;
-- DSA (§4.4): `dsa_kernels.dsa_prefill_index_scores` (each pooled key read once for 4 of the chunk's rows), then
+- DSA (§4.4): the RMSNorms of q_a and kv_a in one launch each (`kernels.rms_norm`);
+  `dsa_kernels.dsa_prefill_index_scores` (each pooled key read once for 4 of the chunk's rows), then
   `dsa_kernels.dsa_prefill_attention` (one program per query row and 32 heads, fp16 products), so each
   query reads its 2051 selected positions instead of a mask over the whole context;
 - routed experts (§4.5): `exl3_kernels.exl3_moe_prefill` runs every selected expert of the layer in a few
@@ -186,17 +187,20 @@ class FastPrefill:
         cfg, cache, a = self.cfg, self.cache, layer.attn
         eps, n = cfg.rms_norm_eps, x.shape[0]
         q_a, kv_a, wk, gamma = layer.proj(x)
-        q, q_idx = layer.proj2[0](rms_norm(q_a, a["q_norm"], eps))
+        q, q_idx = layer.proj2[0](kernels.rms_norm(q_a, a["q_norm"], eps))
         k_idx = F.layer_norm(wk, (cfg.index_head_dim,), a["k_norm_w"], a["k_norm_b"], eps=1e-6)
-        write_dsa_rows(cache, layer.row, c, rms_norm(kv_a, a["kv_norm"], eps), k_idx, gamma, a["ape"], cfg.index_kpool)
-        width = -(-(c.start + n) // cache.block_size)
-        table = c.block_table[:width].to(x.device)
+        write_dsa_rows(cache, layer.row, c, kernels.rms_norm(kv_a, a["kv_norm"], eps), k_idx, gamma, a["ape"],
+                       cfg.index_kpool)
+        table = c.block_table[:-(-(c.start + n) // cache.block_size)].to(x.device)
         out = torch.empty(n, cfg.num_attention_heads, cfg.v_head_dim, dtype=x.dtype, device=x.device)
         for r0 in range(0, n, self.DSA_ROWS):
             r1 = min(r0 + self.DSA_ROWS, n)
+            # each piece's table reaches only its last row's block: the indexer then scores (and top-k
+            # sorts) no pool past the piece, and a piece with no more pools than the top-k needs no indexer
+            width = -(-(c.start + r1) // cache.block_size)
             positions = torch.arange(c.start + r0, c.start + r1, device=x.device)
             self.decoder.sparse_attention(layer, x[r0:r1], q[r0:r1], q_idx[r0:r1], positions,
-                                          table.expand(r1 - r0, width), out[r0:r1], chunk_start=c.start + r0)
+                                          table[:width].expand(r1 - r0, width), out[r0:r1], chunk_start=c.start + r0)
         return linear(out.flatten(1), layer.o_proj)
 
     # -- §4.5 routed experts ------------------------------------------------------------------------

@@ -833,6 +833,42 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     return out
 
 
+# ================================================================ RMSNorm of rows (§4.4's q_a and kv_a)
+# model_glm.rms_norm for a prefill chunk's rows (the DSA layers' q_a and kv_a): one read and one write
+# of the rows, where the twin's torch ops take seven launches and an fp32 copy (H200, an 8K prefill: ~2.6 ms
+# in its 22 calls). A program holds RB whole rows; the sum of squares follows the block's layout, not
+# torch's order, so the scale can differ from the twin's in its last bit.
+
+RMS_NORM_ELEMENTS = 2048  # elements a program holds (whole rows, at least one)
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, x_stride, w_ptr, out_ptr, B, N, eps, RB: tl.constexpr, NP: tl.constexpr):
+    rows = tl.program_id(0) * RB + tl.arange(0, RB)[:, None]
+    cols = tl.arange(0, NP)[None, :]
+    inside = (rows < B) & (cols < N)
+    x = tl.load(x_ptr + rows.to(tl.int64) * x_stride + cols, mask=inside, other=0.0).to(tl.float32)
+    rs = 1.0 / tl.sqrt(tl.sum(x * x, axis=1)[:, None] / N + eps)
+    y = _cast(x * rs, x_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+    tl.store(out_ptr + rows.to(tl.int64) * N + cols, _cast(w * y, out_ptr.dtype.element_ty), mask=inside)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """model_glm.rms_norm in one launch for rows x [B, N] (they may be strided: a slice of a fused
+    projection's output) and weight [N]: [B, N] contiguous, in the dtype torch's product gives."""
+    B, N = x.shape
+    _rows(x, "rms_norm: x", B, N)
+    if tuple(weight.shape) != (N,):
+        raise ValueError(f"rms_norm: weight must be ({N},), got {tuple(weight.shape)}")
+    out = torch.empty(B, N, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    if B:
+        NP = triton.next_power_of_2(N)
+        rb = max(1, RMS_NORM_ELEMENTS // NP)
+        _rms_norm_kernel[(triton.cdiv(B, rb),)](x, x.stride(0), weight.contiguous(), out, B, N, eps, RB=rb, NP=NP)
+    return out
+
+
 # ================================================================ decode-step kernels: routing (§4.5)
 # moe_route in two launches. `_route_logits_kernel`: the fp32 router GEMV split over blocks of
 # experts and of D, so that at full size (288 x 4096, 4.7 MB) ~150 programs stream gate_w at once;

@@ -242,6 +242,27 @@ def test_swiglu_matches_model_glm(dtype):
     with pytest.raises(ValueError, match="gate and up must share a dtype"):
         kernels.swiglu(gate, up.double(), limit)
 
+@pytest.mark.parametrize("dtype,w_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                           (torch.bfloat16, torch.float32)])
+@pytest.mark.parametrize("B,N", [(5, 96), (3, 1536)])  # several rows a program; one row past 1024 columns
+def test_rms_norm_matches_model_glm(dtype, w_dtype, B, N):
+    g = torch.Generator().manual_seed(4)
+    fused = (3 * torch.randn(B, N + 40, generator=g)).to(dtype).to(DEVICE)  # strided rows, as a fused GEMM gives
+    x = fused[:, 7:7 + N]
+    weight = (1 + torch.randn(N, generator=g) / 4).to(w_dtype).to(DEVICE)
+    got = kernels.rms_norm(x, weight, 1e-5)
+    want = rms_norm(x, weight, 1e-5)
+    assert got.dtype == want.dtype and got.shape == (B, N) and got.is_contiguous()
+    # the same roundings (the normalized row in x's dtype, then the product); the sum of squares in
+    # another order can move the scale's last bit, so a 16-bit value may now and then be one ulp off
+    tol = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=8e-3, atol=1e-3)
+    torch.testing.assert_close(got, want, **tol)
+    if dtype != torch.float32:
+        assert float((got != want).float().mean()) <= 0.01
+    with pytest.raises(ValueError, match=rf"rms_norm: weight must be \({N},\), got \({N + 1},\)"):
+        kernels.rms_norm(x, torch.ones(N + 1, device=DEVICE), 1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n", [1, 2, 21])  # fewer chunk rows than the history, and more than a program's 16
 def test_kda_chunk_inputs_match_model_glm(dtype, n):

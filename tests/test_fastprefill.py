@@ -95,6 +95,22 @@ def test_prefill_matches_forward_in_bf16():
     _same_caches(caches, tight=False)
 
 
+def test_prefill_in_pieces_of_dsa_rows_matches_forward(monkeypatch):
+    """fp32. A 30-row chunk in DSA pieces of 8 rows: the first two pieces' tables hold no more pools than
+    the top-k (no indexer), the last two's more (the indexer over the pools up to each piece's end)."""
+    model = _two_layers(torch.float32)
+    caches, fast = _both(model)
+    monkeypatch.setattr(fast, "DSA_ROWS", 8)
+    calls = []
+    scores = fastdecode.dsa_kernels.dsa_prefill_index_scores
+    monkeypatch.setattr(fastdecode.dsa_kernels, "dsa_prefill_index_scores",
+                        lambda *a, **k: calls.append(a[3].shape[0]) or scores(*a, **k))
+    worst, kl = _steps(model, caches, fast, _chunks(model, [[30, 3]]))
+    assert worst < (1e-3 if EXACT else 1e-2) and kl < (1e-7 if EXACT else 1e-6), (worst, kl)
+    _same_caches(caches, tight=EXACT)
+    assert calls == [2, 2, 3] * len(model.config.dsa_layers), calls  # the table widths of the pieces that score
+
+
 def test_prefill_with_exl3_experts_runs_the_moe_kernels(monkeypatch):
     """A step of up to MOE_DECODE_ROWS rows takes the decode kernel, a longer one the grouped GEMMs."""
     model = _two_layers(torch.float32, experts="exl3")
