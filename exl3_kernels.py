@@ -521,6 +521,11 @@ def exl3_gemv(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: to
 # linear's output to the activation dtype.
 
 
+# one warp a program: every program also picks its token's experts (kernels._route_pick, a serial chain of
+# max reductions that across 4 warps meets in shared memory at each step; see kernels.ROUTE_PICK_WARPS)
+MOE_ROTATE_WARPS = 1
+
+
 @triton.jit
 def _moe_rotate_kernel(x_ptr, ids_ptr, route_ptr, part_ptr, bias_ptr, E, S, scaling, suh_gate_ptr, suh_up_ptr, xh_ptr,
                        k, top_k, pairs, ROUTED: tl.constexpr, NORM: tl.constexpr, TOPK: tl.constexpr,
@@ -746,7 +751,8 @@ def _moe_decode(x: torch.Tensor, ids: torch.Tensor, route: torch.Tensor, top_k: 
     else:
         pick = (scores.part, scores.bias, E, scores.part.shape[1], scores.scaling)
         constants = dict(ROUTED=True, **scores.pick_constants())
-    _moe_rotate_kernel[(D // 128, P)](x, ids, route, *pick, gate[1], up[1], xh, D, top_k, P, **constants)
+    _moe_rotate_kernel[(D // 128, P)](x, ids, route, *pick, gate[1], up[1], xh, D, top_k, P, **constants,
+                                      num_warps=MOE_ROTATE_WARPS)
 
     act_h = torch.empty((P, I), dtype=torch.float32, device=dev)
     steps = D // 16 // row_tiles
