@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import RouterScores, _check_block_n, _out_buffer, _pow2_scale, _route_pick, _sm_count
+from kernels import ROUTE_MANY_ROWS, RouterScores, _check_block_n, _out_buffer, _pow2_scale, _route_pick, _sm_count
 
 CODEBOOKS = ("3inst", "mcg", "mul1")
 
@@ -521,9 +521,11 @@ def exl3_gemv(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: to
 # linear's output to the activation dtype.
 
 
-# one warp a program: every program also picks its token's experts (kernels._route_pick, a serial chain of
-# max reductions that across 4 warps meets in shared memory at each step; see kernels.ROUTE_PICK_WARPS)
-MOE_ROTATE_WARPS = 1
+# warps a program by rows (fewer than kernels.ROUTE_MANY_ROWS or not): every program also picks its token's
+# experts (kernels._route_pick, a serial chain of max reductions that across 4 warps meets in shared memory
+# at each step). H200, whole decode steps at one warp (the router's launch as chosen): 1.005x at B 4, 1.009x at
+# B 16 (the rotation 7.5 against 10.3 us a call at B 4, eager), but 0.973-0.983x at B 1
+MOE_ROTATE_WARPS = {False: 4, True: 1}
 
 
 @triton.jit
@@ -752,7 +754,7 @@ def _moe_decode(x: torch.Tensor, ids: torch.Tensor, route: torch.Tensor, top_k: 
         pick = (scores.part, scores.bias, E, scores.part.shape[1], scores.scaling)
         constants = dict(ROUTED=True, **scores.pick_constants())
     _moe_rotate_kernel[(D // 128, P)](x, ids, route, *pick, gate[1], up[1], xh, D, top_k, P, **constants,
-                                      num_warps=MOE_ROTATE_WARPS)
+                                      num_warps=MOE_ROTATE_WARPS[m >= ROUTE_MANY_ROWS])
 
     act_h = torch.empty((P, I), dtype=torch.float32, device=dev)
     steps = D // 16 // row_tiles

@@ -871,7 +871,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 # ================================================================ decode-step kernels: routing (§4.5)
 # moe_route in two launches. `_route_logits_kernel`: the fp32 router GEMV split over blocks of
-# experts and of D, so that at full size (288 x 4096, 4.7 MB) 288 programs stream gate_w at once;
+# experts and of D, so that at full size (288 x 4096, 4.7 MB) 72-288 programs stream gate_w at once;
 # each holds its gate_w block in registers for every row of h. `_route_topk_kernel`: one program
 # per row runs `_route_pick`, which adds the partial sums in a fixed order, applies the sigmoid and
 # takes the top-k of s + bias by k rounds of one max over packed (choice, expert) keys (ties to the
@@ -879,12 +879,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 # as a separate tensor, and there is no torch op in between. exl3_kernels.exl3_moe_decode_routed
 # runs `_route_pick` in its first launch instead of a launch of its own.
 
-# the router GEMV's launch: 4 experts x 256 of D a program at one warp (H200, CUDA graph, 288 x 4096: 2.06 /
-# 3.51 / 8.15 us at B 1 / 4 / 16, against 2.91 / 5.89 / 17.87 at 16 x 512 and 4 warps; the best of 64 settings
-# at each B): 288 programs stream gate_w at once instead of 144
-ROUTE_BLOCK_E = 4
-ROUTE_BLOCK_K = 256
-ROUTE_LOGITS_WARPS = 1
+ROUTE_BLOCK_K = 512
+# the router GEMV's launch (experts a program, warps): from ROUTE_MANY_ROWS rows 4 experts at one warp, so that
+# 288 programs stream gate_w at once instead of 72 (H200, 288 x 4096 in a CUDA graph: 3.58 / 8.42 us at B 4 /
+# 16 against 5.89 / 17.87; whole decode steps 1.005-1.008x). At B 1 the GEMV alone is faster too (2.43 against
+# 2.91 us), but whole steps ran 0.992-0.994x (two runs, noise-level): unchanged there.
+ROUTE_MANY_ROWS = 4
+ROUTE_LAUNCH = {False: (16, 4), True: (4, 1)}
 # `_route_topk_kernel` at one warp: its top-k is a serial chain of max reductions over EP values, which
 # across 4 warps meet in shared memory at every step (sm_90 code for EP 512, top-8: 2064 instructions a
 # row and no barrier at 1 warp, against 4096 and 28 barriers at 4). H200, 8192 rows: 66 against 83 us;
@@ -980,9 +981,9 @@ def router_scores(h: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, top
     _rows(h, "moe_route: h", B, D)
     S = triton.cdiv(D, ROUTE_BLOCK_K)
     part = torch.empty(B, S, E, dtype=torch.float32, device=h.device)
-    _route_logits_kernel[(triton.cdiv(E, ROUTE_BLOCK_E), S)](h, h.stride(0), gate_w, part, B, E, D,
-                                                             BE=ROUTE_BLOCK_E, BK=ROUTE_BLOCK_K,
-                                                             num_warps=ROUTE_LOGITS_WARPS)
+    be, warps = ROUTE_LAUNCH[B >= ROUTE_MANY_ROWS]
+    _route_logits_kernel[(triton.cdiv(E, be), S)](h, h.stride(0), gate_w, part, B, E, D, BE=be, BK=ROUTE_BLOCK_K,
+                                                  num_warps=warps)
     return RouterScores(part, bias.float().contiguous(), top_k, norm_topk_prob, float(scaling))
 
 
