@@ -242,6 +242,7 @@ def test_swiglu_matches_model_glm(dtype):
     with pytest.raises(ValueError, match="gate and up must share a dtype"):
         kernels.swiglu(gate, up.double(), limit)
 
+
 @pytest.mark.parametrize("dtype,w_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                                            (torch.bfloat16, torch.float32)])
 @pytest.mark.parametrize("B,N", [(5, 96), (3, 1536)])  # several rows a program; one row past 1024 columns
