@@ -872,7 +872,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 # ================================================================ decode-step kernels: routing (§4.5)
 # moe_route in two launches. `_route_logits_kernel`: the fp32 router GEMV split over blocks of
-# experts and of D, so that at full size (288 x 4096, 4.7 MB) 72-288 programs stream gate_w at once;
+# experts and of D, so that at full size (288 x 4096, 4.7 MB) 144-576 programs stream gate_w at once;
 # each holds its gate_w block in registers for every row of h. `_route_topk_kernel`: one program
 # per row runs `_route_pick`, which adds the partial sums in a fixed order, applies the sigmoid and
 # takes the top-k of s + bias by k rounds of one max over packed (choice, expert) keys (ties to the
@@ -882,7 +882,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 ROUTE_BLOCK_K = 512
 # the router GEMV's launch (experts a program, warps): from ROUTE_MANY_ROWS rows 4 experts at one warp, so that
-# 288 programs stream gate_w at once instead of 72 (H200, 288 x 4096 in a CUDA graph: 3.58 / 8.42 us at B 4 /
+# 576 programs stream gate_w at once instead of 144 (H200, 288 x 4096 in a CUDA graph: 3.58 / 8.42 us at B 4 /
 # 16 against 5.89 / 17.87; whole decode steps 1.005-1.008x). At B 1 the GEMV alone is faster too (2.43 against
 # 2.91 us), but whole steps ran 0.992-0.994x (two runs, noise-level): unchanged there.
 ROUTE_MANY_ROWS = 4
