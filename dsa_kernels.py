@@ -16,7 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import _cast, _check_pow2, _dot_bf16, _dot_f32, _dot_pair, _dot_tf32x3, _pow2_scale, _rows, _split
+from kernels import (_cast, _check_pow2, _dot_bf16, _dot_f32, _dot_pair, _dot_tf32x3, _pow2_scale, _rms_scaled, _rows,
+                     _split)
 
 # ================================================================ decode-step kernels: DSA (§4.4)
 # One token per sequence against a paged cache: row tensors latent [blocks, bs, R], index_k / gate
@@ -43,9 +44,9 @@ def _rms_norm_row(x_ptr, w_ptr, eps, N: tl.constexpr, NP: tl.constexpr, OUT_DT: 
     # model_glm.rms_norm of one row of N, with its roundings (to x's dtype, then to OUT_DT), as fp32.
     i = tl.arange(0, NP)
     x = tl.load(x_ptr + i, mask=i < N, other=0.0).to(tl.float32)
-    normed = _cast(x * (1.0 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps)), x_ptr.dtype.element_ty)
     w = tl.load(w_ptr + i, mask=i < N, other=0.0).to(tl.float32)
-    return _cast(w * normed.to(tl.float32), OUT_DT).to(tl.float32)
+    rs = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps)
+    return _rms_scaled(x, rs, w, x_ptr.dtype.element_ty, OUT_DT).to(tl.float32)
 
 
 @triton.jit
@@ -444,6 +445,58 @@ def dsa_prefill_index_scores(q_idx: torch.Tensor, w_idx: torch.Tensor, pooled: t
     _dsa_prefill_scores_kernel[grid](q_idx, q_idx.stride(0), w_idx.float().contiguous(), pooled, table, out, n, start,
                                      P, ppb, d ** 0.5, Hi ** 0.5, HI=Hi, DI=d, KPOOL=kpool, BR=DSA_PREFILL_SCORE_ROWS,
                                      BP=DSA_PREFILL_SCORE_BLOCK, TC=q_idx.is_cuda)
+    return out
+
+
+
+# `top_pools`: the indexer's top-k of a chunk's rows, for the prefill (torch.topk stays in decode, where
+# a step has few rows). One program a row held in registers, TOP_POOLS_KEYS keys a thread: each score
+# becomes an int32 key whose signed order is the floats' (negative floats flip their 31 low bits); the
+# k-th largest key T is found bit by bit (32 count passes: T grows while at least k keys are >= it),
+# then the row takes every key > T and the first k - #(> T) keys equal to T (ties to the lower pools,
+# as model_glm.select_tokens' stable sort), stored in pool order. 16 keys a thread keep the row and its
+# sums in 50-111 registers (sm_90, triton 3.6, 512-8192 keys); 32 took up to 238, 64 spilled. Rows of up to
+# TOP_POOLS_MAX pools (32K-token contexts): longer ones would be read from memory in each pass, and
+# fastdecode leaves them to torch.topk. Twin: torch.sort(stable) of select_tokens (tests/test_fastdecode.py).
+TOP_POOLS_MAX = 8192
+TOP_POOLS_KEYS = 16
+
+
+@triton.jit
+def _top_pools_kernel(score_ptr, out_ptr, P, k, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    j = tl.arange(0, BLOCK)
+    # -inf (a pool not complete at the row) is a real score; past the row lies INT_MIN, below every
+    # float's key but NaN's, so no pick comes from there as long as k <= P. -0.0 ties with 0.0.
+    x = tl.load(score_ptr + row * P + j, mask=j < P, other=0.0)
+    b = x.to(tl.int32, bitcast=True)
+    key = tl.where(j < P, tl.where(x == 0.0, 0, b ^ ((b >> 31) & 0x7FFFFFFF)), -2147483648)
+    t = tl.full((), -2147483648, tl.int32)
+    for bit in tl.static_range(31, -1, -1):
+        # in unsigned order (key ^ INT_MIN) the candidate is t | 2^bit; for the sign bit that is key 0
+        c = t | (1 << bit) if bit < 31 else tl.full((), 0, tl.int32)
+        t = tl.where(tl.sum((key >= c).to(tl.int32), axis=0) >= k, c, t)
+    ties = k - tl.sum((key > t).to(tl.int32), axis=0)
+    eq = (key == t).to(tl.int32)
+    pick = (key > t) | ((eq != 0) & (tl.cumsum(eq, axis=0) <= ties))
+    tl.store(out_ptr + row * k + tl.cumsum(pick.to(tl.int32), axis=0) - 1, j, mask=pick)
+
+
+def top_pools(score: torch.Tensor, k: int) -> torch.Tensor:
+    """The k largest of each row of score [n, P] fp32 (contiguous, P <= TOP_POOLS_MAX), as int32 pool
+    indices [n, k] in pool order; ties go to the lower pools. torch.topk's picks in one launch that
+    also fixes the ties."""
+    if score.dim() != 2 or score.dtype != torch.float32 or not score.is_contiguous():
+        raise ValueError(f"top_pools: score must be contiguous fp32 [n, P], got {score.dtype} "
+                         f"{tuple(score.shape)} {score.stride()}")
+    n, P = score.shape
+    if P > TOP_POOLS_MAX:
+        raise ValueError(f"top_pools: rows of {P} pools exceed TOP_POOLS_MAX ({TOP_POOLS_MAX})")
+    if not 0 < k <= P:
+        raise ValueError(f"top_pools: k = {k} must be in 1..{P} (the pools of a row)")
+    out = torch.empty(n, k, dtype=torch.int32, device=score.device)
+    block = triton.next_power_of_2(P)
+    _top_pools_kernel[(n,)](score, out, P, k, BLOCK=block, num_warps=max(1, block // (32 * TOP_POOLS_KEYS)))
     return out
 
 

@@ -80,6 +80,13 @@ def _cast(x, DT: tl.constexpr):
         return x.to(DT)
 
 
+@triton.jit
+def _rms_scaled(x, rs, w, X_DT: tl.constexpr, OUT_DT: tl.constexpr):
+    # model_glm.rms_norm's two roundings, from fp32 x, 1 / rms and weight w: x · rs to x's dtype X_DT,
+    # then its product with the weight to the output's OUT_DT.
+    return _cast(w * _cast(x * rs, X_DT).to(tl.float32), OUT_DT)
+
+
 # ================================================================ FP8 block-128: GEMV, dequantization
 # W [n, k] float8_e4m3fn, scale_inv [ceil(n/128), ceil(k/128)] fp32, W_real = W * scale_inv[i//128,
 # j//128]. y = x · W_real^T. Every e4m3 value and every bf16 / fp16 activation is exact in fp32 (and
@@ -610,9 +617,9 @@ def _hc_norm_kernel(u_ptr, usq_ptr, norm_ptr, out_ptr, D, NB, rms_eps, NBP: tl.c
     d = tl.program_id(1) * BD + tl.arange(0, BD)
     inside = d < D
     u = tl.load(u_ptr + b * D + d, mask=inside, other=0.0).to(tl.float32)
-    y = _cast(u * rs, u_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(norm_ptr + d, mask=inside, other=0.0).to(tl.float32)
-    tl.store(out_ptr + b * D + d, _cast(w * y, out_ptr.dtype.element_ty), mask=inside)
+    tl.store(out_ptr + b * D + d, _rms_scaled(u, rs, w, u_ptr.dtype.element_ty, out_ptr.dtype.element_ty),
+             mask=inside)
 
 
 @triton.jit
@@ -850,9 +857,9 @@ def _rms_norm_kernel(x_ptr, x_stride, w_ptr, out_ptr, B, N, eps, RB: tl.constexp
     inside = (rows < B) & (cols < N)
     x = tl.load(x_ptr + rows.to(tl.int64) * x_stride + cols, mask=inside, other=0.0).to(tl.float32)
     rs = 1.0 / tl.sqrt(tl.sum(x * x, axis=1)[:, None] / N + eps)
-    y = _cast(x * rs, x_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
-    tl.store(out_ptr + rows.to(tl.int64) * N + cols, _cast(w * y, out_ptr.dtype.element_ty), mask=inside)
+    y = _rms_scaled(x, rs, w, x_ptr.dtype.element_ty, out_ptr.dtype.element_ty)
+    tl.store(out_ptr + rows.to(tl.int64) * N + cols, y, mask=inside)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

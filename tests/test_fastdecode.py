@@ -606,6 +606,32 @@ def test_dsa_prefill_slots_kernel_writes_each_rows_selection_and_nothing_past_it
     assert (out[n * W:] == -7).all()
 
 
+
+def test_top_pools_picks_what_select_tokens_stable_sort_picks():
+    # rows of distinct scores, of many ties (scores on a grid of 0.5, with 0.0 and -0.0), and with
+    # -inf past a row's candidates (fewer candidates than k: the lowest -inf pools fill the picks);
+    # 300 pools: the block of 512 is ragged
+    g = torch.Generator().manual_seed(13)
+    n, P, k = 6, 300, 70
+    score = torch.randn(n, P, generator=g)
+    score[1:3] = (score[1:3] * 2).round() / 2
+    score[2] = -score[2].abs()
+    score[2, :50] = score[2, :50].abs() + 0.5
+    score[2, 50::2], score[2, 51::2] = -0.0, 0.0  # k - 50 picks among the zeros
+    score[3, 200:] = -float("inf")
+    score[4, 40:] = -float("inf")
+    want = torch.sort(score, dim=1, descending=True, stable=True).indices[:, :k].sort(dim=1).values
+    got = dsa_kernels.top_pools(score.to(DEVICE), k)
+    assert got.dtype == torch.int32 and torch.equal(got.cpu().long(), want)
+    assert torch.equal(dsa_kernels.top_pools(score[:, :k].contiguous().to(DEVICE), k).cpu().long(),
+                       torch.arange(k).expand(n, k))
+    long = torch.zeros(1, dsa_kernels.TOP_POOLS_MAX + 1)
+    for bad, k_bad, match in ((score.double(), k, "fp32"), (score.t(), k, "contiguous"), (score, P + 1, "1..300"),
+                              (long, k, "exceed TOP_POOLS_MAX")):
+        with pytest.raises(ValueError, match=match):
+            dsa_kernels.top_pools(bad.to(DEVICE), k_bad)
+
+
 def test_dsa_prefill_attention_names_bad_operands():
     latent = torch.zeros(4, 8, 32, device=DEVICE)
     table = torch.arange(2, device=DEVICE)
