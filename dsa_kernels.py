@@ -448,16 +448,16 @@ def dsa_prefill_index_scores(q_idx: torch.Tensor, w_idx: torch.Tensor, pooled: t
     return out
 
 
-
 # `top_pools`: the indexer's top-k of a chunk's rows, for the prefill (torch.topk stays in decode, where
 # a step has few rows). One program a row held in registers, TOP_POOLS_KEYS keys a thread: each score
 # becomes an int32 key whose signed order is the floats' (negative floats flip their 31 low bits); the
 # k-th largest key T is found bit by bit (32 count passes: T grows while at least k keys are >= it),
 # then the row takes every key > T and the first k - #(> T) keys equal to T (ties to the lower pools,
 # as model_glm.select_tokens' stable sort), stored in pool order. 16 keys a thread keep the row and its
-# sums in 50-111 registers (sm_90, triton 3.6, 512-8192 keys); 32 took up to 238, 64 spilled. Rows of up to
-# TOP_POOLS_MAX pools (32K-token contexts): longer ones would be read from memory in each pass, and
-# fastdecode leaves them to torch.topk. Twin: torch.sort(stable) of select_tokens (tests/test_fastdecode.py).
+# sums in 50-111 registers (sm_90, triton 3.6, 512-8192 keys); 32 took up to 238, 64 spilled. Rows of
+# up to TOP_POOLS_MAX pools (32K-token contexts): longer ones would be read from memory in each pass,
+# and fastdecode leaves them to torch.topk. Twin: torch.sort(stable) of select_tokens
+# (tests/test_fastdecode.py).
 TOP_POOLS_MAX = 8192
 TOP_POOLS_KEYS = 16
 

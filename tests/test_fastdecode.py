@@ -606,7 +606,6 @@ def test_dsa_prefill_slots_kernel_writes_each_rows_selection_and_nothing_past_it
     assert (out[n * W:] == -7).all()
 
 
-
 def test_top_pools_picks_what_select_tokens_stable_sort_picks():
     # rows of distinct scores, of many ties (scores on a grid of 0.5, with 0.0 and -0.0), and with
     # -inf past a row's candidates (fewer candidates than k: the lowest -inf pools fill the picks);
