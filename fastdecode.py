@@ -589,12 +589,13 @@ class FastDecoder:
             q_idx = q_idx.reshape(B, cfg.index_n_heads, cfg.index_head_dim)
             if chunk_start is None:
                 score = dsa_kernels.dsa_index_scores(q_idx, w_idx, cache.pooled[row], tables, positions, kpool)
-                top = torch.topk(score, n_top, dim=1, sorted=False).indices
             else:
                 score = dsa_kernels.dsa_prefill_index_scores(q_idx, w_idx, cache.pooled[row], tables[0], chunk_start,
                                                              kpool)
-                top = (dsa_kernels.top_pools(score, n_top) if score.shape[1] <= dsa_kernels.TOP_POOLS_MAX
-                       else torch.topk(score, n_top, dim=1, sorted=False).indices)
+            if chunk_start is not None and score.shape[1] <= dsa_kernels.TOP_POOLS_MAX:
+                top = dsa_kernels.top_pools(score, n_top)
+            else:
+                top = torch.topk(score, n_top, dim=1, sorted=False).indices
         # Absorbed NoPE MLA over the selected positions (model_glm.mla_attention).
         q_hat = dsa_kernels.head_matmul(q.reshape(B, H, dn), a["W_UK"])
         tail, scale = cfg.index_kpool_always_select_tail, math.sqrt(dn)
