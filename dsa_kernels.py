@@ -16,8 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import (_cast, _check_pow2, _dot_bf16, _dot_f32, _dot_pair, _dot_tf32x3, _pow2_scale, _rms_scaled, _rows,
-                     _split)
+from kernels import (_cast, _check_pow2, _dot_bf16, _dot_f32, _dot_pair, _dot_tf32x3, _pdl, _pdl_enter, _pow2_scale,
+                     _rms_scaled, _rows, _split)
 
 # ================================================================ decode-step kernels: DSA (§4.4)
 # One token per sequence against a paged cache: row tensors latent [blocks, bs, R], index_k / gate
@@ -54,6 +54,7 @@ def _dsa_inputs_kernel(qa_ptr, qa_stride, kv_ptr, kv_stride, wk_ptr, wk_stride, 
                        knw_ptr, knb_ptr, ape_ptr, qr_ptr, lat_ptr, ik_ptr, gate_ptr, pool_ptr, tables_ptr, t_stride,
                        pos_ptr, rms_eps, bs, Q: tl.constexpr, QP: tl.constexpr, R: tl.constexpr, DI: tl.constexpr,
                        KPOOL: tl.constexpr, C_DT: tl.constexpr):
+    _pdl_enter()
     b = tl.program_id(0)
     i = tl.arange(0, QP)
     q_r = _rms_norm_row(qa_ptr + b * qa_stride, qn_ptr, rms_eps, Q, QP, qr_ptr.dtype.element_ty)
@@ -134,7 +135,7 @@ def dsa_decode_inputs(q_a: torch.Tensor, kv_a: torch.Tensor, wk: torch.Tensor, g
                              q_norm, kv_norm, k_norm_w, k_norm_b, ape.float().contiguous(), q_r, latent, index_k,
                              gate, pooled, tables, tables.stride(0), positions, rms_eps, bs, Q=Q,
                              QP=triton.next_power_of_2(Q), R=R, DI=d, KPOOL=kpool,
-                             C_DT=_TL_DTYPES[torch.promote_types(kv_norm.dtype, kv_a.dtype)])
+                             C_DT=_TL_DTYPES[torch.promote_types(kv_norm.dtype, kv_a.dtype)], launch_pdl=_pdl())
     return q_r
 
 
@@ -150,6 +151,7 @@ def _pooled_keys(pool_ptr, table_ptr, p, ppb, mask, DI: tl.constexpr):
 def _dsa_scores_kernel(q_ptr, q_stride, w_ptr, pool_ptr, tables_ptr, t_stride, pos_ptr, out_ptr, P, ppb,
                        q_scale, w_scale, HI: tl.constexpr, DI: tl.constexpr, KPOOL: tl.constexpr,
                        BP: tl.constexpr, TC: tl.constexpr):
+    _pdl_enter()
     b = tl.program_id(0)
     p = tl.program_id(1) * BP + tl.arange(0, BP)
     candidate = p < (tl.load(pos_ptr + b) + 1) // KPOOL
@@ -189,7 +191,7 @@ def dsa_index_scores(q_idx: torch.Tensor, w_idx: torch.Tensor, pooled: torch.Ten
     out = torch.empty(B, P, dtype=torch.float32, device=q_idx.device)
     _dsa_scores_kernel[(B, triton.cdiv(P, DSA_SCORE_BLOCK))](
         q_idx, q_idx.stride(0), w_idx.float().contiguous(), pooled, tables, tables.stride(0), positions, out, P, ppb,
-        d ** 0.5, Hi ** 0.5, HI=Hi, DI=d, KPOOL=kpool, BP=DSA_SCORE_BLOCK, TC=q_idx.is_cuda)
+        d ** 0.5, Hi ** 0.5, HI=Hi, DI=d, KPOOL=kpool, BP=DSA_SCORE_BLOCK, TC=q_idx.is_cuda, launch_pdl=_pdl())
     return out
 
 
@@ -211,6 +213,7 @@ def _dsa_attn_kernel(q_ptr, q_sb, q_sh, lat_ptr, tables_ptr, t_stride, pos_ptr, 
                      m_ptr, l_ptr, acc_ptr, H, NT, steps, bs, scale,
                      R: tl.constexpr, KPOOL: tl.constexpr, TAIL: tl.constexpr, ALL: tl.constexpr,
                      BH: tl.constexpr, BW: tl.constexpr, TC: tl.constexpr):
+    _pdl_enter()
     b = tl.program_id(0)
     h = tl.program_id(1) * BH + tl.arange(0, BH)
     split = tl.program_id(2)
@@ -251,6 +254,7 @@ def _dsa_attn_kernel(q_ptr, q_sb, q_sh, lat_ptr, tables_ptr, t_stride, pos_ptr, 
 
 @triton.jit
 def _dsa_combine_kernel(m_ptr, l_ptr, acc_ptr, o_ptr, o_sb, o_sh, H, NS, R: tl.constexpr, SP: tl.constexpr):
+    _pdl_enter()
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, SP)
@@ -302,10 +306,10 @@ def dsa_sparse_attention(q_hat: torch.Tensor, latent: torch.Tensor, tables: torc
     _dsa_attn_kernel[(B, head_blocks, splits)](
         q_hat, q_hat.stride(0), q_hat.stride(1), latent, tables, tables.stride(0), positions, top, top.stride(0),
         m, l, acc, H, NT, steps, bs, scale, R=R, KPOOL=kpool, TAIL=bool(select_tail), ALL=every,
-        BH=DSA_ATTN_HEADS, BW=DSA_ATTN_BLOCK, TC=q_hat.is_cuda, num_warps=DSA_ATTN_WARPS)
+        BH=DSA_ATTN_HEADS, BW=DSA_ATTN_BLOCK, TC=q_hat.is_cuda, num_warps=DSA_ATTN_WARPS, launch_pdl=_pdl())
     o = torch.empty_like(q_hat)
     _dsa_combine_kernel[(B, H)](m, l, acc, o, o.stride(0), o.stride(1), H, splits, R=R,
-                                SP=triton.next_power_of_2(splits))
+                                SP=triton.next_power_of_2(splits), launch_pdl=_pdl())
     return o
 
 
@@ -335,6 +339,7 @@ HEAD_MM_BIG_ROWS = 256
 def _head_matmul_kernel(a_ptr, a_sb, a_sh, a_sk, w_ptr, w_sh, w_sk, w_sn, o_ptr, o_sb, o_sh, o_sn, B, K, N,
                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PIECES: tl.constexpr,
                         TC: tl.constexpr):
+    _pdl_enter()
     h = tl.program_id(0)
     rows = tl.program_id(1) * BM + tl.arange(0, BM)
     cols = tl.program_id(2) * BN + tl.arange(0, BN)
@@ -389,7 +394,7 @@ def head_matmul(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = Non
                                  if B >= HEAD_MM_BIG_ROWS and pieces else (64, 128, HEAD_MM_BLOCK_K, 4, 3))
     _head_matmul_kernel[(H, triton.cdiv(B, BM), triton.cdiv(N, BN))](
         a, *a.stride(), w, *w.stride(), out, *out.stride(), B, K, N, BM=BM, BN=BN, BK=BK, PIECES=pieces,
-        TC=a.is_cuda, num_warps=warps, num_stages=stages)
+        TC=a.is_cuda, num_warps=warps, num_stages=stages, launch_pdl=_pdl())
     return out
 
 
@@ -725,5 +730,5 @@ def dsa_prefill_attention(q_hat: torch.Tensor, latent: torch.Tensor, table: torc
         BK=DSA_PREFILL_BLOCK, ONE=one, num_warps=DSA_PREFILL_WARPS, num_stages=DSA_PREFILL_STAGES)
     if not one:
         _dsa_combine_kernel[(n, H)](m, l, acc, o, o.stride(0), o.stride(1), H, splits, R=R,
-                                    SP=triton.next_power_of_2(splits))
+                                    SP=triton.next_power_of_2(splits), launch_pdl=_pdl())
     return o

@@ -25,13 +25,13 @@ two small helpers from kernels.py (the result buffer and the block_n check the F
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels import ROUTE_MANY_ROWS, RouterScores, _check_block_n, _out_buffer, _pow2_scale, _route_pick, _sm_count
+from kernels import (_COMPILED, ROUTE_MANY_ROWS, RouterScores, _check_block_n, _out_buffer, _pdl, _pdl_enter,
+                     _pow2_scale, _route_pick, _sm_count)
 
 CODEBOOKS = ("3inst", "mcg", "mul1")
 
@@ -64,10 +64,6 @@ def _state(words_ptr, tile_word0, w, o, K2: tl.constexpr):
     # (lo >> 1) >> (31 - o) is lo >> (32 - o) without a 32-bit shift when o == 0.
     window = (hi << o) | ((lo >> 1) >> (31 - o))
     return window >> 16
-
-
-# Compiled for an NVIDIA GPU (inline PTX), not run by the CPU interpreter (which has no inline asm).
-_COMPILED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
 
 
 @triton.jit
@@ -146,6 +142,7 @@ def _rotate_input_kernel(x_ptr, suh_ptr, xh_ptr, m, k):
     # xh = (x ⊙ suh) · H128 for one 128-block of k, in fp32, stored in the gemv's row order:
     # inside every 16-row tile, row r = 8 * j1 + 2 * ll + j0 goes to slot 4 * ll + 2 * j1 + j0, so
     # that the rows one mma lane needs (spec §3) are 4 neighbours.
+    _pdl_enter()
     rows = tl.arange(0, 16)[:, None]
     i = tl.arange(0, 128)
     x = tl.load(x_ptr + rows * k + tl.program_id(0) * 128 + i[None, :], mask=rows < m, other=0.0)
@@ -374,6 +371,7 @@ def _gemv_kernel(xh_ptr, svh_ptr, words_ptr, slab_ptr, arrivals_ptr, y_ptr,
                  SP: tl.constexpr):
     # Each program stores its split's products in its own slab rows; the last to arrive at a
     # 128-column block adds them up in split order (the same bits every run), then the epilogue.
+    _pdl_enter()
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     z = _gemv_products(xh_ptr, words_ptr, m, k, n, steps, pid_n, pid_k, K2, CB, MP, RT, CT)
@@ -493,12 +491,12 @@ def exl3_gemv(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: to
     for row in range(0, m, GEMV_ROWS):
         rows = min(GEMV_ROWS, m - row)
         xh = torch.empty((rows, k), dtype=torch.float32, device=x.device)
-        _rotate_input_kernel[(k // 128,)](x[row:], suh, xh, rows, k)
+        _rotate_input_kernel[(k // 128,)](x[row:], suh, xh, rows, k, launch_pdl=_pdl())
         _gemv_kernel[(n // block_n, split)](
             xh, svh, words, slab, counters, out[row:], rows, k, n, tiles_k // (split * row_tiles), split,
             split * 128 // block_n, K2=k2, CB=CODEBOOKS.index(codebook), MP=triton.next_power_of_2(rows),
             RT=row_tiles, CT=block_n // 16, SP=triton.next_power_of_2(split), num_warps=num_warps,
-            num_stages=num_stages)
+            num_stages=num_stages, launch_pdl=_pdl())
     return out
 
 
@@ -526,6 +524,16 @@ def exl3_gemv(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: to
 # at each step). H200, whole decode steps at one warp (the router's launch as chosen): 1.005x at B 4, 1.009x at
 # B 16 (the rotation 7.5 against 10.3 us a call at B 4, eager), but 0.973-0.983x at B 1
 MOE_ROTATE_WARPS = {False: 4, True: 1}
+MOE_CAP_ROWS = 4  # rows from which the K <= 3 GEMV gets 128 registers (_moe_registers)
+
+
+def _moe_registers(k2: int, m: int) -> dict:
+    # The GEMV's registers by rate and rows: at K <= 3 (DIRECT lanes) ptxas, left alone, stops at 96 (gate /
+    # up) and 124 (down) registers and spends loop instructions to stay there; given 128, the sm_90 K3 loop
+    # is 444 against 465 (gate / up) and 445 against 458 (down) instructions, without spills (triton 3.6).
+    # H200, K3 top-8 of 288, 4096x2048: 1.06x at 4 and 16 rows, but 0.94x at one (the occupancy lost
+    # costs more there); K4: 0.99-1.00x.
+    return {"maxnreg": 128} if _lane(k2, "DIRECT") and m >= MOE_CAP_ROWS else {}
 
 
 @triton.jit
@@ -536,6 +544,7 @@ def _moe_rotate_kernel(x_ptr, ids_ptr, route_ptr, part_ptr, bias_ptr, E, S, scal
     # order. ROUTED: every program picks its token's experts from the router's partial sums itself
     # (kernels._route_pick, the same picks in every program) and the token's first program of block 0
     # stores them (ids, route) for the GEMVs: the top-k launch fewer. Else e comes from ids.
+    _pdl_enter()
     blk = tl.program_id(0)
     p = tl.program_id(1)
     if ROUTED:
@@ -568,6 +577,7 @@ def _moe_gemv_kernel(xh_ptr, words_ptr, words_up_ptr, ids_ptr, slab_ptr, arrival
     # Sums in a fixed order, so that a launch gives the same bits every run: each program stores its
     # split's products in its own slab row, and the last to arrive at a 128-column block adds the
     # split rows up; in down, the last pair of a token to finish a block adds the token's top_k rows.
+    _pdl_enter()
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     q = tl.program_id(2)
@@ -754,14 +764,14 @@ def _moe_decode(x: torch.Tensor, ids: torch.Tensor, route: torch.Tensor, top_k: 
         pick = (scores.part, scores.bias, E, scores.part.shape[1], scores.scaling)
         constants = dict(ROUTED=True, **scores.pick_constants())
     _moe_rotate_kernel[(D // 128, P)](x, ids, route, *pick, gate[1], up[1], xh, D, top_k, P, **constants,
-                                      num_warps=MOE_ROTATE_WARPS[m >= ROUTE_MANY_ROWS])
+                                      num_warps=MOE_ROTATE_WARPS[m >= ROUTE_MANY_ROWS], launch_pdl=_pdl())
 
     act_h = torch.empty((P, I), dtype=torch.float32, device=dev)
     steps = D // 16 // row_tiles
     split = _moe_split(dev, I, 2 * P, steps, block_n)
     slab, counters, _, _ = _moe_buffers(dev, P, I, 2, split, 0)
     launch = dict(K2=k2, CB=cb, RT=row_tiles, CT=block_n // 16, KP=triton.next_power_of_2(top_k),
-                  num_warps=num_warps)
+                  num_warps=num_warps, launch_pdl=_pdl(), **_moe_registers(k2, m))
     _moe_gemv_kernel[(I // block_n, split, 2 * P)](
         xh, words[0], words[1], ids, slab, counters, D, I, steps // split, split, 2 * split * 128 // block_n,
         (D // 16) * (I // 16) * NW, P, gate[2], up[2], down[1], route, slab, counters, act_h, top_k, limit,

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import _cast, _check_pow2, _dot_tf32x3, _rows
+from kernels import _cast, _check_pow2, _dot_tf32x3, _pdl, _pdl_enter, _rows
 
 # ================================================================ KDA recurrence
 # Per head h the state S[h] is fp32 [d_k, d_v], indexed [key i, value j]. One token:
@@ -85,7 +85,7 @@ def kda_recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     o = torch.empty(B, H, dv, dtype=q.dtype, device=q.device)
     _kda_step_kernel[(B * H, dv // bv)](
         q, k, v, g, beta, state, slots.to(torch.int64).contiguous(), o,
-        *state.stride(), H=H, DK=dk, DV=dv, BV=bv, num_warps=num_warps)
+        *state.stride(), H=H, DK=dk, DV=dv, BV=bv, num_warps=num_warps, launch_pdl=_pdl())
     return o
 
 
@@ -93,6 +93,7 @@ def kda_recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
 def _kda_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slots_ptr, o_ptr,
                      s_slot, s_head, s_key, s_val,
                      H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr):
+    _pdl_enter()
     bh = tl.program_id(0)
     b = bh // H
     h = bh % H
@@ -572,6 +573,7 @@ def _kda_inputs_kernel(q_ptr, k_ptr, v_ptr, x_stride, conv_ptr, slots_ptr, w_ptr
     # also o_g = g_b · g_a (ga_ptr) into og_ptr [B, H·d] for the output gate. They come first, so that their
     # weight loads overlap the convolutions. H200, full size, decode B=1: 9.4 us a call with both factors
     # against 5.5 without; the two GEMV launches they replace took 9.8.
+    _pdl_enter()
     bi = tl.program_id(0)
     h = tl.program_id(1)
     c = h * DH + tl.arange(0, DH)
@@ -691,7 +693,7 @@ def kda_decode_inputs(pre_conv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
         g_a, g_a.stride(0), *g_args[:2], o_g, max(f_args[2], g_args[2]), A_log.float().contiguous(),
         dt_bias.float().contiguous(), b, b.stride(0), q, k, v, g, beta, lower_bound, d ** -0.5,
         conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
-        H=H, DH=d, KW=K, KP=triton.next_power_of_2(K), LR=lr, LRG=lrg)
+        H=H, DH=d, KW=K, KP=triton.next_power_of_2(K), LR=lr, LRG=lrg, launch_pdl=_pdl())
     return (q, k, v, g, beta) + ((o_g,) if g_b is not None else ())
 
 
@@ -758,6 +760,7 @@ def kda_chunk_inputs(pre_conv: tuple[torch.Tensor, torch.Tensor, torch.Tensor], 
 def _kda_output_kernel(o_ptr, og_ptr, og_stride, w_ptr, out_ptr, eps, N, H: tl.constexpr, DH: tl.constexpr,
                        RB: tl.constexpr):
     # RB (row, head) pairs p = row * H + head a program, N of them in all.
+    _pdl_enter()
     p = tl.program_id(0) * RB + tl.arange(0, RB)[:, None]
     ok = p < N
     bi = (p // H).to(tl.int64)
@@ -779,5 +782,5 @@ def kda_output_gate(o: torch.Tensor, o_g: torch.Tensor, o_norm: torch.Tensor, ep
     # pair a program left the 8K chunk's 524288 programs at 365 us on the H200)
     rb = 1 if B < KDA_OUTPUT_ROWS else KDA_OUTPUT_ROWS
     _kda_output_kernel[(triton.cdiv(B * H, rb),)](o.contiguous(), o_g, o_g.stride(0), o_norm.float().contiguous(), out,
-                                                 eps, B * H, H=H, DH=d, RB=rb)
+                                                 eps, B * H, H=H, DH=d, RB=rb, launch_pdl=_pdl())
     return out

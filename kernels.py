@@ -23,11 +23,37 @@ kda_kernels.py and dsa_kernels.py import a few of its helpers.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+# Compiled for an NVIDIA GPU (inline PTX), not run by the CPU interpreter (which has no inline asm).
+_COMPILED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
+
+# Programmatic dependent launch (sm_90 on; H200 decode B=1 1.033x, BENCHMARKS session 31): the decode
+# step's kernels launch with launch_pdl=_pdl() and start with _pdl_enter(), so that in a CUDA graph each is
+# launched while the one before still runs. PDL = False launches each after the one before has finished
+# (for A/B timing). The device check reads GPU 0: older GPUs have no griddepcontrol (ptxas refuses it).
+PDL = True
+_PDL_DEVICE = torch.cuda.is_available() and torch.cuda.get_device_capability(0)[0] >= 9
+_GRID_DEPENDENCY = tl.constexpr(_COMPILED and _PDL_DEVICE)
+
+
+def _pdl() -> bool:
+    return PDL and _PDL_DEVICE
+
+
+@triton.jit
+def _pdl_enter():
+    # Lets the next kernel launch now, then waits until the kernel before has finished and its writes are
+    # visible: everything a program reads or writes comes after this. Without PDL both are no-ops.
+    if _GRID_DEPENDENCY:
+        gdc_launch_dependents()
+        gdc_wait()
 
 
 # ---------------------------------------------------------------- argument checks
@@ -146,6 +172,7 @@ def _fp8_finish(y, out_ptr, part_ptr, arrivals_ptr, pid_n, pid_k, m, n, split, M
 @triton.jit
 def _fp8_gemv_mma_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, arrivals_ptr, m, n, k, k_blocks, blocks_per_split,
                          split, BN: tl.constexpr, MP: tl.constexpr, STAGES: tl.constexpr):
+    _pdl_enter()
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = tl.arange(0, MP)
@@ -191,6 +218,7 @@ def _fp8_gemv_fma_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, arrivals_ptr, m
     # so the loads are masked (the model's shapes are not). STAGES > 1 prefetches chunks through
     # shared memory (cp.async: ~10% more instructions, more bytes in flight per warp); 1 keeps them
     # in registers.
+    _pdl_enter()
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     G: tl.constexpr = KB * 8
@@ -310,7 +338,8 @@ def _fp8_gemv_fma(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor
     part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
     _fp8_gemv_fma_kernel[(n_tiles, split)](
         x, weight, scale_inv, out, part, _fp8_arrivals(x.device, n_tiles), m, n, k, k_blocks, per_split, split,
-        BN=block_n, KB=kb, ROWS=m, K_TAIL=k % (kb * FP8_BLOCK) != 0, STAGES=num_stages, num_warps=num_warps)
+        BN=block_n, KB=kb, ROWS=m, K_TAIL=k % (kb * FP8_BLOCK) != 0, STAGES=num_stages, num_warps=num_warps,
+        launch_pdl=_pdl())
 
 
 def _fp8_gemv_mma(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, out: torch.Tensor,
@@ -331,7 +360,7 @@ def _fp8_gemv_mma(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor
         part = torch.empty((split, rows, n), dtype=torch.float32, device=x.device) if split > 1 else target
         _fp8_gemv_mma_kernel[(n_tiles, split)](
             x[row:row + rows], weight, scale_inv, target, part, arrivals, rows, n, k, k_blocks,
-            per_split, split, BN=block_n, MP=FP8_GEMV_ROWS, STAGES=num_stages, num_warps=num_warps)
+            per_split, split, BN=block_n, MP=FP8_GEMV_ROWS, STAGES=num_stages, num_warps=num_warps, launch_pdl=_pdl())
 
 
 @triton.jit
@@ -392,6 +421,7 @@ def fp8_dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.d
 @triton.jit
 def _bf16_fp32_linear_kernel(x_ptr, w_ptr, y_ptr, m, n, k, BM: tl.constexpr, BN: tl.constexpr,
                              BK: tl.constexpr, STAGES: tl.constexpr, TC: tl.constexpr):
+    _pdl_enter()
     pid_n = tl.program_id(0)  # fastest: the programs sharing a block of x rows run together
     pid_m = tl.program_id(1)
     rows = pid_m * BM + tl.arange(0, BM)
@@ -452,7 +482,7 @@ def bf16_fp32_linear(x: torch.Tensor, w: torch.Tensor, *, block_m: int | None = 
     x, w = x.contiguous(), w.contiguous()
     _bf16_fp32_linear_kernel[(triton.cdiv(n, block_n), triton.cdiv(m, block_m))](
         x, w, y, m, n, k, BM=block_m, BN=block_n, BK=block_k, STAGES=num_stages, TC=x.is_cuda,
-        num_warps=num_warps)
+        num_warps=num_warps, launch_pdl=_pdl())
     return y
 
 
@@ -491,6 +521,7 @@ def _hc_mix_kernel(x_ptr, fn_ptr, part_ptr, sq_ptr, B, n_in, n_out, S, NP: tl.co
                    BR: tl.constexpr):
     # BR rows per program share each load of fn (a prefill chunk has thousands of rows; fn is 1.5 MB);
     # each row's sums are the one-row kernel's, in fp32 FMA (tl.dot may round its inputs to TF32)
+    _pdl_enter()
     s = tl.program_id(1)
     k = s * BK + tl.arange(0, BK)
     inside = k < n_in
@@ -520,6 +551,7 @@ def _hc_mix_dot_kernel(x_ptr, fn_ptr, part_ptr, sq_ptr, B, n_in, n_out, S, steps
     # bits, and fn_lo rounds it to 11: |e| <= 2^-23 |fn|, one fp32 ulp. So the sums differ from Σ x·fn
     # by the fp32 accumulation's rounding plus at most 2^-23 Σ |x·fn|. A plain tl.dot (fn in TF32,
     # i.e. fn_hi alone) is off by up to 2^-11 |fn| per term (2^-10 where the MMA truncates).
+    _pdl_enter()
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     s = tl.program_id(1)
     row_ok = rows < B
@@ -575,6 +607,7 @@ def _hc_pre_kernel(x_ptr, part_ptr, sq_ptr, base_ptr, scale_ptr, u_ptr, usq_ptr,
                    D, S, NB, rms_eps, hc_eps, iters,
                    HC: tl.constexpr, NP: tl.constexpr, SP: tl.constexpr, BD: tl.constexpr, SINKHORN: tl.constexpr):
     # SINKHORN: the first program of a row also computes post and C (else `_hc_sinkhorn_kernel` does).
+    _pdl_enter()
     b = tl.program_id(0)
     blk = tl.program_id(1)
     s = tl.arange(0, SP)
@@ -600,6 +633,7 @@ def _hc_pre_kernel(x_ptr, part_ptr, sq_ptr, base_ptr, scale_ptr, u_ptr, usq_ptr,
 def _hc_sinkhorn_kernel(part_ptr, sq_ptr, base_ptr, scale_ptr, post_ptr, c_ptr, D, S, rms_eps, hc_eps, iters,
                         HC: tl.constexpr, NP: tl.constexpr, SP: tl.constexpr):
     # hc_pre's post and C of row b on their own, for a second stream (see _hc_finish).
+    _pdl_enter()
     b = tl.program_id(0)
     s = tl.arange(0, SP)
     on = s < S
@@ -610,6 +644,7 @@ def _hc_sinkhorn_kernel(part_ptr, sq_ptr, base_ptr, scale_ptr, post_ptr, c_ptr, 
 @triton.jit
 def _hc_norm_kernel(u_ptr, usq_ptr, norm_ptr, out_ptr, D, NB, rms_eps, NBP: tl.constexpr, BD: tl.constexpr):
     # RMSNorm(u) · weight with model_glm.rms_norm's roundings.
+    _pdl_enter()
     b = tl.program_id(0)
     blocks = tl.arange(0, NBP)
     usq = tl.load(usq_ptr + b * NB + blocks, mask=blocks < NB, other=0.0)
@@ -648,6 +683,7 @@ def _hc_post_block(x_ptr, y_ptr, y2_ptr, post_ptr, c_ptr, out_ptr, b, d, D, HC: 
 @triton.jit
 def _hc_post_kernel(x_ptr, y_ptr, y2_ptr, post_ptr, c_ptr, out_ptr, D, HC: tl.constexpr, BD: tl.constexpr,
                     SUM: tl.constexpr):
+    _pdl_enter()
     d = tl.program_id(1) * BD + tl.arange(0, BD)
     _hc_post_block(x_ptr, y_ptr, y2_ptr, post_ptr, c_ptr, out_ptr, tl.program_id(0), d, D, HC, SUM)
 
@@ -659,6 +695,7 @@ def _hc_post_mix_kernel(x_ptr, y_ptr, y2_ptr, post_ptr, c_ptr, out_ptr, fn_ptr, 
     # partial sums over those HC x BD elements of the flattened row (split s = the column block), from
     # X' as stored. They group the products by column block instead of by runs of the flattened row:
     # the same sums up to fp32 rounding.
+    _pdl_enter()
     s = tl.program_id(1)
     d = s * BD + tl.arange(0, BD)
     i = tl.arange(0, HC)
@@ -686,13 +723,13 @@ def _hc_mix(x: torch.Tensor, fn: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
         sq = torch.empty(B, S, dtype=torch.float32, device=x.device)
         _hc_mix_dot_kernel[(triton.cdiv(B, HC_DOT_ROWS), S)](x, fn, part, sq, B, n_in, n_out, S, steps, NP=NP,
                                                              BM=HC_DOT_ROWS, BK=HC_DOT_BLOCK,
-                                                             num_stages=HC_DOT_STAGES)
+                                                             num_stages=HC_DOT_STAGES, launch_pdl=_pdl())
     else:
         S = triton.cdiv(n_in, HC_MIX_BLOCK)
         part = torch.empty(B, S, NP, dtype=torch.float32, device=x.device)
         sq = torch.empty(B, S, dtype=torch.float32, device=x.device)
         _hc_mix_kernel[(triton.cdiv(B, HC_MIX_ROWS), S)](x, fn, part, sq, B, n_in, n_out, S, NP=NP, BK=HC_MIX_BLOCK,
-                                                         BR=HC_MIX_ROWS)
+                                                         BR=HC_MIX_ROWS, launch_pdl=_pdl())
     return part, sq
 
 
@@ -743,8 +780,8 @@ def _hc_finish(X: torch.Tensor, part: torch.Tensor, sq: torch.Tensor, base: torc
         for t in (part, sq, base, scale, post, C):  # made on this stream, used on the other one
             t.record_stream(beside)
     _hc_pre_kernel[(B, NB)](X, part, sq, base, scale, u, usq, post, C, D, S, NB, rms_eps, hc_eps, iters, HC=hc,
-                            NP=NP, SP=SP, BD=BD, SINKHORN=beside is None, num_warps=1)
-    _hc_norm_kernel[(B, NB)](u, usq, norm, x, D, NB, rms_eps, NBP=triton.next_power_of_2(NB), BD=BD)
+                            NP=NP, SP=SP, BD=BD, SINKHORN=beside is None, num_warps=1, launch_pdl=_pdl())
+    _hc_norm_kernel[(B, NB)](u, usq, norm, x, D, NB, rms_eps, NBP=triton.next_power_of_2(NB), BD=BD, launch_pdl=_pdl())
     return x, post, C
 
 
@@ -755,7 +792,7 @@ def _hc_sinkhorn(part: torch.Tensor, sq: torch.Tensor, base: torch.Tensor, scale
     B, hc = post.shape
     S, NP = part.shape[1:]
     _hc_sinkhorn_kernel[(B,)](part, sq, base, scale, post, C, D, S, rms_eps, hc_eps, iters, HC=hc, NP=NP,
-                              SP=triton.next_power_of_2(S), num_warps=1)
+                              SP=triton.next_power_of_2(S), num_warps=1, launch_pdl=_pdl())
 
 
 def hc_post(X: torch.Tensor, y: torch.Tensor, post: torch.Tensor, C: torch.Tensor,
@@ -767,7 +804,8 @@ def hc_post(X: torch.Tensor, y: torch.Tensor, post: torch.Tensor, C: torch.Tenso
     X, y, y2, post, C = _hc_post_operands("hc_post", X, y, y2, post, C)
     out = torch.empty_like(X)
     BD = min(HC_POST_BLOCK, triton.next_power_of_2(D))
-    _hc_post_kernel[(B, triton.cdiv(D, BD))](X, y, y2, post, C, out, D, HC=hc, BD=BD, SUM=y2 is not y)
+    _hc_post_kernel[(B, triton.cdiv(D, BD))](X, y, y2, post, C, out, D, HC=hc, BD=BD, SUM=y2 is not y,
+                                             launch_pdl=_pdl())
     return out
 
 
@@ -802,7 +840,7 @@ def hc_post_pre(X: torch.Tensor, y: torch.Tensor, post: torch.Tensor, C: torch.T
     sq = torch.empty(B, S, dtype=torch.float32, device=X.device)
     _hc_post_mix_kernel[(triton.cdiv(B, HC_MIX_ROWS), S)](X, y, y2, post, C, out, fn, part, sq, B, D, fn.shape[0], S,
                                                          HC=hc, BD=HC_POST_MIX_BLOCK, NP=NP, BR=HC_MIX_ROWS,
-                                                         SUM=y2 is not y)
+                                                         SUM=y2 is not y, launch_pdl=_pdl())
     return out, *_hc_finish(out, part, sq, base, scale, norm, rms_eps, hc_eps, iters, beside)
 
 
@@ -814,6 +852,7 @@ SWIGLU_BLOCK = 1024
 @triton.jit
 def _swiglu_kernel(g_ptr, g_stride, u_ptr, u_stride, out_ptr, I, limit, BI: tl.constexpr):
     # model_glm.swiglu with its roundings: SiLU's output in the activations' dtype, then the product.
+    _pdl_enter()
     b = tl.program_id(0)
     c = tl.program_id(1) * BI + tl.arange(0, BI)
     inside = c < I
@@ -837,7 +876,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     out = torch.empty(B, I, dtype=gate.dtype, device=gate.device)
     if B:
         _swiglu_kernel[(B, triton.cdiv(I, SWIGLU_BLOCK))](gate, gate.stride(0), up, up.stride(0), out, I, limit,
-                                                          BI=SWIGLU_BLOCK)
+                                                          BI=SWIGLU_BLOCK, launch_pdl=_pdl())
     return out
 
 
@@ -852,6 +891,7 @@ RMS_NORM_ELEMENTS = 2048  # elements a program holds (whole rows, at least one)
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, x_stride, w_ptr, out_ptr, B, N, eps, RB: tl.constexpr, NP: tl.constexpr):
+    _pdl_enter()
     rows = tl.program_id(0) * RB + tl.arange(0, RB)[:, None]
     cols = tl.arange(0, NP)[None, :]
     inside = (rows < B) & (cols < N)
@@ -873,7 +913,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if B:
         NP = triton.next_power_of_2(N)
         rb = max(1, RMS_NORM_ELEMENTS // NP)
-        _rms_norm_kernel[(triton.cdiv(B, rb),)](x, x.stride(0), weight.contiguous(), out, B, N, eps, RB=rb, NP=NP)
+        _rms_norm_kernel[(triton.cdiv(B, rb),)](x, x.stride(0), weight.contiguous(), out, B, N, eps, RB=rb, NP=NP,
+                                                launch_pdl=_pdl())
     return out
 
 
@@ -921,6 +962,7 @@ class RouterScores:
 
 @triton.jit
 def _route_logits_kernel(h_ptr, h_stride, w_ptr, part_ptr, B, E, D, BE: tl.constexpr, BK: tl.constexpr):
+    _pdl_enter()
     e = tl.program_id(0) * BE + tl.arange(0, BE)
     s = tl.program_id(1)
     k = s * BK + tl.arange(0, BK)
@@ -963,6 +1005,7 @@ def _route_pick(part_ptr, bias_ptr, b, E, S, scaling, NORM: tl.constexpr, TOPK: 
 def _route_topk_kernel(part_ptr, bias_ptr, ids_ptr, wt_ptr, E, S, scaling,
                        NORM: tl.constexpr, TOPK: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr,
                        SP: tl.constexpr):
+    _pdl_enter()
     b = tl.program_id(0)
     ids, w = _route_pick(part_ptr, bias_ptr, b, E, S, scaling, NORM, TOPK, KP, EP, SP)
     j = tl.arange(0, KP)
@@ -991,7 +1034,7 @@ def router_scores(h: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, top
     part = torch.empty(B, S, E, dtype=torch.float32, device=h.device)
     be, warps = ROUTE_LAUNCH[B >= ROUTE_MANY_ROWS]
     _route_logits_kernel[(triton.cdiv(E, be), S)](h, h.stride(0), gate_w, part, B, E, D, BE=be, BK=ROUTE_BLOCK_K,
-                                                  num_warps=warps)
+                                                  num_warps=warps, launch_pdl=_pdl())
     return RouterScores(part, bias.float().contiguous(), top_k, norm_topk_prob, float(scaling))
 
 
@@ -1002,7 +1045,7 @@ def route_pick(scores: RouterScores) -> tuple[torch.Tensor, torch.Tensor]:
     ids = torch.empty(B, scores.top_k, dtype=torch.int32, device=dev)
     weights = torch.empty(B, scores.top_k, dtype=torch.float32, device=dev)
     _route_topk_kernel[(B,)](scores.part, scores.bias, ids, weights, E, S, scores.scaling, **scores.pick_constants(),
-                             num_warps=ROUTE_PICK_WARPS)
+                             num_warps=ROUTE_PICK_WARPS, launch_pdl=_pdl())
     return ids, weights
 
 

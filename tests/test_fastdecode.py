@@ -899,6 +899,43 @@ def test_shared_expert_beside_the_routed_ones_changes_no_number():
             assert torch.equal(got, want)
 
 
+
+@pytest.mark.skipif(not kernels._PDL_DEVICE, reason="programmatic dependent launch needs an sm_90 or newer GPU")
+def test_programmatic_dependent_launch_changes_no_number(monkeypatch):
+    """With PDL each decode kernel may start while the one before still runs, and waits for it at its top:
+    a kernel touching memory before that wait would race. Replayed graph steps (EXL3 experts) and a
+    prefill give the same bits and cache rows with PDL as with plain launches."""
+    model = _model(torch.bfloat16, experts="exl3")
+    caches, tables, tok = _prefilled(model, [37, 14])
+    fast = fastdecode.FastDecoder(model, caches[1], max_context=128)
+    batch = [SeqChunk(tok[i:i + 1], n, tables[i], i) for i, n in enumerate([37, 14])]
+    saved = {n: getattr(caches[1], n).clone() for n in CACHE_TENSORS}
+
+    def restore() -> None:
+        for n, t in saved.items():
+            getattr(caches[1], n).copy_(t)
+
+    def run(pdl: bool) -> list:
+        monkeypatch.setattr(kernels, "PDL", pdl)
+        fast.graphs.clear()
+        fast.capture([2], contexts=[64])
+        restore()
+        out = []
+        for _ in range(3):
+            out += [fast.step(batch).logits, {n: getattr(caches[1], n).clone() for n in CACHE_TENSORS}]
+            restore()
+        chunk = SeqChunk(torch.arange(3, 22), 0, tables[1], 1)
+        out += [fastprefill.FastPrefill(fast).forward([chunk]).logits,
+                {n: getattr(caches[1], n).clone() for n in CACHE_TENSORS}]
+        restore()
+        return out
+
+    for got, want in zip(run(True), run(False)):
+        if isinstance(got, dict):
+            assert all(torch.equal(got[n], want[n]) for n in CACHE_TENSORS)
+        else:
+            assert torch.equal(got, want)
+
 def test_engine_sends_decode_tokens_to_the_fast_step():
     """Engine.step routes single decode tokens to FastDecoder.step (on a GPU the engine builds it
     itself; here one is attached by hand), also while another prompt prefills in the same step,
