@@ -23,6 +23,7 @@ kda_kernels.py and dsa_kernels.py import a few of its helpers.
 """
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -30,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+from triton.language.target_info import cuda_capability_geq
 
 # Compiled for an NVIDIA GPU (inline PTX), not run by the CPU interpreter (which has no inline asm).
 _COMPILED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
@@ -37,23 +39,27 @@ _COMPILED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") != "1")
 # Programmatic dependent launch (sm_90 on; H200 decode B=1 1.033x, BENCHMARKS session 31): the decode
 # step's kernels launch with launch_pdl=_pdl() and start with _pdl_enter(), so that in a CUDA graph each is
 # launched while the one before still runs. PDL = False launches each after the one before has finished
-# (for A/B timing). The device check reads GPU 0: older GPUs have no griddepcontrol (ptxas refuses it).
+# (for A/B timing). Older GPUs have no griddepcontrol (ptxas refuses it): both sides ask the current device.
 PDL = True
-_PDL_DEVICE = torch.cuda.is_available() and torch.cuda.get_device_capability(0)[0] >= 9
-_GRID_DEPENDENCY = tl.constexpr(_COMPILED and _PDL_DEVICE)
+
+
+@functools.cache
+def _pdl_device(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
 
 
 def _pdl() -> bool:
-    return PDL and _PDL_DEVICE
+    return PDL and torch.cuda.is_available() and _pdl_device(torch.cuda.current_device())
 
 
 @triton.jit
 def _pdl_enter():
     # Lets the next kernel launch now, then waits until the kernel before has finished and its writes are
     # visible: everything a program reads or writes comes after this. Without PDL both are no-ops.
-    if _GRID_DEPENDENCY:
-        gdc_launch_dependents()
-        gdc_wait()
+    if _COMPILED:
+        if cuda_capability_geq(9):
+            gdc_launch_dependents()
+            gdc_wait()
 
 
 # ---------------------------------------------------------------- argument checks

@@ -900,7 +900,7 @@ def test_shared_expert_beside_the_routed_ones_changes_no_number():
 
 
 
-@pytest.mark.skipif(not kernels._PDL_DEVICE, reason="programmatic dependent launch needs an sm_90 or newer GPU")
+@pytest.mark.skipif(not kernels._pdl(), reason="programmatic dependent launch needs an sm_90 or newer GPU")
 def test_programmatic_dependent_launch_changes_no_number(monkeypatch):
     """With PDL each decode kernel may start while the one before still runs, and waits for it at its top:
     a kernel touching memory before that wait would race. Replayed graph steps (EXL3 experts) and a
