@@ -839,16 +839,34 @@ def test_step_rejects_bad_batches():
         fastdecode.FastDecoder(model, cache, max_context=1600)
 
 
+def _cache_rows(cache: CachePool) -> dict:
+    return {n: getattr(cache, n).clone() for n in CACHE_TENSORS}
+
+
+def _restore(cache: CachePool, rows: dict) -> None:
+    for n, t in rows.items():
+        getattr(cache, n).copy_(t)
+
+
+def _assert_same_bits(got: list, want: list) -> None:
+    # logits and _cache_rows snapshots, pair by pair
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        if isinstance(g, dict):
+            assert all(torch.equal(g[n], w[n]) for n in CACHE_TENSORS)
+        else:
+            assert torch.equal(g, w)
+
+
 @needs_gpu
 def test_cuda_graph_replay_equals_eager():
     model = _model(torch.bfloat16, experts="exl3")
     caches, tables, tok = _prefilled(model, [37, 14])
     fast = fastdecode.FastDecoder(model, caches[1], max_context=128)
     # Capture first (it writes scratch into slots 0..1 and block 0), then restore the prefilled state.
-    saved = {n: getattr(caches[1], n).clone() for n in CACHE_TENSORS}
+    saved = _cache_rows(caches[1])
     fast.capture([1, 2], contexts=[64, 128])
-    for n, t in saved.items():
-        getattr(caches[1], n).copy_(t)
+    _restore(caches[1], saved)
     assert set(fast.graphs) == {(1, 4), (1, 8), (2, 4), (2, 8)}
     worst, kl = _decode_both(model, fast, caches, tables, tok, [37, 14], steps=4)
     assert worst < 0.1 and kl < 1e-4, (worst, kl)
@@ -865,38 +883,29 @@ def test_shared_expert_beside_the_routed_ones_changes_no_number():
     fast = fastdecode.FastDecoder(model, caches[1], max_context=128)
     assert set(fast._beside) == {fast.embed.device}  # keyed as a tensor's device reads (cuda:0)
     batch = [SeqChunk(tok[i:i + 1], n, tables[i], i) for i, n in enumerate([37, 14])]
-    saved = {n: getattr(caches[1], n).clone() for n in CACHE_TENSORS}
-
-    def restore() -> None:
-        for n, t in saved.items():
-            getattr(caches[1], n).copy_(t)
+    saved = _cache_rows(caches[1])
 
     def steps() -> list:  # eager, then replayed (the capture writes scratch rows: restored)
         fast.graphs.clear()
-        out = [fast.step(batch).logits, {n: getattr(caches[1], n).clone() for n in CACHE_TENSORS}]
-        restore()
+        out = [fast.step(batch).logits, _cache_rows(caches[1])]
+        _restore(caches[1], saved)
         fast.capture([2], contexts=[64])
-        restore()
-        out += [fast.step(batch).logits, {n: getattr(caches[1], n).clone() for n in CACHE_TENSORS}]
-        restore()
+        _restore(caches[1], saved)
+        out += [fast.step(batch).logits, _cache_rows(caches[1])]
+        _restore(caches[1], saved)
         return out
 
     def prefill() -> list:  # the prefill's MoE layers share FastDecoder.beside_shared
-        chunk = SeqChunk(torch.arange(3, 22), 0, tables[1], 1)
-        out = [fastprefill.FastPrefill(fast).forward([chunk]).logits,
-               {n: getattr(caches[1], n).clone() for n in CACHE_TENSORS}]
-        restore()
+        out = [fastprefill.FastPrefill(fast).forward([SeqChunk(torch.arange(3, 22), 0, tables[1], 1)]).logits,
+               _cache_rows(caches[1])]
+        _restore(caches[1], saved)
         return out
 
     beside = steps() + prefill()
     streams, fast._beside = fast._beside, {}
     one_stream = steps() + prefill()
     fast._beside = streams
-    for got, want in zip(beside, one_stream):
-        if isinstance(got, dict):
-            assert all(torch.equal(got[n], want[n]) for n in CACHE_TENSORS)
-        else:
-            assert torch.equal(got, want)
+    _assert_same_bits(beside, one_stream)
 
 
 
@@ -909,32 +918,23 @@ def test_programmatic_dependent_launch_changes_no_number(monkeypatch):
     caches, tables, tok = _prefilled(model, [37, 14])
     fast = fastdecode.FastDecoder(model, caches[1], max_context=128)
     batch = [SeqChunk(tok[i:i + 1], n, tables[i], i) for i, n in enumerate([37, 14])]
-    saved = {n: getattr(caches[1], n).clone() for n in CACHE_TENSORS}
-
-    def restore() -> None:
-        for n, t in saved.items():
-            getattr(caches[1], n).copy_(t)
+    saved = _cache_rows(caches[1])
 
     def run(pdl: bool) -> list:
         monkeypatch.setattr(kernels, "PDL", pdl)
         fast.graphs.clear()
         fast.capture([2], contexts=[64])
-        restore()
+        _restore(caches[1], saved)
         out = []
         for _ in range(3):
-            out += [fast.step(batch).logits, {n: getattr(caches[1], n).clone() for n in CACHE_TENSORS}]
-            restore()
-        chunk = SeqChunk(torch.arange(3, 22), 0, tables[1], 1)
-        out += [fastprefill.FastPrefill(fast).forward([chunk]).logits,
-                {n: getattr(caches[1], n).clone() for n in CACHE_TENSORS}]
-        restore()
+            out += [fast.step(batch).logits, _cache_rows(caches[1])]
+            _restore(caches[1], saved)
+        out += [fastprefill.FastPrefill(fast).forward([SeqChunk(torch.arange(3, 22), 0, tables[1], 1)]).logits,
+                _cache_rows(caches[1])]
+        _restore(caches[1], saved)
         return out
 
-    for got, want in zip(run(True), run(False)):
-        if isinstance(got, dict):
-            assert all(torch.equal(got[n], want[n]) for n in CACHE_TENSORS)
-        else:
-            assert torch.equal(got, want)
+    _assert_same_bits(run(True), run(False))
 
 def test_engine_sends_decode_tokens_to_the_fast_step():
     """Engine.step routes single decode tokens to FastDecoder.step (on a GPU the engine builds it
