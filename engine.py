@@ -718,7 +718,10 @@ class Engine:
                           device=list(plan.devices), layer_device=dict(enumerate(plan.layer_device)))
         tokens = torch.randint(self.vocab_size, (T + bs,), generator=torch.Generator().manual_seed(0)).to(self.device)
         table = torch.arange(blocks, device=self.device)
-        chunks = [SeqChunk(tokens[:T], 0, table, 0), SeqChunk(tokens[T:], T, table, 0)]
+        # A prompt's chunk can hold two prefix-cache snapshots (where it leaves the cached blocks, and
+        # before its last token): each is a copy of the KDA rows and cuts the KDA pieces there.
+        inside = tuple(sorted({bs, (T - 1) // bs * bs})) if T > bs else ()
+        chunks = [SeqChunk(tokens[:T], 0, table, 0, inside), SeqChunk(tokens[T:], T, table, 0)]
         cuda = [d for d in plan.devices if d.type == "cuda"]
         for d in cuda:
             torch.cuda.synchronize(d)

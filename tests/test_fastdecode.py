@@ -4,6 +4,8 @@
 On CPU the Triton kernels run under the interpreter (tests/conftest.py); on a GPU the same tests
 run the compiled kernels, and the CUDA-graph test runs too.
 """
+import gc
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -1114,17 +1116,26 @@ def test_engine_queues_the_sampler_behind_the_decode_graph(monkeypatch):
 @needs_gpu
 def test_engine_keeps_one_measured_prefill_chunk_out_of_the_cache():
     """With the pool sized from CUDA memory, the engine first runs one chunk of max_batch_tokens
-    tokens and keeps what it took out of the pool: a real prompt of that length needs no more."""
+    tokens and keeps what it took out of the pool: a real prompt of that length needs no more, also
+    when the prefix cache takes two KDA snapshots inside it (the second prompt shares 512 tokens)."""
     import engine as E
-    eng = E.load(max_batch_tokens=1024, memory_fraction=0.05, max_model_len=2048, max_num_seqs=2)
+    args = dict(max_batch_tokens=1024, memory_fraction=0.05, max_model_len=2048, max_num_seqs=2)
+    E.load(**args)  # what a process allocates once (workspaces, tables) would else pad the measured peak
+    gc.collect()
+    torch.cuda.empty_cache()
+    eng = E.load(**args)
     peak = eng.chunk_peak[0]
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
-    prompt = torch.randint(2, eng.vocab_size, (1024,), generator=torch.Generator().manual_seed(0)).tolist()
-    eng.generate([prompt], E.SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
-    used = torch.cuda.max_memory_allocated() - before
-    assert 0 < used <= peak, (used, peak)
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(2, eng.vocab_size, (1024,), generator=gen).tolist()
+    shared = prompt[:512] + torch.randint(2, eng.vocab_size, (512,), generator=gen).tolist()
+    for p in (prompt, shared):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        eng.generate([p], E.SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+        used = torch.cuda.max_memory_allocated() - before
+        assert 0 < used <= peak, (used, peak)
+    assert eng.stats().snapshots == 2 + 3  # (960, 1024), then (512, 960, 1024)
 
 
 def test_stacking_reuses_a_stack_the_experts_already_live_in():
