@@ -25,7 +25,6 @@ products over fewer rows).
 """
 from __future__ import annotations
 
-import gc
 import hashlib
 import itertools
 import json
@@ -724,9 +723,6 @@ class Engine:
         inside = tuple(sorted({bs, (T - 1) // bs * bs})) if T > bs else ()
         chunks = [SeqChunk(tokens[:T], 0, table, 0, inside), SeqChunk(tokens[T:], T, table, 0)]
         cuda = [d for d in plan.devices if d.type == "cuda"]
-        # Garbage that held CUDA memory (an engine loaded before this one) would else be freed whenever
-        # the collector runs, perhaps inside the measurement, and the peak would then read low.
-        gc.collect()
         for d in cuda:
             torch.cuda.synchronize(d)
             torch.cuda.reset_peak_memory_stats(d)

@@ -364,6 +364,28 @@ def test_batched_greedy_equals_each_prompt_alone(make_engine, cold):
     assert [r.usage.prompt_tokens for r in batched] == [5, 37, 16, 70]
 
 
+def test_the_measured_prefill_chunk_is_as_long_and_snapshots_as_much_as_a_real_prompts(make_engine, monkeypatch):
+    """Engine._chunk_peak sizes the cache from one measured chunk (on CUDA): it must be as long as the
+    longest chunk a prompt sends and take as many KDA snapshots inside it (each a copy of the
+    sequence's KDA rows, ~141 MiB on the full model) as a real prompt's chunk does: two, where a prompt
+    leaves the cached blocks and before its last token (the second prompt shares two blocks)."""
+    eng = make_engine(max_batch_tokens=4 * BS)
+    forward, sent = eng.model.forward, []
+
+    def recording(chunks, *args, **kwargs):
+        sent.extend((len(c.tokens), len(c.snapshots)) for c in chunks)
+        return forward(chunks, *args, **kwargs)
+
+    monkeypatch.setattr(eng.model, "forward", recording)
+    first = prompt(7, 4 * BS)
+    for p in (first, first[:2 * BS] + prompt(8, 2 * BS)):
+        eng.generate([p], E.SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+    real, sent[:] = list(sent), []
+    assert max(n for _, n in real) == 2, real
+    eng._chunk_peak(use_kernels=False)
+    assert sent[0] == (4 * BS, 2), sent
+
+
 def test_chunked_prefill_equals_one_shot(cold):
     ids = prompt(5, 90)
     whole = cold.score(ids, chunk_tokens=90)
