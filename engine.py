@@ -719,7 +719,7 @@ class Engine:
         tokens = torch.randint(self.vocab_size, (T + bs,), generator=torch.Generator().manual_seed(0)).to(self.device)
         table = torch.arange(blocks, device=self.device)
         # A prompt's chunk can hold two prefix-cache snapshots (where it leaves the cached blocks, and
-        # before its last token): each is a copy of the KDA rows and cuts the KDA pieces there.
+        # before its last token): each a copy of the sequence's KDA rows, held until the forward returns.
         inside = tuple(sorted({bs, (T - 1) // bs * bs})) if T > bs else ()
         chunks = [SeqChunk(tokens[:T], 0, table, 0, inside), SeqChunk(tokens[T:], T, table, 0)]
         cuda = [d for d in plan.devices if d.type == "cuda"]

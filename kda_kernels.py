@@ -16,6 +16,7 @@ the split TF32 product).
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -120,13 +121,14 @@ def _kda_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slots_ptr,
 
 def kda_chunk_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                       beta: torch.Tensor, initial_state: torch.Tensor | None = None, chunk: int = 64,
-                      block: int | None = None, block_v: int = 32, num_warps: int = 4,
+                      after: Sequence[int] = (), block_v: int = 32, num_warps: int = 4,
                       num_stages: int = 2, precision: str = DOT_PRECISION
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """A whole sequence: q, k, g [T, H, d_k], v [T, H, d_v], beta [T, H] (twin: `model_glm.kda_recurrent`
     over the T tokens from `initial_state`, zeros if None). Returns (o [T, H, d_v] in q's dtype, final
-    state [H, d_k, d_v] fp32, boundary states [T // block, H, d_k, d_v] fp32 = the state after each
-    token t with (t + 1) % block == 0, or None). Three passes:
+    state [H, d_k, d_v] fp32, the states after the first r tokens for each r in `after` [len(after),
+    H, d_k, d_v] fp32, or None if `after` is empty). Each r must be T or a positive multiple of chunk
+    below it: pass 2 keeps the state at every chunk boundary anyway, so these cost a copy. Three passes:
 
     1. `chunk_factors`: every (chunk, head) in parallel, the WY factors of §4.3.7.
     2. `chunk_states`: every (value tile, head) in parallel, chunks in order: the state entering
@@ -139,8 +141,9 @@ def kda_chunk_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     T, H, dk, dv = _check_prefill(q, k, v, g, beta, initial_state)
     if chunk not in (16, 32, 64):
         raise ValueError(f"chunk must be 16, 32 or 64, got {chunk}")
-    if block is not None and (block <= 0 or block % chunk):
-        raise ValueError(f"block {block} must be a positive multiple of chunk {chunk}")
+    bad = [r for r in after if not (r == T or 0 < r < T and r % chunk == 0)]
+    if bad:
+        raise ValueError(f"after {bad}: each must be T {T} or a positive multiple of chunk {chunk} below it")
     _check_pow2("d_k", dk)
     _check_pow2("d_v", dv)
     if dv % min(dv, block_v):
@@ -148,10 +151,7 @@ def kda_chunk_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     f = chunk_factors(q, k, v, g, beta, chunk, precision)
     states = chunk_states(f, initial_state, block_v, num_warps, num_stages, precision)
     o = chunk_output(f, states, q.dtype, precision)
-    boundary = None
-    if block is not None:
-        boundary = states[[(i + 1) * block // chunk for i in range(T // block)]]
-    return o, states[-1].clone(), boundary
+    return o, states[-1].clone(), states[[-1 if r == T else r // chunk for r in after]] if after else None
 
 
 @dataclass

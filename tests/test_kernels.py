@@ -252,7 +252,8 @@ def test_prefill_matches_recurrence(T, chunk, dk, dv, with_init, block):
     H = 2
     q, k, v, g, beta = _inputs((T,), H, dk, dv, seed=T + chunk)
     S0 = torch.randn(H, dk, dv).to(DEVICE) if with_init else None
-    o, final, states = kda_kernels.kda_chunk_prefill(q, k, v, g, beta, S0, chunk=chunk, block=block, block_v=16)
+    after = [(i + 1) * block for i in range(T // block)] if block else ()
+    o, final, states = kda_kernels.kda_chunk_prefill(q, k, v, g, beta, S0, chunk=chunk, after=after, block_v=16)
     o_ref, final_ref, states_ref = kda_twin(q, k, v, g, beta, S0, block=block)
     _close(o, o_ref, "o", PREFILL_REL)
     _close(final, final_ref, "final state", PREFILL_REL)
@@ -328,8 +329,8 @@ def test_errors_name_the_tensor():
         kda_kernels.kda_chunk_prefill(q, k, v, g[:, :1], beta)
     with pytest.raises(ValueError, match="initial_state shape"):
         kda_kernels.kda_chunk_prefill(q, k, v, g, beta, torch.zeros(2, 16, 8, device=DEVICE))
-    with pytest.raises(ValueError, match="block 48 must be a positive multiple of chunk 32"):
-        kda_kernels.kda_chunk_prefill(q, k, v, g, beta, chunk=32, block=48)
+    with pytest.raises(ValueError, match=r"after \[4, 9\]: each must be T 8 or a positive multiple of chunk 16"):
+        kda_kernels.kda_chunk_prefill(q, k, v, g, beta, chunk=16, after=[4, 8, 9])
     with pytest.raises(ValueError, match="state shape"):
         kda_kernels.kda_recurrent_step(q[:2], k[:2], v[:2], g[:2], beta[:2], torch.zeros(4, 2, 16, 8, device=DEVICE),
                                        torch.tensor([0, 1], device=DEVICE))
