@@ -257,6 +257,8 @@ def test_prefill_matches_recurrence(T, chunk, dk, dv, with_init, block):
     o_ref, final_ref, states_ref = kda_twin(q, k, v, g, beta, S0, block=block)
     _close(o, o_ref, "o", PREFILL_REL)
     _close(final, final_ref, "final state", PREFILL_REL)
+    _, _, end = kda_kernels.kda_chunk_prefill(q, k, v, g, beta, S0, chunk=chunk, after=[T], block_v=16)
+    assert torch.equal(end[0], final)  # after T tokens, a multiple of chunk or not: the final state
     if block is None:
         assert states is None and states_ref is None
     else:
