@@ -1162,7 +1162,7 @@ def kda_prefill(gbps: float) -> None:
     for T, block in ((1024, 256), (8192, None)):
         q, k, v, g, beta = kda_inputs(T, seed=T)
         S0 = 0.1 * torch.randn(KDA_H, KDA_D, KDA_D, device="cuda")
-        after = [(i + 1) * block for i in range(T // block)] if block else ()
+        after = range(block, T + 1, block) if block else ()
         o, final, states = kda_kernels.kda_chunk_prefill(q, k, v, g, beta, S0, after=after)
         o_ref, final_ref, states_ref = kda_twin(q, k, v, g, beta, S0, block=block)
         line = f"T={T}: rel err o {max_rel_err(o, o_ref):.2e}, final state {max_rel_err(final, final_ref):.2e}"

@@ -252,7 +252,7 @@ def test_prefill_matches_recurrence(T, chunk, dk, dv, with_init, block):
     H = 2
     q, k, v, g, beta = _inputs((T,), H, dk, dv, seed=T + chunk)
     S0 = torch.randn(H, dk, dv).to(DEVICE) if with_init else None
-    after = [(i + 1) * block for i in range(T // block)] if block else ()
+    after = range(block, T + 1, block) if block else ()
     o, final, states = kda_kernels.kda_chunk_prefill(q, k, v, g, beta, S0, chunk=chunk, after=after, block_v=16)
     o_ref, final_ref, states_ref = kda_twin(q, k, v, g, beta, S0, block=block)
     _close(o, o_ref, "o", PREFILL_REL)
