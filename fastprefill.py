@@ -142,14 +142,17 @@ class FastPrefill:
         history = cache.conv_state[row, slot]  # [3, K-1, H*d]
         q, k, v, g, beta = kda_kernels.kda_chunk_inputs((q_pre, k_pre, v_pre), history, a["conv"], f, a["A_log"],
                                                         a["dt_bias"], b, cfg.linear_lower_bound, H, d)
-        # the conv window's last K-1 rows: the chunk's own, or the history's tail then the chunk
-        keep = min(n, K - 1)
-        cache.conv_state[row, slot] = torch.stack([torch.cat([history[j, keep:], t[n - keep:].to(history.dtype)])
-                                                   for j, t in enumerate((q_pre, k_pre, v_pre))])
-        for p, snap in snapshots.items():  # the conv window before position p: the history's tail, then rows
-            r = p - c.start  # only the last K-1 rows before p: a cat of all r rows copied ~400 MB a layer at 8K
-            snap.conv_state[row] = torch.stack([torch.cat([history[j], t[max(r - (K - 1), 0):r].to(history.dtype)])
-                                                [-(K - 1):] for j, t in enumerate((q_pre, k_pre, v_pre))])
+
+        def window(r: int) -> torch.Tensor:
+            # The conv window before chunk row r: the last K-1 rows of the history then the chunk's first
+            # r (only those: a cat of all r rows copied ~400 MB a layer at 8K). history is a view of the
+            # slot, so every window is taken before the slot's is written.
+            return torch.stack([torch.cat([history[j], t[max(r - (K - 1), 0):r].to(history.dtype)])[-(K - 1):]
+                                for j, t in enumerate((q_pre, k_pre, v_pre))])
+
+        for p, snap in snapshots.items():
+            snap.conv_state[row] = window(p - c.start)
+        cache.conv_state[row, slot] = window(n)
         o, S, at = self.recurrence(q, k, v, g, beta, cache.kda_state[row, slot], c.start,
                                    [p - c.start for p in sorted(snapshots)])
         for p, state in zip(sorted(snapshots), at):

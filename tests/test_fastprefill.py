@@ -165,6 +165,26 @@ def test_snapshots_inside_a_chunk_are_what_a_chunk_ending_there_leaves():
             model.forward([SeqChunk(a, 0, tables[0], 0, bad)], caches[0])
 
 
+def test_a_snapshot_in_a_chunks_first_rows_takes_the_history_before_the_chunk():
+    """A chunk that starts one row before a block boundary and snapshots there: the conv window at the
+    snapshot is the slot's history before the chunk, then the chunk's first row, as a chunk ending
+    there leaves it (the fast path once read the slot after writing the chunk's own end into it)."""
+    model = _two_layers(torch.float32)
+    tokens = torch.randint(2, model.config.vocab_size, (40,), generator=torch.Generator().manual_seed(6))
+    table = torch.arange(0, 8)
+    caches, fast = _both(model)
+    snaps = []
+    for path in (lambda x: model.forward(x, caches[0]), fast.forward):
+        path([SeqChunk(tokens[:15], 0, table, 0)])
+        snaps.append(path([SeqChunk(tokens[15:], 15, table, 0, (16,))]).snapshots[(0, 16)])
+    (cut, _), _ = _both(model)
+    for piece, start in ((tokens[:15], 0), (tokens[15:16], 15)):
+        model.forward([SeqChunk(piece, start, table, 0)], cut)
+    for path, snap, tol in (("reference", snaps[0], 1e-5), ("fast", snaps[1], 1e-5 if EXACT else 1e-3)):
+        torch.testing.assert_close(torch.stack(snap.conv_state), cut.conv_state[:, 0], rtol=10 * tol, atol=tol,
+                                   msg=f"{path} conv_state at 16")
+
+
 def test_unsupported_block_size_is_named():
     model = _model(torch.float32)
     cache = CachePool(model.config, num_blocks=8, num_slots=2, block_size=48, dtype=model.dtype, device=DEVICE)
