@@ -684,11 +684,10 @@ def run_model(args) -> list[Row]:
             say(f"peak GPU memory [{i}] {d}: {torch.cuda.max_memory_allocated(d) / 1e9:.2f} GB")
     print_table(rows)
     if args.profile:  # asked for by name: --budget cuts only the timed sections
-        # eager: the kernels of a graph replay are the same, but the profiler sees them one by one
-        eager = (lambda b: model.forward(b, cache)) if fast is None else \
-            (lambda b: fast.run(*fast._inputs(b, ctx0 // BLOCK_SIZE + 1)))
-        profile_step(eager, SeqChunk(torch.ones(1, dtype=torch.long), ctx0, tables[0], 0), devices,
-                     "one decode step, B=1")
+        decode_step = (lambda b: model.forward(b, cache)) if fast is None else \
+            fast.step if captured else (lambda b: fast.run(*fast._inputs(b, ctx0 // BLOCK_SIZE + 1)))
+        profile_step(decode_step, SeqChunk(torch.ones(1, dtype=torch.long), ctx0, tables[0], 0), devices,
+                     f"one decode step, B=1 ({path})")
         T = min(args.prefill_chunk, prompts[-1])
         tokens = torch.randint(0, cfg.vocab_size, (T,), generator=torch.Generator().manual_seed(T))
         forward = (lambda b: model.forward(b, cache)) if pre is None else pre.forward
@@ -698,8 +697,10 @@ def run_model(args) -> list[Row]:
 
 
 def profile_step(step, chunk: SeqChunk, devices: Sequence[torch.device], what: str) -> None:
-    """Where one eager forward (`step([chunk])`) spends its time: torch.profiler's top operators by
+    """Where one forward (`step([chunk])`, a graph replay or eager launches) spends its time: on a GPU
+    each kernel's share of the device's span (`exclusive_times`), then torch.profiler's top operators by
     self time on the device and on the host, and the number of device events."""
+    import tempfile
     from torch.profiler import ProfilerActivity, profile
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if devices[0].type == "cuda" else [])
     try:
@@ -712,8 +713,43 @@ def profile_step(step, chunk: SeqChunk, devices: Sequence[torch.device], what: s
     events = prof.key_averages()
     n_events = sum(e.count for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
     say(f"\nprofile of {what}: {n_events} device events (kernels, copies)")
+    if devices[0].type == "cuda":
+        with tempfile.TemporaryDirectory() as folder:
+            trace = os.path.join(folder, "trace.json")
+            prof.export_chrome_trace(trace)
+            with open(trace) as f:
+                spans = [(e["name"], e["ts"], e["ts"] + e["dur"]) for e in json.load(f)["traceEvents"]
+                         if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+        shares, span, idle = exclusive_times(spans)
+        say(f"device span {span:.0f} us, idle {idle:.0f} us; each event's share of the span (its time that no "
+            f"event started before it covers):")
+        say("| device event | calls | share us | us a call | of the span |")
+        say("|---|---:|---:|---:|---:|")
+        for name, (calls, us) in sorted(shares.items(), key=lambda kv: -kv[1][1])[:25]:
+            say(f"| {name[:60]} | {calls} | {us:.1f} | {us / calls:.2f} | {us / span:.3f} |")
     for key in (["self_device_time_total"] if devices[0].type == "cuda" else []) + ["self_cpu_time_total"]:
         say(events.table(sort_by=key, row_limit=25, max_name_column_width=60))
+
+
+def exclusive_times(spans: Sequence[tuple[str, float, float]]) -> tuple[dict[str, tuple[int, float]], float, float]:
+    """Device events (name, start, end) -> ({name: (calls, share)}, span, idle). Walking the events by
+    start, each one's share runs from max(its start, the latest end so far) to its end: time that
+    overlapping events cover counts once, to the event that started first. Overlaps are a second stream
+    and kernels launched early under programmatic dependent launch, whose own durations then include
+    the wait for the kernel before (their sum can pass the span by half). The shares and idle sum to
+    the span, first start to last end."""
+    shares: dict[str, tuple[int, float]] = {}
+    ordered = sorted(spans, key=lambda e: e[1])
+    if not ordered:
+        return shares, 0.0, 0.0
+    reached = first = ordered[0][1]
+    idle = 0.0
+    for name, start, end in ordered:
+        idle += max(0.0, start - reached)
+        calls, us = shares.get(name, (0, 0.0))
+        shares[name] = (calls + 1, us + max(0.0, end - max(start, reached)))
+        reached = max(reached, end)
+    return shares, reached - first, idle
 
 
 def print_table(rows: list[Row]) -> None:
@@ -1255,8 +1291,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                    help="every step through model_glm's reference path (no fast decode step, no CUDA graphs)")
     m.add_argument("--kl-steps", type=int, default=4, help="decode steps compared between fast and reference")
     m.add_argument("--profile", action="store_true",
-                   help="profile one eager decode step (fast, or --reference) and one prefill (after the timed sections, "
-                        "whatever --budget)")
+                   help="profile one decode step (graph, fast eager, or --reference) and one prefill (after the timed "
+                        "sections, whatever --budget)")
     k = sub.add_parser("kernels", help="per-kernel timings vs floors")
     k.add_argument("--peer", action="store_true", help="also exllamav3 (needs it importable; ~5 min JIT)")
     e = sub.add_parser("exl3", help="EXL3 GEMV launch sweep / exllamav3 comparison")

@@ -69,6 +69,18 @@ def test_tiny_model_runs_every_section_on_cpu(monkeypatch):
         assert 0 < r.measured < r.floor < math.inf, r
 
 
+def test_exclusive_times_count_overlapping_device_time_once():
+    """A kernel beside another (a second stream), one launched early that waits for the one before (PDL),
+    a gap: each event's share is its time that no earlier-started event covers; shares and idle sum to
+    the span. Given out of order."""
+    spans = [("c", 12.0, 20.0), ("a", 0.0, 10.0), ("pdl", 15.0, 25.0), ("beside", 5.0, 8.0), ("a", 26.0, 27.0)]
+    shares, span, idle = bench.exclusive_times(spans)
+    assert shares == {"a": (2, 11.0), "beside": (1, 0.0), "c": (1, 8.0), "pdl": (1, 5.0)}
+    assert (span, idle) == (27.0, 3.0)
+    assert sum(us for _, us in shares.values()) + idle == span
+    assert bench.exclusive_times([]) == ({}, 0.0, 0.0)
+
+
 @pytest.mark.parametrize("core, dtype, bits", [("fp8", torch.float32, 3.25), ("bf16", torch.bfloat16, 4),
                                                ("fp8", torch.bfloat16, 2)])
 def test_weight_sizes_are_what_build_weights_allocates(core, dtype, bits):
