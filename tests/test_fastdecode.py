@@ -908,7 +908,6 @@ def test_shared_expert_beside_the_routed_ones_changes_no_number():
     _assert_same_bits(beside, one_stream)
 
 
-
 @pytest.mark.skipif(not kernels._pdl(), reason="programmatic dependent launch needs an sm_90 or newer GPU")
 def test_programmatic_dependent_launch_changes_no_number(monkeypatch):
     """With PDL each decode kernel may start while the one before still runs, and waits for it at its top:
@@ -935,6 +934,7 @@ def test_programmatic_dependent_launch_changes_no_number(monkeypatch):
         return out
 
     _assert_same_bits(run(True), run(False))
+
 
 def test_engine_sends_decode_tokens_to_the_fast_step():
     """Engine.step routes single decode tokens to FastDecoder.step (on a GPU the engine builds it
