@@ -513,6 +513,8 @@ def bf16_fp32_linear(x: torch.Tensor, w: torch.Tensor, *, block_m: int | None = 
 HC_MIX_BLOCK = 256
 HC_MIX_ROWS = 16
 HC_POST_MIX_BLOCK = 64  # columns of each of the hc streams a program of `_hc_post_mix_kernel` takes
+HC_FINISH_ROWS = 1  # rows up to which that launch's last program of a row also runs hc_pre and the RMSNorm
+_HC_ARRIVALS: dict[tuple, torch.Tensor] = {}
 HC_DOT_MIN_ROWS = 64
 HC_DOT_ROWS = 64
 HC_DOT_BLOCK = 32  # columns a step, at HC_DOT_STAGES stages (H200, 8192 rows: 189 us against 263 at 64 and 3)
@@ -581,20 +583,26 @@ def _hc_mix_dot_kernel(x_ptr, fn_ptr, part_ptr, sq_ptr, B, n_in, n_out, S, steps
     tl.store(sq_ptr + rows * S + s, sq, mask=row_ok)
 
 
+# The mix's partial sums and X' are read with a cache modifier CACHE: ".cg" (at L2) where other programs
+# of the same launch stored them (`_hc_pre_norm_rows`), "" where a launch before did.
+
 @triton.jit
-def _hc_rms_factor(sq_ptr, b, s, on, S, D, rms_eps, HC: tl.constexpr):
+def _hc_rms_factor(sq_ptr, b, s, on, S, D, rms_eps, HC: tl.constexpr, CACHE: tl.constexpr):
     # r = rsqrt(mean(X_flat²) + eps) of row b from its S partial sums of squares.
-    return 1.0 / tl.sqrt(tl.sum(tl.load(sq_ptr + b * S + s, mask=on, other=0.0), axis=0) / (HC * D) + rms_eps)
+    sq = tl.load(sq_ptr + b * S + s, mask=on, other=0.0, cache_modifier=CACHE)
+    return 1.0 / tl.sqrt(tl.sum(sq, axis=0) / (HC * D) + rms_eps)
 
 
 @triton.jit
-def _hc_post_and_c(part_ptr, row, on, r, base_ptr, scale_ptr, post_ptr, c_ptr, b, hc_eps, iters, HC: tl.constexpr):
+def _hc_post_and_c(part_ptr, row, on, r, base_ptr, scale_ptr, post_ptr, c_ptr, b, hc_eps, iters, HC: tl.constexpr,
+                   CACHE: tl.constexpr):
     # post and the Sinkhorn matrix C of row b from its mix partial sums (rows `row` of part, S of them).
     i = tl.arange(0, HC)
     ij = i[:, None] * HC + i[None, :]
-    m_post = tl.sum(tl.load(part_ptr + row[:, None] + HC + i[None, :], mask=on[:, None], other=0.0), axis=0) * r
+    m_post = tl.sum(tl.load(part_ptr + row[:, None] + HC + i[None, :], mask=on[:, None], other=0.0,
+                            cache_modifier=CACHE), axis=0) * r
     m_c = tl.sum(tl.load(part_ptr + row[:, None, None] + 2 * HC + ij[None, :, :], mask=on[:, None, None],
-                         other=0.0), axis=0) * r
+                         other=0.0, cache_modifier=CACHE), axis=0) * r
     post = 2 * tl.sigmoid(tl.load(scale_ptr + 1) * m_post + tl.load(base_ptr + HC + i))
     cl = tl.load(scale_ptr + 2) * m_c + tl.load(base_ptr + 2 * HC + ij)
     # Sinkhorn (model_glm.sinkhorn): softmax over j, then columns, then rows and columns alternately.
@@ -609,6 +617,30 @@ def _hc_post_and_c(part_ptr, row, on, r, base_ptr, scale_ptr, post_ptr, c_ptr, b
 
 
 @triton.jit
+def _hc_pre_weights(part_ptr, sq_ptr, base_ptr, scale_ptr, b, S, D, rms_eps, hc_eps, HC: tl.constexpr,
+                    NP: tl.constexpr, SP: tl.constexpr, CACHE: tl.constexpr):
+    # hc_pre's weights of row b from its mix partial sums: (pre [HC], r, the row's places in part, which
+    # of them exist), the last three for `_hc_post_and_c`.
+    s = tl.arange(0, SP)
+    on = s < S
+    row = (b * S + s) * NP
+    r = _hc_rms_factor(sq_ptr, b, s, on, S, D, rms_eps, HC, CACHE)
+    i = tl.arange(0, HC)
+    m_pre = tl.sum(tl.load(part_ptr + row[:, None] + i[None, :], mask=on[:, None], other=0.0, cache_modifier=CACHE),
+                   axis=0) * r
+    return tl.sigmoid(tl.load(scale_ptr) * m_pre + tl.load(base_ptr + i)) + hc_eps, r, row, on
+
+
+@triton.jit
+def _hc_u(x_ptr, pre, b, d, D, HC: tl.constexpr, DT: tl.constexpr, CACHE: tl.constexpr):
+    # u = Σ_i pre_i X_i of row b at columns d, rounded to DT (X's dtype: model_glm.hc_pre's rounding).
+    i = tl.arange(0, HC)
+    X = tl.load(x_ptr + b * HC * D + i[:, None] * D + d[None, :], mask=(d < D)[None, :], other=0.0,
+                cache_modifier=CACHE)
+    return _cast(tl.sum(pre[:, None] * X.to(tl.float32), axis=0), DT)
+
+
+@triton.jit
 def _hc_pre_kernel(x_ptr, part_ptr, sq_ptr, base_ptr, scale_ptr, u_ptr, usq_ptr, post_ptr, c_ptr,
                    D, S, NB, rms_eps, hc_eps, iters,
                    HC: tl.constexpr, NP: tl.constexpr, SP: tl.constexpr, BD: tl.constexpr, SINKHORN: tl.constexpr):
@@ -616,22 +648,14 @@ def _hc_pre_kernel(x_ptr, part_ptr, sq_ptr, base_ptr, scale_ptr, u_ptr, usq_ptr,
     _pdl_enter()
     b = tl.program_id(0)
     blk = tl.program_id(1)
-    s = tl.arange(0, SP)
-    on = s < S
-    row = (b * S + s) * NP
-    r = _hc_rms_factor(sq_ptr, b, s, on, S, D, rms_eps, HC)
-    i = tl.arange(0, HC)
-    m_pre = tl.sum(tl.load(part_ptr + row[:, None] + i[None, :], mask=on[:, None], other=0.0), axis=0) * r
-    pre = tl.sigmoid(tl.load(scale_ptr) * m_pre + tl.load(base_ptr + i)) + hc_eps
+    pre, r, row, on = _hc_pre_weights(part_ptr, sq_ptr, base_ptr, scale_ptr, b, S, D, rms_eps, hc_eps, HC, NP, SP, "")
     if SINKHORN:
         if blk == 0:
-            _hc_post_and_c(part_ptr, row, on, r, base_ptr, scale_ptr, post_ptr, c_ptr, b, hc_eps, iters, HC)
-    # u in X's dtype (model_glm.hc_pre's rounding); Σ u² of the rounded values for the RMSNorm.
+            _hc_post_and_c(part_ptr, row, on, r, base_ptr, scale_ptr, post_ptr, c_ptr, b, hc_eps, iters, HC, "")
+    # Σ u² of the rounded values for the RMSNorm.
     d = blk * BD + tl.arange(0, BD)
-    inside = d < D
-    X = tl.load(x_ptr + b * HC * D + i[:, None] * D + d[None, :], mask=inside[None, :], other=0.0)
-    u = _cast(tl.sum(pre[:, None] * X.to(tl.float32), axis=0), u_ptr.dtype.element_ty)
-    tl.store(u_ptr + b * D + d, u, mask=inside)
+    u = _hc_u(x_ptr, pre, b, d, D, HC, u_ptr.dtype.element_ty, "")
+    tl.store(u_ptr + b * D + d, u, mask=d < D)
     tl.store(usq_ptr + b * NB + blk, tl.sum(u.to(tl.float32) * u.to(tl.float32), axis=0))
 
 
@@ -643,8 +667,38 @@ def _hc_sinkhorn_kernel(part_ptr, sq_ptr, base_ptr, scale_ptr, post_ptr, c_ptr, 
     b = tl.program_id(0)
     s = tl.arange(0, SP)
     on = s < S
-    r = _hc_rms_factor(sq_ptr, b, s, on, S, D, rms_eps, HC)
-    _hc_post_and_c(part_ptr, (b * S + s) * NP, on, r, base_ptr, scale_ptr, post_ptr, c_ptr, b, hc_eps, iters, HC)
+    r = _hc_rms_factor(sq_ptr, b, s, on, S, D, rms_eps, HC, "")
+    _hc_post_and_c(part_ptr, (b * S + s) * NP, on, r, base_ptr, scale_ptr, post_ptr, c_ptr, b, hc_eps, iters, HC, "")
+
+
+@triton.jit
+def _hc_norm_factor(usq, D, rms_eps):
+    # 1 / rms(u) from u's per-block sums of squares usq.
+    return 1.0 / tl.sqrt(tl.sum(usq, axis=0) / D + rms_eps)
+
+
+@triton.jit
+def _hc_pre_norm_rows(x_ptr, part_ptr, sq_ptr, base_ptr, scale_ptr, norm_ptr, out_ptr, post_ptr, c_ptr, b0, B, D, S,
+                      rms_eps, hc_eps, iters, HC: tl.constexpr, NP: tl.constexpr, SP: tl.constexpr, BD: tl.constexpr,
+                      NBP: tl.constexpr, BR: tl.constexpr, SINKHORN: tl.constexpr):
+    # `_hc_pre_kernel` and `_hc_norm_kernel` for rows b0 .. b0 + BR - 1 of X' (x_ptr) in one program, which
+    # reads what the other programs of its launch stored at L2. A row's whole X' is loaded at once (a loop
+    # over blocks of it waits for each load in turn); u's sums of squares are taken per block of BD, as
+    # `_hc_pre_kernel`'s programs take them.
+    DT = x_ptr.dtype.element_ty
+    d = tl.arange(0, NBP * BD)
+    w = tl.load(norm_ptr + d, mask=d < D, other=0.0).to(tl.float32)
+    for r in range(BR):
+        b = b0 + r
+        if b < B:
+            pre, rf, row, on = _hc_pre_weights(part_ptr, sq_ptr, base_ptr, scale_ptr, b, S, D, rms_eps, hc_eps, HC, NP,
+                                               SP, ".cg")
+            if SINKHORN:
+                _hc_post_and_c(part_ptr, row, on, rf, base_ptr, scale_ptr, post_ptr, c_ptr, b, hc_eps, iters, HC,
+                               ".cg")
+            u = _hc_u(x_ptr, pre, b, d, D, HC, DT, ".cg").to(tl.float32)
+            rs = _hc_norm_factor(tl.sum(tl.reshape(u * u, (NBP, BD)), axis=1), D, rms_eps)
+            tl.store(out_ptr + b * D + d, _rms_scaled(u, rs, w, DT, out_ptr.dtype.element_ty), mask=d < D)
 
 
 @triton.jit
@@ -653,8 +707,7 @@ def _hc_norm_kernel(u_ptr, usq_ptr, norm_ptr, out_ptr, D, NB, rms_eps, NBP: tl.c
     _pdl_enter()
     b = tl.program_id(0)
     blocks = tl.arange(0, NBP)
-    usq = tl.load(usq_ptr + b * NB + blocks, mask=blocks < NB, other=0.0)
-    rs = 1.0 / tl.sqrt(tl.sum(usq, axis=0) / D + rms_eps)
+    rs = _hc_norm_factor(tl.load(usq_ptr + b * NB + blocks, mask=blocks < NB, other=0.0), D, rms_eps)
     d = tl.program_id(1) * BD + tl.arange(0, BD)
     inside = d < D
     u = tl.load(u_ptr + b * D + d, mask=inside, other=0.0).to(tl.float32)
@@ -696,11 +749,16 @@ def _hc_post_kernel(x_ptr, y_ptr, y2_ptr, post_ptr, c_ptr, out_ptr, D, HC: tl.co
 
 @triton.jit
 def _hc_post_mix_kernel(x_ptr, y_ptr, y2_ptr, post_ptr, c_ptr, out_ptr, fn_ptr, part_ptr, sq_ptr, B, D, n_out, S,
-                        HC: tl.constexpr, BD: tl.constexpr, NP: tl.constexpr, BR: tl.constexpr, SUM: tl.constexpr):
+                        arrivals_ptr, base_ptr, scale_ptr, norm_ptr, xn_ptr, post2_ptr, c2_ptr, rms_eps, hc_eps, iters,
+                        HC: tl.constexpr, BD: tl.constexpr, NP: tl.constexpr, BR: tl.constexpr, SUM: tl.constexpr,
+                        FINISH: tl.constexpr, SP: tl.constexpr, BDN: tl.constexpr, NBP: tl.constexpr,
+                        SINKHORN: tl.constexpr):
     # `_hc_post_block` for BR rows and one block of BD columns of every stream, then `_hc_mix_kernel`'s
     # partial sums over those HC x BD elements of the flattened row (split s = the column block), from
     # X' as stored. They group the products by column block instead of by runs of the flattened row:
-    # the same sums up to fp32 rounding.
+    # the same sums up to fp32 rounding. FINISH: the last of the S programs of a row block (BR 1: of a row)
+    # to store them goes on with hc_pre and the RMSNorm of those rows (`_hc_pre_norm_rows`: x, and with
+    # SINKHORN post and C), which else are two more launches.
     _pdl_enter()
     s = tl.program_id(1)
     d = s * BD + tl.arange(0, BD)
@@ -714,6 +772,13 @@ def _hc_post_mix_kernel(x_ptr, y_ptr, y2_ptr, post_ptr, c_ptr, out_ptr, fn_ptr, 
             v = _hc_post_block(x_ptr, y_ptr, y2_ptr, post_ptr, c_ptr, out_ptr, b, d, D, HC, SUM).to(tl.float32)
             tl.store(part_ptr + (b * S + s) * NP + o, tl.sum(tl.sum(fn * v[None, :, :], axis=2), axis=1))
             tl.store(sq_ptr + b * S + s, tl.sum(tl.sum(v * v, axis=1), axis=0))
+    if FINISH:
+        tl.debug_barrier()
+        g = tl.program_id(0)
+        if tl.atomic_add(arrivals_ptr + g, 1, sem="acq_rel") == S - 1:
+            _hc_pre_norm_rows(out_ptr, part_ptr, sq_ptr, base_ptr, scale_ptr, norm_ptr, xn_ptr, post2_ptr, c2_ptr, g * BR,
+                              B, D, S, rms_eps, hc_eps, iters, HC, NP, SP, BDN, NBP, BR, SINKHORN)
+            tl.store(arrivals_ptr + g, 0)
 
 
 def _hc_mix(x: torch.Tensor, fn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -776,19 +841,32 @@ def _hc_finish(X: torch.Tensor, part: torch.Tensor, sq: torch.Tensor, base: torc
     base, scale = base.float().contiguous(), scale.float().contiguous()
     u = torch.empty(B, D, dtype=X.dtype, device=X.device)
     usq = torch.empty(B, NB, dtype=torch.float32, device=X.device)
-    x = torch.empty(B, D, dtype=torch.promote_types(norm.dtype, X.dtype), device=X.device)
-    post = torch.empty(B, hc, dtype=torch.float32, device=X.device)
-    C = torch.empty(B, hc, hc, dtype=torch.float32, device=X.device)
+    x, post, C = _hc_outputs(X, norm)
     if beside is not None:
-        beside.wait_stream(torch.cuda.current_stream(X.device))
-        with torch.cuda.stream(beside):
-            _hc_sinkhorn(part, sq, base, scale, post, C, D, rms_eps, hc_eps, iters)
-        for t in (part, sq, base, scale, post, C):  # made on this stream, used on the other one
-            t.record_stream(beside)
+        _hc_sinkhorn_beside(beside, part, sq, base, scale, post, C, D, rms_eps, hc_eps, iters)
     _hc_pre_kernel[(B, NB)](X, part, sq, base, scale, u, usq, post, C, D, S, NB, rms_eps, hc_eps, iters, HC=hc,
                             NP=NP, SP=SP, BD=BD, SINKHORN=beside is None, num_warps=1, launch_pdl=_pdl())
     _hc_norm_kernel[(B, NB)](u, usq, norm, x, D, NB, rms_eps, NBP=triton.next_power_of_2(NB), BD=BD, launch_pdl=_pdl())
     return x, post, C
+
+
+def _hc_outputs(X: torch.Tensor, norm: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    # hc_pre's (x, post, C) for X [B, hc, D], unfilled.
+    B, hc, D = X.shape
+    return (torch.empty(B, D, dtype=torch.promote_types(norm.dtype, X.dtype), device=X.device),
+            torch.empty(B, hc, dtype=torch.float32, device=X.device),
+            torch.empty(B, hc, hc, dtype=torch.float32, device=X.device))
+
+
+def _hc_sinkhorn_beside(beside: "torch.cuda.Stream", part: torch.Tensor, sq: torch.Tensor, base: torch.Tensor,
+                        scale: torch.Tensor, post: torch.Tensor, C: torch.Tensor, D: int, rms_eps: float,
+                        hc_eps: float, iters: int) -> None:
+    # `_hc_sinkhorn` on the stream `beside`, after what this stream has launched so far.
+    beside.wait_stream(torch.cuda.current_stream(part.device))
+    with torch.cuda.stream(beside):
+        _hc_sinkhorn(part, sq, base, scale, post, C, D, rms_eps, hc_eps, iters)
+    for t in (part, sq, base, scale, post, C):  # made on this stream, used on the other one
+        t.record_stream(beside)
 
 
 def _hc_sinkhorn(part: torch.Tensor, sq: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, post: torch.Tensor,
@@ -832,7 +910,8 @@ def hc_post_pre(X: torch.Tensor, y: torch.Tensor, post: torch.Tensor, C: torch.T
                 ) -> tuple[torch.Tensor, ...]:
     """hc_post(X, y, post, C, y2) followed by the next sub-layer's hc_pre(X', fn, base, scale, norm, ...):
     (X', x, post', C'). Below HC_DOT_MIN_ROWS rows (the decode step's) hc_post and hc_pre's mix share
-    one launch (`_hc_post_mix_kernel`); more rows run the two functions. `beside`: see hc_pre."""
+    one launch (`_hc_post_mix_kernel`), and up to HC_FINISH_ROWS rows the rest of hc_pre and its
+    RMSNorm run at the end of that launch too; more rows run the two functions. `beside`: see hc_pre."""
     B, hc, D = X.shape
     _hc_check("hc_post_pre", X, fn)
     if B >= HC_DOT_MIN_ROWS or D % HC_POST_MIX_BLOCK:
@@ -844,10 +923,32 @@ def hc_post_pre(X: torch.Tensor, y: torch.Tensor, post: torch.Tensor, C: torch.T
     NP = max(16, triton.next_power_of_2(fn.shape[0]))
     part = torch.empty(B, S, NP, dtype=torch.float32, device=X.device)
     sq = torch.empty(B, S, dtype=torch.float32, device=X.device)
-    _hc_post_mix_kernel[(triton.cdiv(B, HC_MIX_ROWS), S)](X, y, y2, post, C, out, fn, part, sq, B, D, fn.shape[0], S,
-                                                         HC=hc, BD=HC_POST_MIX_BLOCK, NP=NP, BR=HC_MIX_ROWS,
-                                                         SUM=y2 is not y, launch_pdl=_pdl())
-    return out, *_hc_finish(out, part, sq, base, scale, norm, rms_eps, hc_eps, iters, beside)
+    finish = B <= HC_FINISH_ROWS
+    rows = 1 if finish else HC_MIX_ROWS  # finishing, a program a row: each row's last program takes it on
+    groups = triton.cdiv(B, rows)
+    base, scale = base.float().contiguous(), scale.float().contiguous()
+    x, post2, C2 = _hc_outputs(X, norm)
+    BD = min(HC_BLOCK, triton.next_power_of_2(D))
+    _hc_post_mix_kernel[(groups, S)](X, y, y2, post, C, out, fn, part, sq, B, D, fn.shape[0], S,
+                                     _hc_arrivals(X.device, groups), base, scale, norm, x, post2, C2, rms_eps, hc_eps,
+                                     iters, HC=hc, BD=HC_POST_MIX_BLOCK, NP=NP, BR=rows, SUM=y2 is not y,
+                                     FINISH=finish, SP=triton.next_power_of_2(S), BDN=BD,
+                                     NBP=triton.next_power_of_2(triton.cdiv(D, BD)), SINKHORN=beside is None,
+                                     launch_pdl=_pdl())
+    if not finish:
+        return out, *_hc_finish(out, part, sq, base, scale, norm, rms_eps, hc_eps, iters, beside)
+    if beside is not None:
+        _hc_sinkhorn_beside(beside, part, sq, base, scale, post2, C2, D, rms_eps, hc_eps, iters)
+    return out, x, post2, C2
+
+
+def _hc_arrivals(device: torch.device, groups: int) -> torch.Tensor:
+    # `_hc_post_mix_kernel`'s arrival counter of each row block, allocated once and left zeroed by the
+    # kernel, as `_fp8_arrivals`; one launch at a time.
+    key = (device, groups)
+    if key not in _HC_ARRIVALS:
+        _HC_ARRIVALS[key] = torch.zeros(groups, dtype=torch.int32, device=device)
+    return _HC_ARRIVALS[key]
 
 
 # ================================================================ the clamped SwiGLU (§4.5)

@@ -99,6 +99,39 @@ def test_hc_post_pre_is_hc_post_then_hc_pre(dtype, B, parts):
         kernels.hc_post_pre(X, y, post, C, fn2[:, :-1], *args, y2=y2)
 
 
+@pytest.mark.parametrize("B,D", [(1, 1536), (5, 1536), (2, 4096)], ids=["one-row", "ragged-blocks", "D4096"])
+def test_hc_post_pre_runs_hc_pre_in_its_own_launch_as_the_launches_after_it(B, D, monkeypatch):
+    """Up to HC_FINISH_ROWS rows (here at least B) the last program of `_hc_post_mix_kernel` to store its sums
+    runs hc_pre and the RMSNorm (`_hc_pre_norm_rows`) instead of two more launches: the same x, post and C as those launches
+    (bit for bit on the CPU; on a GPU the two kernels group the mix's sums in their own ways: x within one
+    ulp), with D in several blocks of HC_BLOCK (1536: three, in a range padded to four), and the arrival
+    counters left zeroed (a second call gives the same)."""
+    cfg = GLMConfig.from_dict(tiny.tiny_config_dict())
+    g = torch.Generator().manual_seed(B)
+    hc = cfg.hc_mult
+    assert D % kernels.HC_POST_MIX_BLOCK == 0 and D > kernels.HC_BLOCK
+    monkeypatch.setattr(kernels, "HC_FINISH_ROWS", max(B, kernels.HC_FINISH_ROWS))
+    rand = lambda *shape: torch.randn(*shape, generator=g).to(DEVICE)
+    X = rand(B, hc, D).to(torch.bfloat16)
+    post, C = rand(B, hc), rand(B, hc, hc).softmax(-1)
+    y, y2 = rand(B, D), rand(B, D).to(torch.bfloat16)
+    fn, base, scale = 0.02 * rand(2 * hc + hc * hc, hc * D), rand(2 * hc + hc * hc), rand(3).abs() + 0.5
+    args = (fn, base, scale, (1 + 0.1 * rand(D)).to(torch.bfloat16), cfg.rms_norm_eps, cfg.hc_eps,
+            cfg.hc_sinkhorn_iters)
+    got = kernels.hc_post_pre(X, y, post, C, *args, y2=y2)
+    again = kernels.hc_post_pre(X, y, post, C, *args, y2=y2)
+    assert not kernels._HC_ARRIVALS[(X.device, B)].any()
+    monkeypatch.setattr(kernels, "HC_FINISH_ROWS", 0)
+    want = kernels.hc_post_pre(X, y, post, C, *args, y2=y2)
+    assert all(torch.equal(a, b) for a, b in zip(got, again))
+    assert torch.equal(got[0], want[0])  # X'
+    if DEVICE == "cpu":
+        assert all(torch.equal(a, b) for a, b in zip(got[1:], want[1:]))
+    else:
+        torch.testing.assert_close(got[2:], want[2:], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got[1], want[1], rtol=2 ** -7, atol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_hc_mix_tensor_core_sums_are_fp32_exact(dtype):
     # The sums against fp64, scaled by Σ |x·fn| (fp32 summation's error bound is n·2^-24 times it):
