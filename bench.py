@@ -699,10 +699,13 @@ def run_model(args) -> list[Row]:
 def profile_step(step, chunk: SeqChunk, devices: Sequence[torch.device], what: str) -> None:
     """Where one forward (`step([chunk])`, a graph replay or eager launches) spends its time: on a GPU
     each kernel's share of the device's span (`exclusive_times`), then torch.profiler's top operators by
-    self time on the device and on the host, and the number of device events."""
+    self time on the device and on the host, and the number of device events. The step runs once
+    before the profiler starts: a first call's compilation and autotuning would be most of the span."""
     import tempfile
     from torch.profiler import ProfilerActivity, profile
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if devices[0].type == "cuda" else [])
+    step([chunk])
+    sync(*devices)
     try:
         with profile(activities=activities) as prof:
             step([chunk])
