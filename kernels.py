@@ -514,8 +514,9 @@ HC_MIX_BLOCK = 256
 HC_MIX_ROWS = 16
 HC_POST_MIX_BLOCK = 64  # columns of each of the hc streams a program of `_hc_post_mix_kernel` takes
 # rows up to which that launch's last program of a row also runs hc_pre and the RMSNorm (H100, first 20 layers,
-# decode steps against the two launches after it: 1.002x / 1.047x / 1.077x at B 1 / 4 / 16)
-HC_FINISH_ROWS = 16
+# decode steps against the two launches after it, two runs: 1.002x / 1.056x / 1.047x / 1.077x / 1.077x / 1.035x
+# at B 1 / 2 / 4 / 8 / 16 / 32; more rows are unmeasured)
+HC_FINISH_ROWS = 32
 _HC_ARRIVALS: dict[tuple, torch.Tensor] = {}
 HC_DOT_MIN_ROWS = 64
 HC_DOT_ROWS = 64
