@@ -546,67 +546,114 @@ def _qkv(j: tl.constexpr, q, k, v):
 
 
 @triton.jit
-def _low_rank(x_ptr, w_ptr, s_ptr, rows, R, LR: tl.constexpr, DT: tl.constexpr):
-    # Rows `rows` of W · x (W [n, R] row-major, x [R]) rounded to DT, as fastdecode's linear gives them:
+def _low_rank_tile(x_ptr, w_ptr, s_ptr, r, k0: tl.constexpr, R: tl.constexpr, LR: tl.constexpr):
+    # The 128-wide block from k0 of a low-rank product's operands (see _low_rank): x, loaded as W's
+    # [rows, 128] tile is (x once per row of it, so that it needs no layout change), W and its scale.
+    j = k0 + tl.arange(0, 128)[None, :]
+    x = tl.load(x_ptr + j + 0 * r, mask=j < R, other=0.0)
+    w = tl.load(w_ptr + r * R + j, mask=j < R, other=0.0)
+    if LR == 1:
+        scale = tl.load(s_ptr + (r // 128) * ((R + 127) // 128) + k0 // 128)
+    else:
+        scale = 1.0
+    return x, w, scale
+
+
+@triton.jit
+def _low_rank_dot(x, w, scale, LR: tl.constexpr):
+    dot = tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1, keep_dims=True)
+    if LR == 1:
+        dot = dot * scale
+    return dot
+
+
+@triton.jit
+def _low_rank(x_ptr, w_ptr, s_ptr, r, x0, w0, scale0, R: tl.constexpr, LR: tl.constexpr, DT: tl.constexpr):
+    # Rows r [rows, 1] of W · x (W [n, R] row-major, x [R]) rounded to DT, as fastdecode's linear gives them:
     # fp32 sums; for FP8 block-128 (LR 1, scale_inv s [ceil(n/128), ceil(R/128)]) each 128-wide block's
-    # dot times its scale, the blocks added in order, as kernels.fp8_gemv does; LR 2: a dense W.
-    acc = tl.zeros([rows.shape[0]], dtype=tl.float32)
-    j0 = tl.arange(0, 128)
-    for k0 in range(0, R, 128):
-        j = k0 + j0
-        x = tl.load(x_ptr + j, mask=j < R, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + rows[:, None] * R + j[None, :], mask=j[None, :] < R, other=0.0).to(tl.float32)
-        dot = tl.sum(w * x[None, :], axis=1)
-        if LR == 1:
-            dot = dot * tl.load(s_ptr + (rows // 128) * tl.cdiv(R, 128) + k0 // 128)
-        acc += dot
-    return _cast(acc, DT).to(tl.float32)
+    # dot times its scale, the blocks added in order, as kernels.fp8_gemv does; LR 2: a dense W. The
+    # first block's operands (x0, w0, scale0: `_low_rank_tile`) come loaded, so that the caller can issue
+    # them before any barrier; the model's rank is one block.
+    acc = _low_rank_dot(x0, w0, scale0, LR)
+    for k0 in tl.static_range(128, R, 128):
+        x, w, scale = _low_rank_tile(x_ptr, w_ptr, s_ptr, r, k0, R, LR)
+        acc += _low_rank_dot(x, w, scale, LR)
+    return tl.reshape(_cast(acc, DT).to(tl.float32), [r.shape[0]])
+
+
+@triton.jit
+def _conv_loads(j: tl.constexpr, q_ptr, k_ptr, v_ptr, x_row, hist_ptr, cs_row, w_ptr, c, t,
+                H: tl.constexpr, DH: tl.constexpr, KW: tl.constexpr):
+    # Projection j's history rows (t < KW-1) of the slot, this token's row and the conv weights [KP, DH],
+    # as loaded: they meet in one layout (a shared-memory exchange, with barriers) only in `_conv_out`.
+    hist = tl.load(hist_ptr + t * cs_row + c[None, :], mask=t < KW - 1, other=0.0)
+    new = tl.load(_qkv(j, q_ptr, k_ptr, v_ptr) + x_row + c[None, :])
+    weight = tl.load(w_ptr + (j * H * DH + c[None, :]) * KW + t, mask=t < KW, other=0.0)
+    return hist, new, weight
+
+
+@triton.jit
+def _conv_out(j: tl.constexpr, hist, new, weight, hist_ptr, cs_row, c, t, out_ptr, scale, KW: tl.constexpr):
+    # Projection j's SiLU(conv) over the window (rows t: 0 .. KW-2 the history, KW-1 the token), q and k
+    # L2-normalized (q also · scale), and the window shifted by one into the slot's history.
+    window = tl.where(t == KW - 1, new.to(tl.float32), hist.to(tl.float32))
+    pre = tl.sum(window * weight.to(tl.float32), axis=0)
+    act = _cast(pre * tl.sigmoid(pre), hist.dtype).to(tl.float32)  # SiLU, rounded as short_conv rounds
+    tl.store(hist_ptr + (t - 1) * cs_row + c[None, :], _cast(window, hist.dtype), mask=(t >= 1) & (t < KW))
+    if j == 0:
+        act = act / tl.sqrt(tl.sum(act * act, axis=0) + 1e-6) * scale
+    elif j == 1:
+        act = act / tl.sqrt(tl.sum(act * act, axis=0) + 1e-6)
+    tl.store(out_ptr, act)
 
 
 @triton.jit
 def _kda_inputs_kernel(q_ptr, k_ptr, v_ptr, x_stride, conv_ptr, slots_ptr, w_ptr, f_ptr, f_stride, fw_ptr, fs_ptr,
-                       ga_ptr, ga_stride, gw_ptr, gs_ptr, og_ptr, R, alog_ptr, dtb_ptr, b_ptr, b_stride,
+                       ga_ptr, ga_stride, gw_ptr, gs_ptr, og_ptr, alog_ptr, dtb_ptr, b_ptr, b_stride,
                        qo_ptr, ko_ptr, vo_ptr, go_ptr, beta_ptr, lower, scale, cs_slot, cs_j, cs_row,
-                       H: tl.constexpr, DH: tl.constexpr, KW: tl.constexpr, KP: tl.constexpr, LR: tl.constexpr,
-                       LRG: tl.constexpr):
+                       H: tl.constexpr, DH: tl.constexpr, KW: tl.constexpr, KP: tl.constexpr, R: tl.constexpr,
+                       LR: tl.constexpr, LRG: tl.constexpr):
     # LR 0: f_ptr holds f (f_b's output); 1, 2: f_a's output, and f = f_b · it here (see _low_rank). LRG 1, 2:
-    # also o_g = g_b · g_a (ga_ptr) into og_ptr [B, H·d] for the output gate. They come first, so that their
-    # weight loads overlap the convolutions. H200, full size, decode B=1: 9.4 us a call with both factors
-    # against 5.5 without; the two GEMV launches they replace took 9.8.
+    # also o_g = g_b · g_a (ga_ptr) into og_ptr [B, H·d] for the output gate; R: their rank. A program's time
+    # at B=1 is latency, so every global load is issued before the one barrier (the history's loads before its
+    # stores) and nothing that exchanges layouts through shared memory comes between them. H200, full size,
+    # B=1, when each window's barrier and x's layout exchange split the loads into waits of their own: 9.4 us a
+    # call with both factors against 5.5 without (the two GEMV launches they replace took 9.8); H100, first 8
+    # layers, decode steps with the loads first: 1.016x at B=1 (~4.7 us a call less), 1.008x at B=4.
     _pdl_enter()
     bi = tl.program_id(0)
     h = tl.program_id(1)
     c = h * DH + tl.arange(0, DH)
+    slot = tl.load(slots_ptr + bi).to(tl.int64)
+    t = tl.arange(0, KP)[:, None]
+    hist_ptr = conv_ptr + slot * cs_slot
+    x_row = bi * x_stride
+    hist_q, new_q, w_q = _conv_loads(0, q_ptr, k_ptr, v_ptr, x_row, hist_ptr, cs_row, w_ptr, c, t, H, DH, KW)
+    hist_k, new_k, w_k = _conv_loads(1, q_ptr, k_ptr, v_ptr, x_row, hist_ptr + cs_j, cs_row, w_ptr, c, t, H, DH, KW)
+    hist_v, new_v, w_v = _conv_loads(2, q_ptr, k_ptr, v_ptr, x_row, hist_ptr + 2 * cs_j, cs_row, w_ptr, c, t, H, DH,
+                                     KW)
+    b = tl.load(b_ptr + bi * b_stride + h).to(tl.float32)
+    a = tl.exp(tl.load(alog_ptr + h))
+    dtb = tl.load(dtb_ptr + c)
+    r = c[:, None]
     if LR == 0:
         f = tl.load(f_ptr + bi * f_stride + c).to(tl.float32)
     else:
-        f = _low_rank(f_ptr + bi * f_stride, fw_ptr, fs_ptr, c, R, LR, f_ptr.dtype.element_ty)
+        fx, fw, fs = _low_rank_tile(f_ptr + bi * f_stride, fw_ptr, fs_ptr, r, 0, R, LR)
     if LRG != 0:
-        o_g = _low_rank(ga_ptr + bi * ga_stride, gw_ptr, gs_ptr, c, R, LRG, ga_ptr.dtype.element_ty)
+        gx, gw, gs = _low_rank_tile(ga_ptr + bi * ga_stride, gw_ptr, gs_ptr, r, 0, R, LRG)
+    tl.debug_barrier()
+    if LR != 0:
+        f = _low_rank(f_ptr + bi * f_stride, fw_ptr, fs_ptr, r, fx, fw, fs, R, LR, f_ptr.dtype.element_ty)
+    if LRG != 0:
+        o_g = _low_rank(ga_ptr + bi * ga_stride, gw_ptr, gs_ptr, r, gx, gw, gs, R, LRG, ga_ptr.dtype.element_ty)
         tl.store(og_ptr + bi * (H * DH) + c, o_g.to(og_ptr.dtype.element_ty))
-    slot = tl.load(slots_ptr + bi).to(tl.int64)
-    t = tl.arange(0, KP)[:, None]  # window rows: 0 .. KW-2 the history, KW-1 this token
     out = (bi * H + h) * DH + tl.arange(0, DH)
-    for j in tl.static_range(3):
-        src = _qkv(j, q_ptr, k_ptr, v_ptr)
-        hist_ptr = conv_ptr + slot * cs_slot + j * cs_j
-        hist = tl.load(hist_ptr + t * cs_row + c[None, :], mask=t < KW - 1, other=0.0)
-        new = tl.load(src + bi * x_stride + c)
-        window = tl.where(t == KW - 1, new.to(tl.float32)[None, :], hist.to(tl.float32))
-        weight = tl.load(w_ptr + (j * H * DH + c[None, :]) * KW + t, mask=t < KW, other=0.0).to(tl.float32)
-        pre = tl.sum(window * weight, axis=0)
-        act = _cast(pre * tl.sigmoid(pre), hist.dtype).to(tl.float32)  # SiLU, rounded as short_conv rounds
-        tl.debug_barrier()
-        tl.store(hist_ptr + (t - 1) * cs_row + c[None, :], _cast(window, hist.dtype), mask=(t >= 1) & (t < KW))
-        if j == 0:
-            tl.store(qo_ptr + out, act / tl.sqrt(tl.sum(act * act, axis=0) + 1e-6) * scale)
-        elif j == 1:
-            tl.store(ko_ptr + out, act / tl.sqrt(tl.sum(act * act, axis=0) + 1e-6))
-        else:
-            tl.store(vo_ptr + out, act)
-    a = tl.exp(tl.load(alog_ptr + h))
-    tl.store(go_ptr + out, lower * tl.sigmoid(a * (f + tl.load(dtb_ptr + c))))
-    tl.store(beta_ptr + bi * H + h, tl.sigmoid(tl.load(b_ptr + bi * b_stride + h).to(tl.float32)))
+    _conv_out(0, hist_q, new_q, w_q, hist_ptr, cs_row, c, t, qo_ptr + out, scale, KW)
+    _conv_out(1, hist_k, new_k, w_k, hist_ptr + cs_j, cs_row, c, t, ko_ptr + out, scale, KW)
+    _conv_out(2, hist_v, new_v, w_v, hist_ptr + 2 * cs_j, cs_row, c, t, vo_ptr + out, scale, KW)
+    tl.store(go_ptr + out, lower * tl.sigmoid(a * (f + dtb)))
+    tl.store(beta_ptr + bi * H + h, tl.sigmoid(b))
 
 
 @dataclass
@@ -690,10 +737,11 @@ def kda_decode_inputs(pre_conv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
         raise ValueError(f"kda_decode_inputs: f_b and g_b must share their rank, got {f_args[2]} and {g_args[2]}")
     _kda_inputs_kernel[(B, H)](
         *pre_conv, pre_conv[0].stride(0), conv_state, slots.contiguous(), conv_w, f, f.stride(0), *f_args[:2],
-        g_a, g_a.stride(0), *g_args[:2], o_g, max(f_args[2], g_args[2]), A_log.float().contiguous(),
+        g_a, g_a.stride(0), *g_args[:2], o_g, A_log.float().contiguous(),
         dt_bias.float().contiguous(), b, b.stride(0), q, k, v, g, beta, lower_bound, d ** -0.5,
         conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
-        H=H, DH=d, KW=K, KP=triton.next_power_of_2(K), LR=lr, LRG=lrg, launch_pdl=_pdl())
+        H=H, DH=d, KW=K, KP=triton.next_power_of_2(K), R=max(f_args[2], g_args[2]), LR=lr, LRG=lrg,
+        launch_pdl=_pdl())
     return (q, k, v, g, beta) + ((o_g,) if g_b is not None else ())
 
 
