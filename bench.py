@@ -11,7 +11,7 @@
     python bench.py agreement [--device cpu]     the default model: fast decode step vs reference path (KL)
     python bench.py fp8core [--device cpu]       the default model: BF16 core vs FP8 core (bytes, KL, speed)
 
-`model` builds GLM-5.3-Flash (shapes from the fixture config.json, no files) directly on the device:
+`model` builds GLM-5.3-Flash (synthetic.py: shapes from the fixture config.json, no files) directly on the device:
 routed experts as EXL3 random trellises (--bits 3.25: a quarter of the MoE layers K4, the rest K3),
 the other linears FP8 block-128 (`fp8.FP8Linear`) or BF16, and runs it on `CachePool` / `SeqChunk`
 as the engine does, through the fast path (fastdecode / fastprefill; --reference: model_glm's
@@ -19,7 +19,7 @@ forward): decode at batch 1, 4, 16 and at batch 1 over a long context (cache fil
 rows, not prefilled), prefill at 1K to 128K. Every figure comes with its floor: bytes per step at
 the copy bandwidth measured here (decode), or the larger of all-weights read and FLOPs at the bf16
 matmul rate measured here (prefill). Random weights: the numbers are speeds, not quality. Weights
-and cache are planned first (placement.py, from `weight_sizes`): a plan that does not fit is
+and cache are planned first (placement.py, from `synthetic.weight_sizes`): a plan that does not fit is
 refused with its numbers before anything is built. With --devices the layers are split over the
 devices; the decode step then replays one CUDA graph per device run of layers, and the eager
 steps are timed beside the graph ones (what the graphs save). --profile: where one decode
@@ -54,17 +54,13 @@ import checkpoint
 import exl3
 import fp8
 import placement
+import synthetic
 from cache import CachePool
 from fastdecode import FastDecoder, Unsupported
 from fastprefill import FastPrefill
 from model_glm import GLMConfig, GLMModel, SeqChunk, kda_recurrent, on_device
-from placement import Placement, PlacementError
+from placement import PlacementError
 
-ROOT = Path(__file__).resolve().parent
-CONFIG_CANDIDATES = [Path(os.environ.get("GLM53_SHARED", ROOT.parent / "shared")), ROOT / "shared",
-                     ROOT / ".whl" / "shared"]
-CODEBOOK = "mcg"
-BLOCK_SIZE = 64
 START = time.time()
 
 
@@ -128,82 +124,7 @@ def kl_nats(ref: torch.Tensor, got: torch.Tensor) -> torch.Tensor:
     return (p.exp() * (p - q)).sum(-1)
 
 
-# ================================================================ the synthetic model
-
-def fixture_config() -> dict:
-    for base in CONFIG_CANDIDATES:
-        path = base / "fixtures" / "glm53" / "config.json"
-        if path.is_file():
-            with open(path) as f:
-                return json.load(f)
-    raise FileNotFoundError(f"fixtures/glm53/config.json not found under any of {[str(c) for c in CONFIG_CANDIDATES]}; "
-                            "set GLM53_SHARED to the folder holding fixtures/")
-
-
-def model_config(layers: int | None, tiny: bool) -> GLMConfig:
-    """The real config (or the tests' tiny one), without MTP, cut to the first `layers` layers: the
-    pattern (3 KDA + 1 DSA, dense layers first) stays as it is at the top of the model."""
-    d = checkpoint.tiny_config_dict() if tiny else fixture_config()
-    t = dict(d["text_config"])
-    n = layers or t["num_hidden_layers"]
-    if not 1 <= n <= t["num_hidden_layers"]:
-        raise ValueError(f"--layers {n}: the model has 1..{t['num_hidden_layers']} layers")
-    t["num_hidden_layers"], t["num_nextn_predict_layers"] = n, 0
-    for key in ("layer_types", "mlp_layer_types", "indexer_types"):
-        if key in t:
-            t[key] = t[key][:n]
-    lin = dict(t["linear_attn_config"])
-    for key in ("kda_layers", "full_attn_layers"):
-        if key in lin:
-            lin[key] = [i for i in lin[key] if i < n]
-    t["linear_attn_config"] = lin
-    return GLMConfig.from_dict({"text_config": t})
-
-
-def layer_bits(cfg: GLMConfig, bits: float) -> dict[int, int]:
-    """K per MoE layer: 3.25 = every fourth MoE layer K4, the others K3 (K3.25-like); else K for all."""
-    moe = [L for L, t in enumerate(cfg.mlp_layer_types) if t == "sparse"]
-    if bits == 3.25:
-        return {L: 4 if j % 4 == 0 else 3 for j, L in enumerate(moe)}
-    if bits not in (2, 3, 4, 5, 6):
-        raise ValueError(f"--bits {bits}: expected 3.25 (K3/K4 mix) or an integer 2..6")
-    return {L: int(bits) for L in moe}
-
-
-def weight_format(name: str, spec: checkpoint.TensorSpec, core: str) -> str:
-    """"exl3" (routed experts), "fp8" (core linears with --core fp8) or "plain" (a tensor)."""
-    if checkpoint.is_routed_expert(name):
-        return "exl3"
-    if core == "fp8" and checkpoint.is_fp8_core(name, spec):
-        return "fp8"
-    return "plain"
-
-
-def _layer(name: str) -> int:
-    return int(name.split(".")[1])
-
-
-def weight_bytes(name: str, spec: checkpoint.TensorSpec, fmt: str, bits: dict[int, int], dtype_bytes: int) -> int:
-    """Bytes `build_weights` allocates for one weight: an EXL3 linear's int16 trellis and fp16 suh,
-    svh; an FP8 linear's bytes and fp32 block scales; else the tensor in the model dtype (small
-    fp32 tensors in fp32)."""
-    if fmt == "exl3":
-        out_f, in_f = spec.shape
-        return (in_f // 16) * (out_f // 16) * exl3.trellis_width(bits[_layer(name)]) * 2 + 2 * (in_f + out_f)
-    if fmt == "fp8":
-        out_f, in_f = spec.shape
-        return out_f * in_f + 4 * -(-out_f // 128) * -(-in_f // 128)
-    fp32 = spec.fp32 and not spec.linear and name != "embed_tokens.weight"
-    return math.prod(spec.shape) * (4 if fp32 else dtype_bytes)
-
-
-def weight_sizes(cfg: GLMConfig, bits: dict[int, int], core: str, dtype: torch.dtype) -> dict[str, int]:
-    """Bytes by in-memory name of what `build_weights` will allocate, without allocating: what
-    placement.plan places."""
-    size = torch.empty((), dtype=dtype).element_size()
-    return {name: weight_bytes(name, spec, weight_format(name, spec, core), bits, size)
-            for name, spec in checkpoint.expected_tensors(cfg).items()}
-
+# ================================================================ the synthetic model: floors and runs
 
 @dataclass
 class Budget:
@@ -221,11 +142,11 @@ class Budget:
         core_bytes = all_bytes = core_params = 0
         expert_bytes: dict[int, float] = {}
         for name, spec in checkpoint.expected_tensors(cfg).items():
-            fmt = weight_format(name, spec, core)
-            b = weight_bytes(name, spec, fmt, bits, dtype_bytes)
+            fmt = synthetic.weight_format(name, spec, core)
+            b = synthetic.weight_bytes(name, spec, fmt, bits, dtype_bytes)
             all_bytes += b
             if fmt == "exl3":
-                L = _layer(name)
+                L = synthetic.layer_index(name)
                 expert_bytes[L] = expert_bytes.get(L, 0) + b / cfg.n_routed_experts
             elif name != "embed_tokens.weight":
                 core_bytes += b
@@ -270,84 +191,6 @@ class Budget:
         indexer = n_dsa * c.index_n_heads * c.index_head_dim * 2 * sum_pos / c.index_kpool
         head = 2 * c.vocab_size * c.hidden_size
         return T * (weights + kda) + mla + indexer + head
-
-
-def _random_linear_tensor(shape, dtype, device, gen) -> torch.Tensor:
-    """N(0, 1/in) in `dtype`, generated on the device (the model-scale tensors do not fit a CPU RNG's time)."""
-    return torch.randn(shape, dtype=dtype, device=device, generator=gen) / math.sqrt(shape[-1])
-
-
-def _random_experts(cfg: GLMConfig, L: int, k: int, device, gen) -> dict[str, exl3.EXL3Linear]:
-    """All routed experts of layer L from one trellis allocation per projection kind; W std ~ 1/sqrt(in)
-    as in tests/tiny.py (random signs times (codebook std * sqrt(in))^-1/2 on both sides)."""
-    E, D, I = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
-    cb_std = exl3.codebook_lut(CODEBOOK).float().std().item()
-    out = {}
-    for proj, (in_f, out_f) in (("gate_proj", (D, I)), ("up_proj", (D, I)), ("down_proj", (I, D))):
-        shape = (E, in_f // 16, out_f // 16, exl3.trellis_width(k))
-        # uint8 random_() covers all 256 byte values; int16 random_() would never set the sign bit.
-        trellis = torch.empty(math.prod(shape) * 2, dtype=torch.uint8, device=device).random_(
-            generator=gen).view(torch.int16).view(shape)
-        mag = (cb_std * math.sqrt(in_f)) ** -0.5
-        sign = lambda n: torch.randint(0, 2, (E, n), device=device, generator=gen) * 2 - 1
-        suh, svh = (sign(in_f) * mag).half(), (sign(out_f) * mag).half()
-        for e in range(E):
-            name = f"layers.{L}.mlp.experts.{e}.{proj}.weight"
-            out[name] = exl3.EXL3Linear(trellis[e], suh[e], svh[e], CODEBOOK, name=name)
-    return out
-
-
-def build_weights(cfg: GLMConfig, bits: dict[int, int], core: str, dtype: torch.dtype,
-                  device: torch.device | Callable[[str], torch.device], seed: int = 0) -> dict:
-    """Random weights by in-memory name, on `device` or on `device(name)` (a placement's device_of);
-    the core first (its FP8 quantization needs transient memory), then the experts layer by layer.
-    One generator per device, each seeded with `seed`: one device draws what it always drew."""
-    where = device if callable(device) else lambda name: device
-    gens: dict[torch.device, torch.Generator] = {}
-
-    def gen(dev: torch.device) -> torch.Generator:
-        if dev not in gens:
-            gens[dev] = torch.Generator(device=dev).manual_seed(seed)
-        return gens[dev]
-
-    weights: dict = {}
-    specs = checkpoint.expected_tensors(cfg)
-    for name, spec in specs.items():
-        fmt = weight_format(name, spec, core)
-        if fmt == "exl3":
-            continue
-        dev = torch.device(where(name))
-        if fmt == "fp8":
-            w = _random_linear_tensor(spec.shape, torch.bfloat16, dev, gen(dev))
-            weights[name] = fp8.FP8Linear.from_weight(w, name=name)
-        elif spec.linear:
-            weights[name] = _random_linear_tensor(spec.shape, dtype, dev, gen(dev))
-        elif name == "embed_tokens.weight":
-            weights[name] = torch.randn(spec.shape, dtype=dtype, device=dev, generator=gen(dev))
-        else:  # small tensors: checkpoint's initializer (A_log, dt_bias, mHC, norms, router ...)
-            g = torch.Generator().manual_seed(seed + len(weights))
-            weights[name] = checkpoint.random_init(name, spec, g).to(
-                device=dev, dtype=torch.float32 if spec.fp32 else dtype)
-    for L, k in bits.items():
-        dev = torch.device(where(f"layers.{L}.mlp.experts.0.gate_proj.weight"))  # the layer's experts lie together
-        weights |= _random_experts(cfg, L, k, dev, gen(dev))
-    return weights
-
-
-def fill_context(cache: CachePool, blocks: torch.Tensor, slot: int, ctx: int, gen: torch.Generator) -> None:
-    """Stand-in for a prefill of `ctx` tokens: random latent rows, index keys, gate scores and pooled
-    keys in the sequence's blocks, a random KDA and conv state in its slot (unit-scale values).
-    Drawn on the generator's device; a pool split over devices (cache.LayerRows) sends each layer's
-    rows to its device."""
-    used = blocks[:-(-ctx // cache.block_size)].to(cache.device)
-    for t in (cache.latent, cache.index_k, cache.gate, cache.pooled):
-        t[:, used] = torch.randn((t.shape[0], len(used), *t.shape[2:]), dtype=t.dtype, device=gen.device,
-                                 generator=gen)
-    s = cache.kda_state
-    cache.kda_state[:, slot] = 0.05 * torch.randn((s.shape[0], *s.shape[2:]), device=gen.device, generator=gen)
-    c = cache.conv_state
-    cache.conv_state[:, slot] = torch.randn((c.shape[0], *c.shape[2:]), dtype=c.dtype, device=gen.device,
-                                            generator=gen)
 
 
 def warm_up(model: GLMModel) -> float:
@@ -449,41 +292,31 @@ def model_devices(args) -> tuple[torch.device, ...]:
     return placement.parse_devices(args.devices if args.devices else [args.device or "cuda"])
 
 
-def plan_model(cfg: GLMConfig, bits: dict[int, int], core: str, dtype: torch.dtype,
-               devices: Sequence[torch.device], budgets: Sequence[int | None], num_blocks: int,
-               num_slots: int) -> Placement:
-    """The layer split of the synthetic model and its cache over `devices` (placement.plan, with the
-    bytes build_weights will allocate): raises PlacementError, with every device's numbers, when a
-    device's weights and cache rows exceed its budget."""
-    return placement.plan(cfg, weight_sizes(cfg, bits, core, dtype), devices, budgets=budgets,
-                          cache=cache_mod.pool_bytes(cfg, num_blocks, num_slots, BLOCK_SIZE, dtype))
-
-
 def run_model(args) -> list[Row]:
     devices = model_devices(args)
     device = devices[0]  # embedding, final norm, head; logits arrive here
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    cfg = model_config(args.layers, args.tiny)
-    bits = layer_bits(cfg, args.bits)
+    cfg = synthetic.model_config(args.layers, args.tiny)
+    bits = synthetic.layer_bits(cfg, args.bits)
     budget = Budget.of(cfg, bits, args.core, torch.finfo(dtype).bits // 8)
     n_kda, n_dsa = len(cfg.kda_layers), len(cfg.dsa_layers)
     say(f"model: {cfg.num_hidden_layers} layers ({n_kda} KDA, {n_dsa} DSA, {len(bits)} MoE), experts EXL3 "
-        f"{CODEBOOK} K{args.bits} ({sum(k == 4 for k in bits.values())} layers K4), core {args.core}, "
+        f"{synthetic.CODEBOOK} K{args.bits} ({sum(k == 4 for k in bits.values())} layers K4), core {args.core}, "
         f"{dtype}, weights {budget.all_bytes / 1e9:.2f} GB")
 
     batches = [b for b in (1, 4, 16) if b <= args.max_batch]
     prompts = [64, 256] if args.tiny else [1024, 8192, 32768, 131072]
     long_ctx = 512 if args.tiny else args.long_context
     ctx0, steps = args.context, args.steps
-    blocks_per_seq = -(-(ctx0 + steps + 1) // BLOCK_SIZE)
-    long_blocks = -(-(max(long_ctx + steps + 1, max(prompts))) // BLOCK_SIZE)  # also the prompts' table
+    blocks_per_seq = -(-(ctx0 + steps + 1) // synthetic.BLOCK_SIZE)
+    long_blocks = -(-(max(long_ctx + steps + 1, max(prompts))) // synthetic.BLOCK_SIZE)  # also the prompts' table
     num_blocks = max(max(batches) * blocks_per_seq, long_blocks)
     num_slots = max(batches)
 
     # A CUDA device may use its free memory less --reserve-gb (activations) for weights and cache.
     budgets = [torch.cuda.mem_get_info(d)[0] - int(args.reserve_gb * 1e9) if d.type == "cuda" else None
                for d in devices]
-    plan = plan_model(cfg, bits, args.core, dtype, devices, budgets, num_blocks, num_slots)
+    plan = synthetic.plan_model(cfg, bits, args.core, dtype, devices, budgets, num_blocks, num_slots)
     say(plan.describe())
     split = len(set(plan.device(L) for L in range(cfg.num_hidden_layers)) | {device}) > 1
     if device.type == "cuda":
@@ -499,7 +332,7 @@ def run_model(args) -> list[Row]:
             f"device, so a layer split adds memory, not bandwidth; its floor per token is the one-device floor")
 
     t0 = time.time()
-    weights = build_weights(cfg, bits, args.core, dtype, plan.device_of, args.seed)
+    weights = synthetic.build_weights(cfg, bits, args.core, dtype, plan.device_of, args.seed)
     model = GLMModel(cfg, weights, plan)
     sync(*devices)
     for d in dict.fromkeys(devices):
@@ -512,25 +345,27 @@ def run_model(args) -> list[Row]:
     except Exception as error:  # the sections then report their own failures
         say(f"kernel warm-up failed: {type(error).__name__}: {error}")
 
-    probe = CachePool(cfg, 1, 1, block_size=BLOCK_SIZE, dtype=dtype, device="meta")
+    probe = CachePool(cfg, 1, 1, block_size=synthetic.BLOCK_SIZE, dtype=dtype, device="meta")
     fits = []
     for i, d in enumerate(plan.devices):
         if d.type != "cuda" or i != plan.devices.index(d):
             continue
         layers = [L for L in range(cfg.num_hidden_layers) if plan.device(L) == d]
-        per_block, per_slot = (sum(cache_mod.layer_bytes(cfg, L, BLOCK_SIZE, dtype)[j] for L in layers) for j in (0, 1))
+        per_block, per_slot = (sum(cache_mod.layer_bytes(cfg, L, synthetic.BLOCK_SIZE, dtype)[j] for L in layers)
+                               for j in (0, 1))
         free, _ = torch.cuda.mem_get_info(d)
         spare = free - args.reserve_gb * 1e9 - num_slots * per_slot
         if per_block:
-            fits.append(int(spare // per_block) * BLOCK_SIZE)
+            fits.append(int(spare // per_block) * synthetic.BLOCK_SIZE)
         say(f"after weights [{i}] {d}: {torch.cuda.memory_allocated(d) / 1e9:.2f} GB allocated, {free / 1e9:.1f} GB "
-            f"free; its layers' cache rows: {per_block // BLOCK_SIZE:,} B/token, {per_slot / 1e6:.1f} MB per KDA slot")
+            f"free; its layers' cache rows: {per_block // synthetic.BLOCK_SIZE:,} B/token, {per_slot / 1e6:.1f} MB per KDA "
+            "slot")
     if fits:
         say(f"cache capacity with {args.reserve_gb} GB kept for activations on each device and {num_slots} KDA slots "
             f"({probe.bytes_per_sequence() / 1e6:.1f} MB each): {min(fits):,} tokens at {probe.bytes_per_token():,} "
             f"B/token")
-    cache = CachePool(cfg, num_blocks, num_slots, block_size=BLOCK_SIZE, dtype=dtype, device=list(plan.devices),
-                      layer_device=dict(enumerate(plan.layer_device)))
+    cache = CachePool(cfg, num_blocks, num_slots, block_size=synthetic.BLOCK_SIZE, dtype=dtype,
+                      device=list(plan.devices), layer_device=dict(enumerate(plan.layer_device)))
     gen = torch.Generator(device=device).manual_seed(args.seed + 1)
     tables = [torch.arange(b * blocks_per_seq, (b + 1) * blocks_per_seq) for b in range(num_slots)]
 
@@ -561,7 +396,7 @@ def run_model(args) -> list[Row]:
 
     def eager_step(batch: list[SeqChunk]) -> torch.Tensor:
         """The fast step without its graphs."""
-        return fast.run(*fast._inputs(batch, max(c.start for c in batch) // BLOCK_SIZE + 1))[0]
+        return fast.run(*fast._inputs(batch, max(c.start for c in batch) // synthetic.BLOCK_SIZE + 1))[0]
 
     rows: list[Row] = []
     timed_from = time.time()  # the budget counts the timed sections, not building and capturing (minutes cold)
@@ -582,7 +417,7 @@ def run_model(args) -> list[Row]:
 
     def decode(B: int, forward=step, label: str = path, n: int = steps) -> Row:
         for b in range(B):
-            fill_context(cache, tables[b], b, ctx0, gen)
+            synthetic.fill_context(cache, tables[b], b, ctx0, gen)
         rate = decode_rate(forward, tables[:B], ctx0, n, devices)
         floor = B * bw / budget.decode_bytes(B, ctx0)
         return Row(f"decode B={B} ctx {ctx0} ({label})", rate, floor,
@@ -590,7 +425,7 @@ def run_model(args) -> list[Row]:
 
     def decode_long() -> Row:
         table = torch.arange(long_blocks)
-        fill_context(cache, table, 0, long_ctx, gen)
+        synthetic.fill_context(cache, table, 0, long_ctx, gen)
         rate = decode_rate(step, [table], long_ctx, steps, devices)
         return Row(f"decode B=1 ctx {long_ctx} ({path})", rate, bw / budget.decode_bytes(1, long_ctx),
                    f"({budget.decode_bytes(1, long_ctx) / 1e9:.2f} GB/step)")
@@ -614,7 +449,7 @@ def run_model(args) -> list[Row]:
 
     def verify_cost() -> None:
         """What a speculative verify pass costs: 8 rows of one sequence vs 1, reference path (dflash2.md §6.3)."""
-        fill_context(cache, tables[0], 0, ctx0, gen)
+        synthetic.fill_context(cache, tables[0], 0, ctx0, gen)
         times = {}
         for rows in (1, 8, 1, 8):
             tokens = torch.ones(rows, dtype=torch.long)
@@ -627,7 +462,7 @@ def run_model(args) -> list[Row]:
             f"{1e3 * times[1]:.0f} ms ({times[8] / times[1]:.2f}x)")
 
     def agreement() -> None:
-        fill_context(cache, tables[0], 0, ctx0, gen)
+        synthetic.fill_context(cache, tables[0], 0, ctx0, gen)
         for what, (mean, worst, agree) in fast_vs_reference(model, fast, cache, tables[0], ctx0,
                                                             args.kl_steps).items():
             say(f"KL(reference || {what}), B=1 ctx {ctx0}, {args.kl_steps} steps: mean {mean:.2e} nats "
@@ -685,7 +520,7 @@ def run_model(args) -> list[Row]:
     print_table(rows)
     if args.profile:  # asked for by name: --budget cuts only the timed sections
         decode_step = (lambda b: model.forward(b, cache)) if fast is None else \
-            fast.step if captured else (lambda b: fast.run(*fast._inputs(b, ctx0 // BLOCK_SIZE + 1)))
+            fast.step if captured else (lambda b: fast.run(*fast._inputs(b, ctx0 // synthetic.BLOCK_SIZE + 1)))
         profile_step(decode_step, SeqChunk(torch.ones(1, dtype=torch.long), ctx0, tables[0], 0), devices,
                      f"one decode step, B=1 ({path})")
         T = min(args.prefill_chunk, prompts[-1])
@@ -783,8 +618,8 @@ def run_kernels(args) -> None:
     import kernels
     for (k, n), bits in itertools.product(EXL3_SHAPES, (3, 4)):
         sets = exl3_data_sets(k, n, bits)
-        ref = exl3_reference(*sets[0], CODEBOOK)
-        calls = [exl3_ours(*s, CODEBOOK) for s in sets]
+        ref = exl3_reference(*sets[0], synthetic.CODEBOOK)
+        calls = [exl3_ours(*s, synthetic.CODEBOOK) for s in sets]
         line("exl3_gemv m=1", f"{k}x{n} K{bits}", calls, k * n * bits / 8 / gbps / 1e3, lambda ref=ref: ref)
 
     for bits in (3, 4):
@@ -824,7 +659,7 @@ def run_kernels(args) -> None:
             line("bf16 F.linear (cuBLAS)", f"m={m} {n}x{k}", cublas, 2 * n * k / gbps / 1e3)
     fp8_sweep(line, gbps)
     if args.peer:
-        exl3_compare(argparse.Namespace(codebook=CODEBOOK))
+        exl3_compare(argparse.Namespace(codebook=synthetic.CODEBOOK))
 
 
 def fp8_sweep(line, gbps: float, n: int = 8192, k: int = 4096) -> None:
@@ -858,11 +693,12 @@ def moe_line(line, gbps: float, bits: int, peer: bool = False, E: int = 288, top
     x = torch.randn(1, D, generator=g, device="cuda").half()
     routings = [torch.randperm(E, generator=g, device="cuda")[:top_k][None] for _ in range(10)]
     route = torch.rand(1, top_k, generator=g, device="cuda")
-    fused = [lambda ids=ids: exl3_kernels.exl3_moe_decode(x, ids, route, *projections, CODEBOOK, 10.0) for ids in routings]
+    fused = [lambda ids=ids: exl3_kernels.exl3_moe_decode(x, ids, route, *projections, synthetic.CODEBOOK, 10.0)
+             for ids in routings]
     ids0 = routings[0][0].tolist()
     ref = torch.zeros(1, D, device="cuda")
     for j, e in enumerate(ids0):
-        gate, up, down = (exl3.EXL3Linear(p[0][e], p[1][e], p[2][e], CODEBOOK) for p in projections)
+        gate, up, down = (exl3.EXL3Linear(p[0][e], p[1][e], p[2][e], synthetic.CODEBOOK) for p in projections)
         # The torch twin (EXL3Linear's slow path), not its CUDA dispatch to the kernels under test.
         act = swiglu(gate._forward_torch(x.float()), up._forward_torch(x.float()), 10.0)
         ref += route[0, j] * down._forward_torch(act)
@@ -876,14 +712,14 @@ def moe_line(line, gbps: float, bits: int, peer: bool = False, E: int = 288, top
         for e in ids[0].tolist():
             for p, xin, out in zip(projections, (x, x, act), outs):
                 separate.append(lambda p=p, e=e, xin=xin, out=out: exl3_kernels.exl3_gemv(
-                    xin, p[0][e], p[1][e], p[2][e], CODEBOOK, out=out))
+                    xin, p[0][e], p[1][e], p[2][e], synthetic.CODEBOOK, out=out))
     per_layer = 3 * top_k
     line(f"{per_layer} x exl3_gemv (per expert)", "same, per layer",
          [lambda i=i: [c() for c in separate[i:i + per_layer]] for i in range(0, len(separate), per_layer)],
          top_k * expert_bytes / gbps / 1e3)
     if peer:
         _, ext = load_exllamav3()
-        theirs = [their_moe(ext, projections, CODEBOOK, x, ids, route, 10.0) for ids in routings]
+        theirs = [their_moe(ext, projections, synthetic.CODEBOOK, x, ids, route, 10.0) for ids in routings]
         line("exllamav3 exl3_moe", f"B=1 top-{top_k} of {E}, {D}x{I} K{bits}", theirs,
              top_k * expert_bytes / gbps / 1e3, lambda: ref)
 
@@ -1336,15 +1172,15 @@ def run_engine(args) -> None:
     from tokenizers import Tokenizer, models
     (device,) = placement.parse_devices([args.device])
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    cfg = model_config(args.layers, args.tiny)
-    bits = layer_bits(cfg, args.bits)
-    B, per_seq = max(args.batch), -(-(args.context + args.tokens + 2) // BLOCK_SIZE)
+    cfg = synthetic.model_config(args.layers, args.tiny)
+    bits = synthetic.layer_bits(cfg, args.bits)
+    B, per_seq = max(args.batch), -(-(args.context + args.tokens + 2) // synthetic.BLOCK_SIZE)
     budget = [torch.cuda.mem_get_info(device)[0] - int(args.reserve_gb * 1e9) if device.type == "cuda" else None]
-    plan = plan_model(cfg, bits, args.core, dtype, [device], budget, B * per_seq, B + 1)
-    model = GLMModel(cfg, build_weights(cfg, bits, args.core, dtype, plan.device_of, args.seed), plan)
+    plan = synthetic.plan_model(cfg, bits, args.core, dtype, [device], budget, B * per_seq, B + 1)
+    model = GLMModel(cfg, synthetic.build_weights(cfg, bits, args.core, dtype, plan.device_of, args.seed), plan)
     tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(cfg.vocab_size)}, unk_token="t0"))
     e = engine.Engine(model, tok, eos_token_ids=[], max_num_seqs=B, num_blocks=B * per_seq,
-                      max_model_len=per_seq * BLOCK_SIZE)
+                      max_model_len=per_seq * synthetic.BLOCK_SIZE)
     gen = torch.Generator().manual_seed(args.seed)
     for b in args.batch:
         for label, kw in ENGINE_SAMPLING:
@@ -1382,7 +1218,8 @@ def run_agreement(args) -> None:
     e = engine.load(device=args.device, progress=False, max_cache_tokens=8192, use_kernels=False)
     model, cfg = e.model, e.model.config
     ids = e.tokenizer.encode(Path(json.__file__).read_text()).ids[:args.context]
-    cache = CachePool(cfg, num_blocks=128, num_slots=2, block_size=BLOCK_SIZE, dtype=model.dtype, device=device)
+    cache = CachePool(cfg, num_blocks=128, num_slots=2, block_size=synthetic.BLOCK_SIZE, dtype=model.dtype,
+                      device=device)
     table = torch.arange(64)
     model.forward([SeqChunk(torch.tensor(ids), 0, table, 0)], cache)
     fast = FastDecoder(model, cache, max_context=4096)

@@ -1,5 +1,5 @@
-"""bench.py: the floor arithmetic against performance.md's own numbers, and the CPU smoke run of the
-model benchmark (the GPU runs cannot happen here)."""
+"""bench.py and synthetic.py: the floor arithmetic against performance.md's own numbers, the synthetic
+model's sizes and layouts, and the CPU smoke run of the model benchmark (the GPU runs cannot happen here)."""
 import math
 
 import pytest
@@ -7,6 +7,7 @@ import torch
 
 import bench
 import placement
+import synthetic
 from cache import CachePool, LayerRows
 from model_glm import GLMModel, SeqChunk
 from placement import PlacementError
@@ -14,8 +15,8 @@ from placement import PlacementError
 
 @pytest.fixture(scope="module")
 def full_budget(fixtures_dir):
-    cfg = bench.model_config(None, tiny=False)
-    return bench.Budget.of(cfg, bench.layer_bits(cfg, 3.25), "fp8", dtype_bytes=2)
+    cfg = synthetic.model_config(None, tiny=False)
+    return bench.Budget.of(cfg, synthetic.layer_bits(cfg, 3.25), "fp8", dtype_bytes=2)
 
 
 def test_experts_touched_is_spec_e_of_b(full_budget):
@@ -39,15 +40,15 @@ def test_bytes_and_flops_match_the_spec(full_budget):
 
 
 def test_layer_subsets_keep_the_pattern(fixtures_dir):
-    cfg = bench.model_config(8, tiny=False)
+    cfg = synthetic.model_config(8, tiny=False)
     assert cfg.layer_types == ("kda",) * 3 + ("dsa",) + ("kda",) * 3 + ("dsa",)
     assert cfg.mlp_layer_types == ("dense",) * 3 + ("sparse",) * 5 and cfg.num_nextn_predict_layers == 0
-    bits = bench.layer_bits(bench.model_config(None, tiny=False), 3.25)
+    bits = synthetic.layer_bits(synthetic.model_config(None, tiny=False), 3.25)
     assert len(bits) == 42 and sum(k == 4 for k in bits.values()) == 11
     with pytest.raises(ValueError, match="--layers 46"):
-        bench.model_config(46, tiny=False)
+        synthetic.model_config(46, tiny=False)
     with pytest.raises(ValueError, match="--bits 3.5"):
-        bench.layer_bits(cfg, 3.5)
+        synthetic.layer_bits(cfg, 3.5)
 
 
 # The tiny model's rows, in bench's order: the issue's figures first (what a --budget cut keeps).
@@ -95,20 +96,20 @@ def test_profile_leaves_the_first_call_out(capsys):
 @pytest.mark.parametrize("core, dtype, bits", [("fp8", torch.float32, 3.25), ("bf16", torch.bfloat16, 4),
                                                ("fp8", torch.bfloat16, 2)])
 def test_weight_sizes_are_what_build_weights_allocates(core, dtype, bits):
-    cfg = bench.model_config(None, tiny=True)
-    k = bench.layer_bits(cfg, bits)
-    built = placement.sizes_of(bench.build_weights(cfg, k, core, dtype, torch.device("cpu")))
-    assert bench.weight_sizes(cfg, k, core, dtype) == built
+    cfg = synthetic.model_config(None, tiny=True)
+    k = synthetic.layer_bits(cfg, bits)
+    built = placement.sizes_of(synthetic.build_weights(cfg, k, core, dtype, torch.device("cpu")))
+    assert synthetic.weight_sizes(cfg, k, core, dtype) == built
 
 
 def test_k4_plan_refuses_one_h200_and_splits_over_two(fixtures_dir):
     """Full size, K4 experts: refused on one device of an H200's free memory less the 8 GB reserve,
     with the numbers, before anything is built; two such devices hold it, layers on each."""
-    cfg = bench.model_config(None, tiny=False)
-    bits, budget = bench.layer_bits(cfg, 4), 141 * 10**9
+    cfg = synthetic.model_config(None, tiny=False)
+    bits, budget = synthetic.layer_bits(cfg, 4), 141 * 10**9
     with pytest.raises(PlacementError, match=r"does not fit: \[0\] cpu needs 15\d\.\d\d GiB .* has 131\.32 GiB"):
-        bench.plan_model(cfg, bits, "fp8", torch.bfloat16, [torch.device("cpu")], [budget], 2049, 16)
-    plan = bench.plan_model(cfg, bits, "fp8", torch.bfloat16, [torch.device("cpu")] * 2, [budget] * 2, 2049, 16)
+        synthetic.plan_model(cfg, bits, "fp8", torch.bfloat16, [torch.device("cpu")], [budget], 2049, 16)
+    plan = synthetic.plan_model(cfg, bits, "fp8", torch.bfloat16, [torch.device("cpu")] * 2, [budget] * 2, 2049, 16)
     assert set(plan.layer_device) == {0, 1}
     assert sum(plan.weight_bytes) == bench.Budget.of(cfg, bits, "fp8", dtype_bytes=2).all_bytes
     need = [b + c for b, c in zip(plan.weight_bytes, plan.cache_bytes)]
@@ -124,26 +125,26 @@ def test_tiny_model_runs_every_section_on_two_cpu_devices():
 
 
 def test_two_cpu_devices_give_the_one_device_weights_and_decode_logits():
-    cfg = bench.model_config(None, tiny=True)
-    bits, blocks = bench.layer_bits(cfg, 3.25), 4
+    cfg = synthetic.model_config(None, tiny=True)
+    bits, blocks = synthetic.layer_bits(cfg, 3.25), 4
     logits, weights = [], []
     for devices in (["cpu"], ["cpu", "cpu"]):
-        plan = bench.plan_model(cfg, bits, "fp8", torch.float32, [torch.device(d) for d in devices],
+        plan = synthetic.plan_model(cfg, bits, "fp8", torch.float32, [torch.device(d) for d in devices],
                                 [None] * len(devices), 2 * blocks, 2)
-        w = bench.build_weights(cfg, bits, "fp8", torch.float32, plan.device_of, seed=3)
+        w = synthetic.build_weights(cfg, bits, "fp8", torch.float32, plan.device_of, seed=3)
         model = GLMModel(cfg, w, plan)
-        cache = CachePool(cfg, 2 * blocks, 2, block_size=bench.BLOCK_SIZE, dtype=torch.float32,
+        cache = CachePool(cfg, 2 * blocks, 2, block_size=synthetic.BLOCK_SIZE, dtype=torch.float32,
                           device=list(plan.devices), layer_device=dict(enumerate(plan.layer_device)))
         assert isinstance(cache.latent, LayerRows) == (len(devices) == 2)
         gen = torch.Generator().manual_seed(4)
         tables = [torch.arange(b * blocks, (b + 1) * blocks) for b in range(2)]
         for b in range(2):
-            bench.fill_context(cache, tables[b], b, 100, gen)
+            synthetic.fill_context(cache, tables[b], b, 100, gen)
         with torch.inference_mode():
             batch = [bench.SeqChunk(torch.tensor([5 + b]), 100, tables[b], b) for b in range(2)]
             logits.append(model.forward(batch, cache).logits)
         weights.append(w)
-    weights.append(bench.build_weights(cfg, bits, "fp8", torch.float32, torch.device("cpu"), seed=3))
+    weights.append(synthetic.build_weights(cfg, bits, "fp8", torch.float32, torch.device("cpu"), seed=3))
     assert set(plan.layer_device) == {0, 1}
     values = [{(n, k): t for n, x in w.items()
                for k, t in ({"": x} if isinstance(x, torch.Tensor) else x.tensors()).items()} for w in weights]
@@ -155,12 +156,12 @@ def test_two_cpu_devices_give_the_one_device_weights_and_decode_logits():
 def test_a_model_cut_to_kda_layers_plans_and_decodes():
     """`--layers 1` keeps one KDA layer and no DSA layer: the cache has no DSA rows (the H200's
     `--layers 2` run failed in CachePool on an empty list of rows), and a decode step still runs."""
-    cfg = bench.model_config(1, tiny=True)
+    cfg = synthetic.model_config(1, tiny=True)
     assert cfg.dsa_layers == () and cfg.mtp_layer is None
-    bits = bench.layer_bits(cfg, 3.25)
-    plan = bench.plan_model(cfg, bits, "fp8", torch.float32, [torch.device("cpu")], [None], 2, 1)
-    model = GLMModel(cfg, bench.build_weights(cfg, bits, "fp8", torch.float32, plan.device_of, seed=3), plan)
-    cache = CachePool(cfg, 2, 1, block_size=bench.BLOCK_SIZE, dtype=torch.float32)
+    bits = synthetic.layer_bits(cfg, 3.25)
+    plan = synthetic.plan_model(cfg, bits, "fp8", torch.float32, [torch.device("cpu")], [None], 2, 1)
+    model = GLMModel(cfg, synthetic.build_weights(cfg, bits, "fp8", torch.float32, plan.device_of, seed=3), plan)
+    cache = CachePool(cfg, 2, 1, block_size=synthetic.BLOCK_SIZE, dtype=torch.float32)
     assert cache.latent.shape[0] == 0 and cache.kda_state.shape[0] == 1
     with torch.inference_mode():
         out = model.forward([bench.SeqChunk(torch.tensor([5, 6]), 0, torch.arange(2), 0)], cache)
