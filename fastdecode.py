@@ -634,7 +634,7 @@ class FastDecoder:
         of FP8 at full size) runs on the device's second stream, forked after h and joined after
         routed(): the router and the routed experts (their decode kernel ALU-bound, its memory bus
         mostly idle) leave room beside them. The numbers do not change. The fork and join also keep the
-        GEMVs' shared scratch (kernels._fp8_arrivals, _split_buffers) to one stream at a time: routed()
+        GEMVs' shared scratch (kernels._FP8_ARRIVALS, _split_buffers) to one stream at a time: routed()
         runs none of those GEMVs."""
         beside = self._beside.get(h.device)
         if beside is None:

@@ -264,14 +264,16 @@ def _fp8_gemv_fma_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, arrivals_ptr, m
     _fp8_finish(y, out_ptr, part_ptr, arrivals_ptr, pid_n, pid_k, m, n, split, 4, BN)
 
 
-def _fp8_arrivals(device: torch.device, n_tiles: int) -> torch.Tensor:
-    # Per-column-block arrival counters. The kernel leaves them zeroed, so they are allocated once per
-    # (device, n_tiles) and never freed: CUDA graphs captured with them keep valid addresses. Two
-    # launches must not run at once (one stream, or streams joined in between).
-    key = (device, n_tiles)
-    if key not in _FP8_ARRIVALS:
-        _FP8_ARRIVALS[key] = torch.zeros(n_tiles, dtype=torch.int32, device=device)
-    return _FP8_ARRIVALS[key]
+def _arrival_counters(store: dict[tuple[torch.device, int], torch.Tensor], device: torch.device,
+                      n: int) -> torch.Tensor:
+    # n int32 arrival counters (a kernel's, one per block it finishes: `store` is the kernel's own). The
+    # kernel leaves them zeroed, so they are allocated once per (device, n) and never freed: CUDA graphs
+    # captured with them keep valid addresses. Two launches must not run at once (one stream, or streams
+    # joined in between).
+    key = (device, n)
+    if key not in store:
+        store[key] = torch.zeros(n, dtype=torch.int32, device=device)
+    return store[key]
 
 
 def _sm_count(device: torch.device) -> int:
@@ -342,8 +344,9 @@ def _fp8_gemv_fma(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor
         raise ValueError(f"split_k {split} must lie in 1..{chunks} (the chunks of {kb} k blocks)")
     per_split = triton.cdiv(chunks, split)
     part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
+    arrivals = _arrival_counters(_FP8_ARRIVALS, x.device, n_tiles)
     _fp8_gemv_fma_kernel[(n_tiles, split)](
-        x, weight, scale_inv, out, part, _fp8_arrivals(x.device, n_tiles), m, n, k, k_blocks, per_split, split,
+        x, weight, scale_inv, out, part, arrivals, m, n, k, k_blocks, per_split, split,
         BN=block_n, KB=kb, ROWS=m, K_TAIL=k % (kb * FP8_BLOCK) != 0, STAGES=num_stages, num_warps=num_warps,
         launch_pdl=_pdl())
 
@@ -358,7 +361,7 @@ def _fp8_gemv_mma(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor
     if not 1 <= split <= k_blocks:
         raise ValueError(f"split_k {split} must lie in 1..{k_blocks} (the k blocks of 128)")
     per_split = triton.cdiv(k_blocks, split)
-    arrivals = _fp8_arrivals(x.device, n_tiles)
+    arrivals = _arrival_counters(_FP8_ARRIVALS, x.device, n_tiles)
     for row in range(0, m, FP8_GEMV_ROWS):
         rows = min(FP8_GEMV_ROWS, m - row)
         target = out[row:row + rows]
@@ -517,7 +520,7 @@ HC_POST_MIX_BLOCK = 64  # columns of each of the hc streams a program of `_hc_po
 # decode steps against the two launches after it, two runs: 1.002x / 1.056x / 1.047x / 1.077x / 1.077x / 1.035x
 # at B 1 / 2 / 4 / 8 / 16 / 32; more rows are unmeasured)
 HC_FINISH_ROWS = 32
-_HC_ARRIVALS: dict[tuple, torch.Tensor] = {}
+_HC_ARRIVALS: dict[tuple[torch.device, int], torch.Tensor] = {}  # `_hc_post_mix_kernel`'s (_arrival_counters)
 HC_DOT_MIN_ROWS = 64
 HC_DOT_ROWS = 64
 HC_DOT_BLOCK = 32  # columns a step, at HC_DOT_STAGES stages (H200, 8192 rows: 189 us against 263 at 64 and 3)
@@ -932,11 +935,11 @@ def hc_post_pre(X: torch.Tensor, y: torch.Tensor, post: torch.Tensor, C: torch.T
     base, scale = base.float().contiguous(), scale.float().contiguous()
     x, post2, C2 = _hc_outputs(X, norm)
     BD = min(HC_BLOCK, triton.next_power_of_2(D))
-    _hc_post_mix_kernel[(groups, S)](X, y, y2, post, C, out, fn, part, sq, B, D, fn.shape[0], S,
-                                     _hc_arrivals(X.device, groups), base, scale, norm, x, post2, C2, rms_eps, hc_eps,
-                                     iters, HC=hc, BD=HC_POST_MIX_BLOCK, NP=NP, BR=rows, SUM=y2 is not y,
-                                     FINISH=finish, SP=triton.next_power_of_2(S), BDN=BD,
-                                     NBP=triton.next_power_of_2(triton.cdiv(D, BD)), SINKHORN=beside is None,
+    arrivals = _arrival_counters(_HC_ARRIVALS, X.device, groups)
+    _hc_post_mix_kernel[(groups, S)](X, y, y2, post, C, out, fn, part, sq, B, D, fn.shape[0], S, arrivals, base,
+                                     scale, norm, x, post2, C2, rms_eps, hc_eps, iters, HC=hc, BD=HC_POST_MIX_BLOCK,
+                                     NP=NP, BR=rows, SUM=y2 is not y, FINISH=finish, SP=triton.next_power_of_2(S),
+                                     BDN=BD, NBP=triton.next_power_of_2(triton.cdiv(D, BD)), SINKHORN=beside is None,
                                      launch_pdl=_pdl())
     if not finish:
         return out, *_hc_finish(out, part, sq, base, scale, norm, rms_eps, hc_eps, iters, beside)
@@ -944,14 +947,6 @@ def hc_post_pre(X: torch.Tensor, y: torch.Tensor, post: torch.Tensor, C: torch.T
         _hc_sinkhorn_beside(beside, part, sq, base, scale, post2, C2, D, rms_eps, hc_eps, iters)
     return out, x, post2, C2
 
-
-def _hc_arrivals(device: torch.device, groups: int) -> torch.Tensor:
-    # `_hc_post_mix_kernel`'s arrival counter of each row block, allocated once and left zeroed by the
-    # kernel, as `_fp8_arrivals`; one launch at a time.
-    key = (device, groups)
-    if key not in _HC_ARRIVALS:
-        _HC_ARRIVALS[key] = torch.zeros(groups, dtype=torch.int32, device=device)
-    return _HC_ARRIVALS[key]
 
 
 # ================================================================ the clamped SwiGLU (§4.5)

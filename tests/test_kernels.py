@@ -383,7 +383,7 @@ def test_fp8_gemv_splits_are_deterministic_and_leave_counters_clean(m, n, k, blo
     lin = _fp8_linear(n, k, seed=3)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16).to(DEVICE)
     first = kernels.fp8_gemv(x, lin.weight, lin.scale_inv, block_n=block_n, split_k=split_k)
-    assert not kernels._fp8_arrivals(x.device, n // block_n).any(), "arrival counters left non-zero"
+    assert not kernels._FP8_ARRIVALS[(x.device, n // block_n)].any(), "arrival counters left non-zero"
     # The slabs are added in split order whichever program arrives last (on a GPU that order varies).
     for _ in range(2):
         assert torch.equal(kernels.fp8_gemv(x, lin.weight, lin.scale_inv, block_n=block_n, split_k=split_k), first)
