@@ -547,6 +547,8 @@ def _moe_rotate_kernel(x_ptr, ids_ptr, route_ptr, part_ptr, bias_ptr, E, S, scal
     _pdl_enter()
     blk = tl.program_id(0)
     p = tl.program_id(1)
+    i = tl.arange(0, 128)
+    x = tl.load(x_ptr + (p // top_k) * k + blk * 128 + i).to(tl.float32)  # the token's row, ahead of the picks
     if ROUTED:
         ids, w = _route_pick(part_ptr, bias_ptr, p // top_k, E, S, scaling, NORM, TOPK, KP, EP, SP)
         j = tl.arange(0, KP)
@@ -557,14 +559,14 @@ def _moe_rotate_kernel(x_ptr, ids_ptr, route_ptr, part_ptr, bias_ptr, E, S, scal
                 tl.store(route_ptr + p + j, w, mask=j < TOPK)
     else:
         e = tl.load(ids_ptr + p).to(tl.int64)
-    i = tl.arange(0, 128)
-    x = tl.load(x_ptr + (p // top_k) * k + blk * 128 + i).to(tl.float32)
     r = i % 16
     slot = blk * 128 + i - r + 4 * ((r >> 1) & 3) + 2 * (r >> 3) + (r & 1)
-    suh = tl.load(suh_gate_ptr + e * k + blk * 128 + i).to(tl.float32)
-    tl.store(xh_ptr + p * k + slot[None, :], _times_hadamard((x * suh)[None, :], 1) * 0.08838834764831845)
-    suh = tl.load(suh_up_ptr + e * k + blk * 128 + i).to(tl.float32)
-    tl.store(xh_ptr + (pairs + p) * k + slot[None, :], _times_hadamard((x * suh)[None, :], 1) * 0.08838834764831845)
+    # Both signs before the first Hadamard: its shuffles through shared memory (barriers) would hold
+    # the second load back for a round trip of its own.
+    suh_gate = tl.load(suh_gate_ptr + e * k + blk * 128 + i).to(tl.float32)
+    suh_up = tl.load(suh_up_ptr + e * k + blk * 128 + i).to(tl.float32)
+    tl.store(xh_ptr + p * k + slot[None, :], _times_hadamard((x * suh_gate)[None, :], 1) * 0.08838834764831845)
+    tl.store(xh_ptr + (pairs + p) * k + slot[None, :], _times_hadamard((x * suh_up)[None, :], 1) * 0.08838834764831845)
 
 
 @triton.jit
