@@ -814,8 +814,9 @@ def _kda_output_kernel(o_ptr, og_ptr, og_stride, w_ptr, out_ptr, eps, N, H: tl.c
     bi = (p // H).to(tl.int64)
     i = tl.arange(0, DH)[None, :]
     o = tl.load(o_ptr + p.to(tl.int64) * DH + i, mask=ok, other=0.0).to(tl.float32)
-    y = tl.load(w_ptr + i) * (o / tl.sqrt(tl.sum(o * o, axis=1)[:, None] / DH + eps))
+    # the gate before the norm's sum, whose exchange between warps (a barrier) would hold its load back
     gate = tl.load(og_ptr + bi * og_stride + (p % H) * DH + i, mask=ok, other=0.0).to(tl.float32)
+    y = tl.load(w_ptr + i) * (o / tl.sqrt(tl.sum(o * o, axis=1)[:, None] / DH + eps))
     tl.store(out_ptr + p.to(tl.int64) * DH + i, _cast(y * tl.sigmoid(gate), out_ptr.dtype.element_ty), mask=ok)
 
 
