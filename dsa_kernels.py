@@ -40,13 +40,11 @@ DSA_ATTN_BLOCK = 16  # selected positions per inner step
 DSA_ATTN_WARPS = 8  # 156 registers, no spill, for sm_90 at full size (ptxas, triton 3.9); 32 positions spill
 
 @triton.jit
-def _rms_norm_row(x_ptr, w_ptr, eps, N: tl.constexpr, NP: tl.constexpr, OUT_DT: tl.constexpr):
-    # model_glm.rms_norm of one row of N, with its roundings (to x's dtype, then to OUT_DT), as fp32.
-    i = tl.arange(0, NP)
-    x = tl.load(x_ptr + i, mask=i < N, other=0.0).to(tl.float32)
-    w = tl.load(w_ptr + i, mask=i < N, other=0.0).to(tl.float32)
+def _rms_norm_of(x, w, eps, N: tl.constexpr, X_DT: tl.constexpr, OUT_DT: tl.constexpr):
+    # model_glm.rms_norm of one loaded row x of N (X_DT, zero past N) and weight w, with its roundings (to
+    # X_DT, then to OUT_DT), as fp32.
     rs = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps)
-    return _rms_scaled(x, rs, w, x_ptr.dtype.element_ty, OUT_DT).to(tl.float32)
+    return _rms_scaled(x, rs, w, X_DT, OUT_DT).to(tl.float32)
 
 
 @triton.jit
@@ -54,37 +52,51 @@ def _dsa_inputs_kernel(qa_ptr, qa_stride, kv_ptr, kv_stride, wk_ptr, wk_stride, 
                        knw_ptr, knb_ptr, ape_ptr, qr_ptr, lat_ptr, ik_ptr, gate_ptr, pool_ptr, tables_ptr, t_stride,
                        pos_ptr, rms_eps, bs, Q: tl.constexpr, QP: tl.constexpr, R: tl.constexpr, DI: tl.constexpr,
                        KPOOL: tl.constexpr, C_DT: tl.constexpr):
+    # A program's time is latency: every load comes first (the cache rows the pooled key needs behind the
+    # table's block, which they depend on), before the norms' sums exchange values between warps.
     _pdl_enter()
     b = tl.program_id(0)
     i = tl.arange(0, QP)
-    q_r = _rms_norm_row(qa_ptr + b * qa_stride, qn_ptr, rms_eps, Q, QP, qr_ptr.dtype.element_ty)
-    tl.store(qr_ptr + b * Q + i, q_r.to(qr_ptr.dtype.element_ty), mask=i < Q)
+    r = tl.arange(0, R)
+    d = tl.arange(0, DI)
+    m = tl.arange(0, KPOOL)
     pos = tl.load(pos_ptr + b)
+    qa = tl.load(qa_ptr + b * qa_stride + i, mask=i < Q, other=0.0).to(tl.float32)
+    qn = tl.load(qn_ptr + i, mask=i < Q, other=0.0).to(tl.float32)
+    kv = tl.load(kv_ptr + b * kv_stride + r).to(tl.float32)
+    kvn = tl.load(kvn_ptr + r).to(tl.float32)
+    x = tl.load(wk_ptr + b * wk_stride + d).to(tl.float32)
+    knw = tl.load(knw_ptr + d).to(tl.float32)
+    knb = tl.load(knb_ptr + d).to(tl.float32)
+    g_raw = tl.load(g_ptr + b * g_stride + d)
+    ape = tl.load(ape_ptr + m[:, None] * DI + d[None, :])
     blk = tl.load(tables_ptr + b * t_stride + pos // bs)
     off = pos % bs
+    # the pooled key (model_glm.pool_keys) when this token is its pool's last: the other members come from
+    # the cache, this one from registers
+    last = (pos + 1) % KPOOL == 0
+    rows = (blk * bs + off - (KPOOL - 1) + m)[:, None] * DI + d[None, :]
+    earlier = ((m < KPOOL - 1) & ((pos + 1 + 0 * m) % KPOOL == 0))[:, None]  # (a vector: see _attn_rows)
+    k_prev = tl.load(ik_ptr + rows, mask=earlier, other=0.0)
+    g_prev = tl.load(gate_ptr + rows, mask=earlier, other=0.0)
+    q_r = _rms_norm_of(qa, qn, rms_eps, Q, qa_ptr.dtype.element_ty, qr_ptr.dtype.element_ty)
+    tl.store(qr_ptr + b * Q + i, q_r.to(qr_ptr.dtype.element_ty), mask=i < Q)
     # latent: kv_a_layernorm's output (C_DT), then the cache's dtype
-    r = tl.arange(0, R)
-    c = _rms_norm_row(kv_ptr + b * kv_stride, kvn_ptr, rms_eps, R, R, C_DT)
+    c = _rms_norm_of(kv, kvn, rms_eps, R, kv_ptr.dtype.element_ty, C_DT)
     tl.store(lat_ptr + (blk * bs + off) * R + r, _cast(c, lat_ptr.dtype.element_ty))
     # indexer key: F.layer_norm(wk, k_norm, eps 1e-6) in wk's dtype; the gate row as it is
-    d = tl.arange(0, DI)
-    x = tl.load(wk_ptr + b * wk_stride + d).to(tl.float32)
     xc = x - tl.sum(x, axis=0) / DI
     k = xc * (1.0 / tl.sqrt(tl.sum(xc * xc, axis=0) / DI + 1e-6))
-    k = k * tl.load(knw_ptr + d).to(tl.float32) + tl.load(knb_ptr + d).to(tl.float32)
+    k = k * knw + knb
     k = _cast(_cast(k, wk_ptr.dtype.element_ty).to(tl.float32), ik_ptr.dtype.element_ty)
-    g = _cast(tl.load(g_ptr + b * g_stride + d).to(tl.float32), gate_ptr.dtype.element_ty)
+    g = _cast(g_raw.to(tl.float32), gate_ptr.dtype.element_ty)
     tl.store(ik_ptr + (blk * bs + off) * DI + d, k)
     tl.store(gate_ptr + (blk * bs + off) * DI + d, g)
-    # the pooled key (model_glm.pool_keys) when this token is its pool's last: the other members
-    # come from the cache, this one from registers
-    if (pos + 1) % KPOOL == 0:
-        m = tl.arange(0, KPOOL)
-        rows = (blk * bs + off - (KPOOL - 1) + m)[:, None] * DI + d[None, :]
-        earlier = (m < KPOOL - 1)[:, None]
-        km = tl.where(earlier, tl.load(ik_ptr + rows, mask=earlier, other=0.0), k[None, :]).to(tl.float32)
-        gm = tl.where(earlier, tl.load(gate_ptr + rows, mask=earlier, other=0.0), g[None, :]).to(tl.float32)
-        logit = gm + tl.load(ape_ptr + m[:, None] * DI + d[None, :])
+    if last:
+        mine = (m == KPOOL - 1)[:, None]
+        km = tl.where(mine, k[None, :], k_prev).to(tl.float32)
+        gm = tl.where(mine, g[None, :], g_prev).to(tl.float32)
+        logit = gm + ape
         e = tl.exp(logit - tl.max(logit, axis=0)[None, :])
         pooled = tl.sum(e / tl.sum(e, axis=0)[None, :] * km, axis=0)
         pooled = _cast(_cast(pooled, ik_ptr.dtype.element_ty).to(tl.float32), pool_ptr.dtype.element_ty)
