@@ -603,12 +603,16 @@ def _moe_gemv_kernel(xh_ptr, words_ptr, words_up_ptr, ids_ptr, slab_ptr, arrival
         c = block * 128 + i
         s = tl.arange(0, SP)[:, None]
         rows = s < split
+        # Every load of the block's finish is issued at once, before the Hadamards' exchanges between warps
+        # (barriers) would put each behind the one before.
+        svh_a = tl.load(svh_a_ptr + e * n + c).to(tl.float32)
         if DOWN:
+            route = tl.load(route_ptr + p)
             # .cg: read at L2, where the other programs' stores are, never a stale L1 line.
             total = tl.sum(tl.load(slab_ptr + (p * split + s) * n + c[None, :], mask=rows, other=0.0,
                                    cache_modifier=".cg"), axis=0)[None, :]
             y = _times_hadamard(total, 1)
-            scale = 0.08838834764831845 * tl.load(svh_a_ptr + e * n + c).to(tl.float32) * tl.load(route_ptr + p)
+            scale = 0.08838834764831845 * svh_a * route
             t = p // top_k
             tl.store(pair_ptr + p * n + c[None, :], y * scale[None, :])
             tl.debug_barrier()
@@ -620,18 +624,19 @@ def _moe_gemv_kernel(xh_ptr, words_ptr, words_up_ptr, ids_ptr, slab_ptr, arrival
                 tl.store(out_ptr + t * n + c, tl.sum(mine, axis=0))
                 tl.store(tokens_ptr + t * (n // 128) + block, 0)
         else:
-            gate = tl.sum(tl.load(slab_ptr + (2 * p * split + s) * n + c[None, :], mask=rows, other=0.0,
-                                  cache_modifier=".cg"), axis=0)[None, :]
-            up = tl.sum(tl.load(slab_ptr + ((2 * p + 1) * split + s) * n + c[None, :], mask=rows, other=0.0,
-                                cache_modifier=".cg"), axis=0)[None, :]
-            gate = _times_hadamard(gate, 1)
-            up = _times_hadamard(up, 1)
-            gate = gate * (0.08838834764831845 * tl.load(svh_a_ptr + e * n + c).to(tl.float32))[None, :]
-            up = up * (0.08838834764831845 * tl.load(svh_b_ptr + e * n + c).to(tl.float32))[None, :]
+            svh_b = tl.load(svh_b_ptr + e * n + c).to(tl.float32)
+            suh = tl.load(suh_next_ptr + e * n + c).to(tl.float32)
+            gate_rows = tl.load(slab_ptr + (2 * p * split + s) * n + c[None, :], mask=rows, other=0.0,
+                                cache_modifier=".cg")
+            up_rows = tl.load(slab_ptr + ((2 * p + 1) * split + s) * n + c[None, :], mask=rows, other=0.0,
+                              cache_modifier=".cg")
+            gate = _times_hadamard(tl.sum(gate_rows, axis=0)[None, :], 1)
+            up = _times_hadamard(tl.sum(up_rows, axis=0)[None, :], 1)
+            gate = gate * (0.08838834764831845 * svh_a)[None, :]
+            up = up * (0.08838834764831845 * svh_b)[None, :]
             gate = tl.minimum(gate, limit)
             up = tl.minimum(tl.maximum(up, -limit), limit)
             act = gate * tl.sigmoid(gate) * up
-            suh = tl.load(suh_next_ptr + e * n + c).to(tl.float32)
             act_h = _times_hadamard(act * suh[None, :], 1) * 0.08838834764831845
             r = i % 16
             slot = i - r + 4 * ((r >> 1) & 3) + 2 * (r >> 3) + (r & 1)
