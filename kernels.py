@@ -630,19 +630,27 @@ def _hc_pre_weights(part_ptr, sq_ptr, base_ptr, scale_ptr, b, S, D, rms_eps, hc_
     s = tl.arange(0, SP)
     on = s < S
     row = (b * S + s) * NP
-    r = _hc_rms_factor(sq_ptr, b, s, on, S, D, rms_eps, HC, CACHE)
     i = tl.arange(0, HC)
-    m_pre = tl.sum(tl.load(part_ptr + row[:, None] + i[None, :], mask=on[:, None], other=0.0, cache_modifier=CACHE),
-                   axis=0) * r
-    return tl.sigmoid(tl.load(scale_ptr) * m_pre + tl.load(base_ptr + i)) + hc_eps, r, row, on
+    # every load before the sums (an exchange between warps each), so that none waits for another
+    scale = tl.load(scale_ptr)
+    base = tl.load(base_ptr + i)
+    parts = tl.load(part_ptr + row[:, None] + i[None, :], mask=on[:, None], other=0.0, cache_modifier=CACHE)
+    r = _hc_rms_factor(sq_ptr, b, s, on, S, D, rms_eps, HC, CACHE)
+    return tl.sigmoid(scale * (tl.sum(parts, axis=0) * r) + base) + hc_eps, r, row, on
 
 
 @triton.jit
-def _hc_u(x_ptr, pre, b, d, D, HC: tl.constexpr, DT: tl.constexpr, CACHE: tl.constexpr):
-    # u = Σ_i pre_i X_i of row b at columns d, rounded to DT (X's dtype: model_glm.hc_pre's rounding).
+def _hc_streams(x_ptr, b, d, D, HC: tl.constexpr, CACHE: tl.constexpr):
+    # Row b's HC streams X_i at columns d, [HC, len(d)]: loaded before hc_pre's weights, whose sums
+    # exchange values between warps, so that the two loads are in flight together.
     i = tl.arange(0, HC)
-    X = tl.load(x_ptr + b * HC * D + i[:, None] * D + d[None, :], mask=(d < D)[None, :], other=0.0,
-                cache_modifier=CACHE)
+    return tl.load(x_ptr + b * HC * D + i[:, None] * D + d[None, :], mask=(d < D)[None, :], other=0.0,
+                   cache_modifier=CACHE)
+
+
+@triton.jit
+def _hc_u(X, pre, DT: tl.constexpr):
+    # u = Σ_i pre_i X_i, rounded to DT (X's dtype: model_glm.hc_pre's rounding).
     return _cast(tl.sum(pre[:, None] * X.to(tl.float32), axis=0), DT)
 
 
@@ -654,13 +662,14 @@ def _hc_pre_kernel(x_ptr, part_ptr, sq_ptr, base_ptr, scale_ptr, u_ptr, usq_ptr,
     _pdl_enter()
     b = tl.program_id(0)
     blk = tl.program_id(1)
+    d = blk * BD + tl.arange(0, BD)
+    X = _hc_streams(x_ptr, b, d, D, HC, "")
     pre, r, row, on = _hc_pre_weights(part_ptr, sq_ptr, base_ptr, scale_ptr, b, S, D, rms_eps, hc_eps, HC, NP, SP, "")
     if SINKHORN:
         if blk == 0:
             _hc_post_and_c(part_ptr, row, on, r, base_ptr, scale_ptr, post_ptr, c_ptr, b, hc_eps, iters, HC, "")
     # Σ u² of the rounded values for the RMSNorm.
-    d = blk * BD + tl.arange(0, BD)
-    u = _hc_u(x_ptr, pre, b, d, D, HC, u_ptr.dtype.element_ty, "")
+    u = _hc_u(X, pre, u_ptr.dtype.element_ty)
     tl.store(u_ptr + b * D + d, u, mask=d < D)
     tl.store(usq_ptr + b * NB + blk, tl.sum(u.to(tl.float32) * u.to(tl.float32), axis=0))
 
@@ -697,12 +706,13 @@ def _hc_pre_norm_rows(x_ptr, part_ptr, sq_ptr, base_ptr, scale_ptr, norm_ptr, ou
     for r in range(BR):
         b = b0 + r
         if b < B:
+            X = _hc_streams(x_ptr, b, d, D, HC, ".cg")
             pre, rf, row, on = _hc_pre_weights(part_ptr, sq_ptr, base_ptr, scale_ptr, b, S, D, rms_eps, hc_eps, HC, NP,
                                                SP, ".cg")
             if SINKHORN:
                 _hc_post_and_c(part_ptr, row, on, rf, base_ptr, scale_ptr, post_ptr, c_ptr, b, hc_eps, iters, HC,
                                ".cg")
-            u = _hc_u(x_ptr, pre, b, d, D, HC, DT, ".cg").to(tl.float32)
+            u = _hc_u(X, pre, DT).to(tl.float32)
             rs = _hc_norm_factor(tl.sum(tl.reshape(u * u, (NBP, BD)), axis=1), D, rms_eps)
             tl.store(out_ptr + b * D + d, _rms_scaled(u, rs, w, DT, out_ptr.dtype.element_ty), mask=d < D)
 
