@@ -38,6 +38,7 @@ DSA_SCORE_BLOCK = 64
 DSA_ATTN_HEADS = 16  # heads per program (tl.dot needs >= 16 rows; fewer heads are padded)
 DSA_ATTN_BLOCK = 16  # selected positions per inner step
 DSA_ATTN_WARPS = 8  # 156 registers, no spill, for sm_90 at full size (ptxas, triton 3.9); 32 positions spill
+DSA_ATTN_PROGRAMS_PER_SM = 1  # the splits' aim: more cost more partial sums to combine
 
 @triton.jit
 def _rms_norm_of(x, w, eps, N: tl.constexpr, X_DT: tl.constexpr, OUT_DT: tl.constexpr):
@@ -308,8 +309,8 @@ def dsa_sparse_attention(q_hat: torch.Tensor, latent: torch.Tensor, tables: torc
     n_steps = triton.cdiv((NT + select_tail) * kpool, DSA_ATTN_BLOCK)
     head_blocks = triton.cdiv(H, DSA_ATTN_HEADS)
     if splits is None:
-        # about one program per SM: more splits cost more partial sums to combine
-        programs = torch.cuda.get_device_properties(q_hat.device).multi_processor_count if q_hat.is_cuda else 2
+        sms = torch.cuda.get_device_properties(q_hat.device).multi_processor_count if q_hat.is_cuda else 2
+        programs = DSA_ATTN_PROGRAMS_PER_SM * sms
         splits = max(1, min(n_steps, programs // (B * head_blocks)))
     steps = triton.cdiv(n_steps, splits)
     m = torch.empty(B, splits, H, dtype=torch.float32, device=q_hat.device)
@@ -345,6 +346,14 @@ def dsa_sparse_attention(q_hat: torch.Tensor, latent: torch.Tensor, tables: torc
 # 1.08x, o · W_UVᵀ 1.11x against 64 x 128, 32, 4 warps, 3 stages; o in two pieces 1.37x).
 HEAD_MM_BLOCK_K = 32
 HEAD_MM_BIG_ROWS = 256
+
+
+def _decode_block_k(K: int) -> int:
+    """K a step for decode rows (<= 16): a quarter of K's power of two, 32 to 128. A decode call is a
+    stream of the weight's bytes, and wider steps keep more of them in flight (H100, full size, 11 layers'
+    copies in a graph, `.notes/s35_sweep.py`: q · W_UK, K 256, 64 a step 1.15x / 1.09x at 1 / 16 rows;
+    o · W_UVᵀ, K 512, 128 a step 1.46x / 1.38x, against 32; 9.2 us at 1 row, 1.2x the bandwidth floor)."""
+    return min(128, max(HEAD_MM_BLOCK_K, triton.next_power_of_2(K) // 4))
 
 
 @triton.jit
@@ -402,7 +411,7 @@ def head_matmul(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = Non
     else:
         pieces = 0
     # the big tiles' 4 stages of w fit shared memory for 16-bit w only (fp32: 256 KB)
-    BM, BN, BK, warps, stages = ((16, 64, HEAD_MM_BLOCK_K, 4, 3) if B <= 16 else (128, 256, 64, 8, 4)
+    BM, BN, BK, warps, stages = ((16, 64, _decode_block_k(K), 4, 3) if B <= 16 else (128, 256, 64, 8, 4)
                                  if B >= HEAD_MM_BIG_ROWS and pieces else (64, 128, HEAD_MM_BLOCK_K, 4, 3))
     _head_matmul_kernel[(H, triton.cdiv(B, BM), triton.cdiv(N, BN))](
         a, *a.stride(), w, *w.stride(), out, *out.stride(), B, K, N, BM=BM, BN=BN, BK=BK, PIECES=pieces,
@@ -465,8 +474,9 @@ def dsa_prefill_index_scores(q_idx: torch.Tensor, w_idx: torch.Tensor, pooled: t
     return out
 
 
-# `top_pools`: the indexer's top-k of a chunk's rows, for the prefill (torch.topk stays in decode, where
-# a step has few rows). One program a row held in registers, TOP_POOLS_KEYS keys a thread: each score
+# `top_pools`: the indexer's top-k of a decode step's or a chunk's rows (H100, top 512 of 1-16 rows of
+# 1024-8192 pools, 11 copies in a graph, `.notes/s35_sweep.py`: 8-18 us against torch.topk's 10-47 us,
+# 1.2-2.6x, the same picks). One program a row held in registers, TOP_POOLS_KEYS keys a thread: each score
 # becomes an int32 key whose signed order is the floats' (negative floats flip their 31 low bits); the
 # k-th largest key T is found bit by bit (32 count passes: T grows while at least k keys are >= it),
 # then the row takes every key > T and the first k - #(> T) keys equal to T (ties to the lower pools,

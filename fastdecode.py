@@ -592,7 +592,7 @@ class FastDecoder:
             else:
                 score = dsa_kernels.dsa_prefill_index_scores(q_idx, w_idx, cache.pooled[row], tables[0], chunk_start,
                                                              kpool)
-            if chunk_start is not None and score.shape[1] <= dsa_kernels.TOP_POOLS_MAX:
+            if score.shape[1] <= dsa_kernels.TOP_POOLS_MAX:
                 top = dsa_kernels.top_pools(score, n_top)
             else:
                 top = torch.topk(score, n_top, dim=1, sorted=False).indices

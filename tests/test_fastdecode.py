@@ -486,6 +486,20 @@ def test_dsa_kernels_match_select_tokens_and_mla_attention(dtype, width):
 
 
 
+@pytest.mark.parametrize("K", [200, 264])
+def test_head_matmul_decode_steps_end_inside_a_k_block(K):
+    """Decode rows step through K in a quarter of K's power of two (dsa_kernels._decode_block_k): 64 for
+    K 200 and 128 for K 264, each ending inside its last step."""
+    assert [dsa_kernels._decode_block_k(k) for k in (40, 200, 264, 4096)] == [32, 64, 128, 128]
+    g = torch.Generator().manual_seed(5)
+    a = torch.randn(2, 2, K, generator=g).to(DEVICE)
+    w = torch.randn(2, K, 24, generator=g).to(torch.bfloat16).to(DEVICE)
+    want = torch.einsum("bhk,hkn->bhn", a.double(), w.double())
+    size = torch.einsum("bhk,hkn->bhn", a.double().abs(), w.double().abs())
+    err = ((dsa_kernels.head_matmul(a, w).double() - want).abs() / size).max().item()
+    assert err <= 2.0 ** -20, f"error {err:.2e} of the sum of |products|"
+
+
 @pytest.mark.parametrize("B", [3, 21, dsa_kernels.HEAD_MM_BIG_ROWS + 5])
 def test_head_matmul_matches_einsum(B):
     """The absorbed MLA's per-head products, as the fast path calls them: q̂ = q · W_UK from a bf16
