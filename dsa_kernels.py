@@ -266,19 +266,35 @@ def _dsa_attn_kernel(q_ptr, q_sb, q_sh, lat_ptr, tables_ptr, t_stride, pos_ptr, 
 
 
 @triton.jit
-def _dsa_combine_kernel(m_ptr, l_ptr, acc_ptr, o_ptr, o_sb, o_sh, H, NS, R: tl.constexpr, SP: tl.constexpr):
+def _dsa_combine_kernel(m_ptr, l_ptr, acc_ptr, o_ptr, o_sb, o_sh, H, NS, R: tl.constexpr, RC: tl.constexpr,
+                        SP: tl.constexpr):
+    # Program (row, head, block of RC latent columns). All three loads come before the max, whose exchange
+    # between warps would hold the others back; RC columns of the NS splits' partial sums a program keep
+    # them in registers (the whole 512 spilled) and spread a decode row over more programs.
     _pdl_enter()
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, SP)
-    r = tl.arange(0, R)
+    r = tl.program_id(2) * RC + tl.arange(0, RC)
     part = (b * NS + s) * H + h
     m = tl.load(m_ptr + part, mask=s < NS, other=-float("inf"))
+    l_s = tl.load(l_ptr + part, mask=s < NS, other=0.0)
+    acc = tl.load(acc_ptr + part[:, None] * R + r[None, :], mask=(s < NS)[:, None], other=0.0)
     top = tl.max(m, axis=0)
     w = tl.exp(m - tl.where(top == -float("inf"), 0.0, top))
-    l = tl.sum(w * tl.load(l_ptr + part, mask=s < NS, other=0.0), axis=0)
-    acc = tl.load(acc_ptr + part[:, None] * R + r[None, :], mask=(s < NS)[:, None], other=0.0)
+    l = tl.sum(w * l_s, axis=0)
     tl.store(o_ptr + b * o_sb + h * o_sh + r, tl.sum(w[:, None] * acc, axis=0) / l)
+
+
+DSA_COMBINE_COLUMNS = 128  # latent columns a program of `_dsa_combine_kernel` takes
+
+
+def _dsa_combine(m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor, o: torch.Tensor, splits: int) -> None:
+    # o [n, H, R] from the splits' running max m, sum l [n, splits, H] and acc [n, splits, H, R].
+    n, H, R = o.shape
+    rc = min(R, DSA_COMBINE_COLUMNS)
+    _dsa_combine_kernel[(n, H, R // rc)](m, l, acc, o, o.stride(0), o.stride(1), H, splits, R=R, RC=rc,
+                                         SP=triton.next_power_of_2(splits), launch_pdl=_pdl())
 
 
 def dsa_sparse_attention(q_hat: torch.Tensor, latent: torch.Tensor, tables: torch.Tensor, positions: torch.Tensor,
@@ -321,8 +337,7 @@ def dsa_sparse_attention(q_hat: torch.Tensor, latent: torch.Tensor, tables: torc
         m, l, acc, H, NT, steps, bs, scale, R=R, KPOOL=kpool, TAIL=bool(select_tail), ALL=every,
         BH=DSA_ATTN_HEADS, BW=DSA_ATTN_BLOCK, TC=q_hat.is_cuda, num_warps=DSA_ATTN_WARPS, launch_pdl=_pdl())
     o = torch.empty_like(q_hat)
-    _dsa_combine_kernel[(B, H)](m, l, acc, o, o.stride(0), o.stride(1), H, splits, R=R,
-                                SP=triton.next_power_of_2(splits), launch_pdl=_pdl())
+    _dsa_combine(m, l, acc, o, splits)
     return o
 
 
@@ -751,6 +766,5 @@ def dsa_prefill_attention(q_hat: torch.Tensor, latent: torch.Tensor, table: torc
         out.stride(1), start, H, NT, scale, R=R, KPOOL=kpool, TAIL=bool(select_tail), BH=BH,
         BK=DSA_PREFILL_BLOCK, ONE=one, num_warps=DSA_PREFILL_WARPS, num_stages=DSA_PREFILL_STAGES)
     if not one:
-        _dsa_combine_kernel[(n, H)](m, l, acc, o, o.stride(0), o.stride(1), H, splits, R=R,
-                                    SP=triton.next_power_of_2(splits), launch_pdl=_pdl())
+        _dsa_combine(m, l, acc, o, splits)
     return o
