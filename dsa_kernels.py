@@ -37,8 +37,11 @@ from kernels import (_cast, _check_pow2, _dot_bf16, _dot_f32, _dot_pair, _dot_tf
 DSA_SCORE_BLOCK = 64
 DSA_ATTN_HEADS = 16  # heads per program (tl.dot needs >= 16 rows; fewer heads are padded)
 DSA_ATTN_BLOCK = 16  # selected positions per inner step
-DSA_ATTN_WARPS = 8  # 156 registers, no spill, for sm_90 at full size (ptxas, triton 3.9); 32 positions spill
-DSA_ATTN_PROGRAMS_PER_SM = 1  # the splits' aim: more cost more partial sums to combine
+# 4 warps (183 registers, no spill: sm_90, full size, triton 3.6) and splits for 2 programs an SM, against 8
+# warps and 1 (H100, 11 layers' caches in a graph, `.notes/s35_attn2.py`): B=1 1.01x at 1K of context, 1.14x at
+# 8K-64K (18.3 us); 1.39x at B=4 and 1.53x at B=16 at 8K. 3 an SM: more partial sums to combine than it gains.
+DSA_ATTN_WARPS = 4
+DSA_ATTN_PROGRAMS_PER_SM = 2
 
 @triton.jit
 def _rms_norm_of(x, w, eps, N: tl.constexpr, X_DT: tl.constexpr, OUT_DT: tl.constexpr):
