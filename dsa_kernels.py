@@ -370,7 +370,8 @@ def _decode_block_k(K: int) -> int:
     """K a step for decode rows (<= 16): a quarter of K's power of two, 32 to 128. A decode call is a
     stream of the weight's bytes, and wider steps keep more of them in flight (H100, full size, 11 layers'
     copies in a graph, `.notes/s35_sweep.py`: q · W_UK, K 256, 64 a step 1.15x / 1.09x at 1 / 16 rows;
-    o · W_UVᵀ, K 512, 128 a step 1.46x / 1.38x, against 32; 9.2 us at 1 row, 1.2x the bandwidth floor)."""
+    o · W_UVᵀ, K 512, 128 a step 1.46x / 1.38x, against 32; 9.2 us at 1 row, 1.7x the 5.5 us of reading its
+    16.8 MB at the copy rate)."""
     return min(128, max(HEAD_MM_BLOCK_K, triton.next_power_of_2(K) // 4))
 
 
