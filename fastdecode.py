@@ -664,9 +664,12 @@ def _low_rank_factor(w: Weight, dtype: torch.dtype) -> kda_kernels.LowRank | Non
 def fp32_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x.float() @ w.T for an fp32 weight (the router's, the indexer's head weights): many bf16 rows
     on the tensor cores (kernels.bf16_fp32_linear: 2.5-3.3x torch at 8192 rows on an H200, within
-    2e-6 of Σ|x||w| against torch's 1.4e-7), else torch's fp32 GEMM on the CUDA cores."""
+    2e-6 of Σ|x||w| against torch's 1.4e-7); decode rows in one launch (kernels.fp32_gemv); else
+    torch's fp32 GEMM on the CUDA cores."""
     if x.dtype == torch.bfloat16 and x.shape[0] > kernels.FP8_GEMV_ROWS:
         return kernels.bf16_fp32_linear(x, w)
+    if x.shape[0] <= kernels.FP8_GEMV_ROWS and x.shape[1] <= kernels.GEMV_MAX_K:
+        return kernels.fp32_gemv(x, w)
     return F.linear(x.float(), w)
 
 

@@ -1176,6 +1176,33 @@ def route_topk(logits: torch.Tensor, bias: torch.Tensor, top_k: int, norm_topk_p
                                    float(scaling)))
 
 
+# `fp32_gemv`: x.float() · wᵀ for decode rows against a small fp32 weight (the indexer's head weights,
+# 32 x 4096, 512 KB) in one launch of `_route_logits_kernel`, where torch takes two or three (x.float(),
+# cuBLAS's GEMV, a split-K reduce): a program holds whole rows of w (GEMV_ROWS_A_PROGRAM of them), so its
+# sums are finished and no second pass adds parts; x is widened in registers. H100, 11 copies in a graph,
+# `.notes/s35_gemv.py`: 32 x 4096 at 1 / 4 / 16 rows 2.1 / 4.3 / 13.3 us against torch's 8.3 / 13.9 / 13.5;
+# the router's 288 x 4096 (a prefill chunk of <= 16 rows) 4.0 / 6.8 / 17.5 against 8.8 / 18.8 / 22.6. Rows of x
+# run one after another in a program, hence the small gain at 16. 2 or 4 rows of w a program: no better.
+GEMV_ROWS_A_PROGRAM = 1
+GEMV_MAX_K = 8192  # a program's rows of w sit in registers: 64 fp32 a thread at 4 warps
+
+
+def fp32_gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x.float() @ w.T for rows x [B, D] (any float dtype, unit column stride) and w [E, D] contiguous fp32,
+    D <= GEMV_MAX_K. Returns fp32 [B, E]; each sum in a fixed tree order (not torch's)."""
+    B, D = x.shape
+    E = w.shape[0]
+    if tuple(w.shape) != (E, D) or w.dtype != torch.float32 or not w.is_contiguous():
+        raise ValueError(f"fp32_gemv: w must be contiguous fp32 (E, {D}), got {w.dtype} {tuple(w.shape)}")
+    if D > GEMV_MAX_K:
+        raise ValueError(f"fp32_gemv: rows of {D} exceed GEMV_MAX_K ({GEMV_MAX_K})")
+    _rows(x, "fp32_gemv: x", B, D)
+    out = torch.empty(B, E, dtype=torch.float32, device=x.device)
+    _route_logits_kernel[(triton.cdiv(E, GEMV_ROWS_A_PROGRAM), 1)](
+        x, x.stride(0), w, out, B, E, D, BE=GEMV_ROWS_A_PROGRAM, BK=triton.next_power_of_2(D), launch_pdl=_pdl())
+    return out
+
+
 def moe_route(h: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, top_k: int, norm_topk_prob: bool,
               scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
     """model_glm.route for rows h [B, D]: s = sigmoid(h·gate_wᵀ) in fp32 (gate_w [E, D] fp32), the

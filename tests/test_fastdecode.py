@@ -375,6 +375,26 @@ def test_kda_output_gate_per_row_and_per_block_of_rows(B):
                                rms_norm(o, w, 1e-5).flatten(1) * torch.sigmoid(o_g.float()), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fp32_gemv_is_the_fp32_product(dtype):
+    """Decode rows' x.float() · wᵀ in one launch (kernels.fp32_gemv), as fastdecode.fp32_linear runs the
+    indexer's head weights: strided rows, D 200 ending inside the row's power of two; fp32 sums against
+    fp64, well within 2^-20 of Σ|x||w|."""
+    g = torch.Generator().manual_seed(11)
+    B, D, E = 3, 200, 5
+    x = torch.randn(B, D + 7, generator=g).to(dtype).to(DEVICE)[:, :D]
+    w = torch.randn(E, D, generator=g).to(DEVICE)
+    got = kernels.fp32_gemv(x, w)
+    want = x.double() @ w.double().T
+    err = ((got.double() - want).abs() / (x.double().abs() @ w.double().abs().T)).max().item()
+    assert got.shape == (B, E) and got.dtype == torch.float32 and err <= 2.0 ** -20, f"error {err:.2e}"
+    torch.testing.assert_close(fastdecode.fp32_linear(x, w), got, rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"w must be contiguous fp32 \(E, 200\), got torch.bfloat16 \(5, 200\)"):
+        kernels.fp32_gemv(x, w.bfloat16())
+    with pytest.raises(ValueError, match=r"rows of 8200 exceed GEMV_MAX_K \(8192\)"):
+        kernels.fp32_gemv(torch.zeros(1, 8200, device=DEVICE), torch.zeros(2, 8200, device=DEVICE))
+
+
 def test_moe_route_breaks_ties_to_the_lower_expert_and_handles_negative_choices():
     # Equal s + bias: the lower expert wins (the kernel's packed keys); all choices negative: the keys'
     # sign handling must still rank -0.5 above -0.9.
