@@ -1128,6 +1128,14 @@ def _route_topk_kernel(part_ptr, bias_ptr, ids_ptr, wt_ptr, E, S, scaling,
     tl.store(wt_ptr + b * TOPK + j, w, mask=j < TOPK)
 
 
+def _fp32_weight(name: str, w: torch.Tensor, D: int) -> int:
+    # The rows E of a GEMV's weight w [E, D], which `_route_logits_kernel` reads as contiguous fp32.
+    E = w.shape[0]
+    if tuple(w.shape) != (E, D) or w.dtype != torch.float32 or not w.is_contiguous():
+        raise ValueError(f"{name} must be contiguous fp32 (E, {D}), got {w.dtype} {tuple(w.shape)}")
+    return E
+
+
 def _check_route(name: str, bias: torch.Tensor, top_k: int, E: int) -> None:
     if tuple(bias.shape) != (E,):
         raise ValueError(f"{name}: bias must be ({E},), got {tuple(bias.shape)}")
@@ -1139,10 +1147,7 @@ def router_scores(h: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, top
                   scaling: float) -> RouterScores:
     """The first launch of moe_route: the router GEMV h·gate_wᵀ (gate_w [E, D] fp32) as partial sums."""
     B, D = h.shape
-    E = gate_w.shape[0]
-    if tuple(gate_w.shape) != (E, D) or gate_w.dtype != torch.float32 or not gate_w.is_contiguous():
-        raise ValueError(f"moe_route: gate_w must be contiguous fp32 (E, {D}), got {gate_w.dtype} "
-                         f"{tuple(gate_w.shape)}")
+    E = _fp32_weight("moe_route: gate_w", gate_w, D)
     _check_route("moe_route", bias, top_k, E)
     _rows(h, "moe_route: h", B, D)
     S = triton.cdiv(D, ROUTE_BLOCK_K)
@@ -1191,9 +1196,7 @@ def fp32_gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x.float() @ w.T for rows x [B, D] (any float dtype, unit column stride) and w [E, D] contiguous fp32,
     D <= GEMV_MAX_K. Returns fp32 [B, E]; each sum in a fixed tree order (not torch's)."""
     B, D = x.shape
-    E = w.shape[0]
-    if tuple(w.shape) != (E, D) or w.dtype != torch.float32 or not w.is_contiguous():
-        raise ValueError(f"fp32_gemv: w must be contiguous fp32 (E, {D}), got {w.dtype} {tuple(w.shape)}")
+    E = _fp32_weight("fp32_gemv: w", w, D)
     if D > GEMV_MAX_K:
         raise ValueError(f"fp32_gemv: rows of {D} exceed GEMV_MAX_K ({GEMV_MAX_K})")
     _rows(x, "fp32_gemv: x", B, D)
