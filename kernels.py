@@ -958,7 +958,6 @@ def hc_post_pre(X: torch.Tensor, y: torch.Tensor, post: torch.Tensor, C: torch.T
     return out, x, post2, C2
 
 
-
 # ================================================================ the clamped SwiGLU (§4.5)
 
 SWIGLU_BLOCK = 1024
@@ -1187,7 +1186,9 @@ def route_topk(logits: torch.Tensor, bias: torch.Tensor, top_k: int, norm_topk_p
 # sums are finished and no second pass adds parts; x is widened in registers. H100, 11 copies in a graph,
 # `.notes/s35_gemv.py`: 32 x 4096 at 1 / 4 / 16 rows 2.1 / 4.3 / 13.3 us against torch's 8.3 / 13.9 / 13.5;
 # the router's 288 x 4096 (a prefill chunk of <= 16 rows) 4.0 / 6.8 / 17.5 against 8.8 / 18.8 / 22.6. Rows of x
-# run one after another in a program, hence the small gain at 16. 2 or 4 rows of w a program: no better.
+# run one after another in a program, hence the small gain at 16. Other launches: 8 warps 6 % faster at 1 row
+# of 32 x 4096, slower at 4 and 16; 2 rows of w a program 2-4 % faster on 288 x 4096 at 4 and 16 rows, slower
+# on 32 x 4096 (the decode step's shape).
 GEMV_ROWS_A_PROGRAM = 1
 GEMV_MAX_K = 8192  # a program's rows of w sit in registers: 64 fp32 a thread at 4 warps
 
