@@ -34,8 +34,17 @@ from kernels import (_cast, _check_pow2, _dot_bf16, _dot_f32, _dot_pair, _dot_tf
 # latent is split into bf16 hi + lo parts (16 of its 24 significand bits); an fp32 cache runs
 # fp32 dots.
 
-DSA_SCORE_BLOCK = 64
+# Pools a program and warps of `dsa_index_scores`: 32 and 8 against 64 and 4 (H100, 11 layers' caches in a
+# graph, `.notes/s36_sweep.py`): 1.30x at B=1 and 8K of context (2.74 us; 64 pools a program left 33 programs
+# for 132 SMs), 1.02x at 64K, 1.06x at B=4 and 1.18x at B=16.
+DSA_SCORE_BLOCK = 32
+DSA_SCORE_WARPS = 8
 DSA_ATTN_HEADS = 16  # heads per program (tl.dot needs >= 16 rows; fewer heads are padded)
+# From DSA_ATTN_WIDE_FROM sequences on, 32 heads a program (255 registers at 4 warps, no spill): each
+# gathered latent row serves twice the heads, and B sequences still give every SM its programs. H100,
+# `.notes/s36_sweep.py`, 8K of context: 1.235x at B=4, 1.176x at B=16; at B=1, 0.80x (1K) and 0.89x (8K).
+DSA_ATTN_HEADS_WIDE = 32
+DSA_ATTN_WIDE_FROM = 4
 DSA_ATTN_BLOCK = 16  # selected positions per inner step
 # 4 warps (183 registers, no spill: sm_90, full size, triton 3.6) and splits for 2 programs an SM, against 8
 # warps and 1 (H100, 11 layers' caches in a graph, `.notes/s35_attn2.py`): B=1 1.01x at 1K of context, 1.14x at
@@ -207,7 +216,8 @@ def dsa_index_scores(q_idx: torch.Tensor, w_idx: torch.Tensor, pooled: torch.Ten
     out = torch.empty(B, P, dtype=torch.float32, device=q_idx.device)
     _dsa_scores_kernel[(B, triton.cdiv(P, DSA_SCORE_BLOCK))](
         q_idx, q_idx.stride(0), w_idx.float().contiguous(), pooled, tables, tables.stride(0), positions, out, P, ppb,
-        d ** 0.5, Hi ** 0.5, HI=Hi, DI=d, KPOOL=kpool, BP=DSA_SCORE_BLOCK, TC=q_idx.is_cuda, launch_pdl=_pdl())
+        d ** 0.5, Hi ** 0.5, HI=Hi, DI=d, KPOOL=kpool, BP=DSA_SCORE_BLOCK, TC=q_idx.is_cuda, num_warps=DSA_SCORE_WARPS,
+        launch_pdl=_pdl())
     return out
 
 
@@ -326,7 +336,8 @@ def dsa_sparse_attention(q_hat: torch.Tensor, latent: torch.Tensor, tables: torc
     else:
         NT = top.shape[1]
     n_steps = triton.cdiv((NT + select_tail) * kpool, DSA_ATTN_BLOCK)
-    head_blocks = triton.cdiv(H, DSA_ATTN_HEADS)
+    BH = DSA_ATTN_HEADS_WIDE if B >= DSA_ATTN_WIDE_FROM else DSA_ATTN_HEADS
+    head_blocks = triton.cdiv(H, BH)
     if splits is None:
         sms = torch.cuda.get_device_properties(q_hat.device).multi_processor_count if q_hat.is_cuda else 2
         programs = DSA_ATTN_PROGRAMS_PER_SM * sms
@@ -338,7 +349,7 @@ def dsa_sparse_attention(q_hat: torch.Tensor, latent: torch.Tensor, tables: torc
     _dsa_attn_kernel[(B, head_blocks, splits)](
         q_hat, q_hat.stride(0), q_hat.stride(1), latent, tables, tables.stride(0), positions, top, top.stride(0),
         m, l, acc, H, NT, steps, bs, scale, R=R, KPOOL=kpool, TAIL=bool(select_tail), ALL=every,
-        BH=DSA_ATTN_HEADS, BW=DSA_ATTN_BLOCK, TC=q_hat.is_cuda, num_warps=DSA_ATTN_WARPS, launch_pdl=_pdl())
+        BH=BH, BW=DSA_ATTN_BLOCK, TC=q_hat.is_cuda, num_warps=DSA_ATTN_WARPS, launch_pdl=_pdl())
     o = torch.empty_like(q_hat)
     _dsa_combine(m, l, acc, o, splits)
     return o

@@ -505,6 +505,24 @@ def test_dsa_kernels_match_select_tokens_and_mla_attention(dtype, width):
         torch.testing.assert_close(got[b:b + 1], want, **tol, msg=f"sequence {b}")
 
 
+def test_dsa_sparse_attention_wide_head_blocks():
+    """From DSA_ATTN_WIDE_FROM sequences on, a program takes DSA_ATTN_HEADS_WIDE heads: 48 heads make a
+    full block and a padded one. Every complete pool and the tail are selected (top None), so each
+    head's output is the plain softmax attention over the sequence's history."""
+    g = torch.Generator().manual_seed(9)
+    B, H, R, bs, kpool = dsa_kernels.DSA_ATTN_WIDE_FROM, 48, 32, 8, 4
+    assert H % dsa_kernels.DSA_ATTN_HEADS_WIDE != 0 and H > dsa_kernels.DSA_ATTN_HEADS_WIDE
+    latent = _dsa_cache(torch.float32, g)[0]
+    tables = torch.tensor([[5, 2, 0], [1, 3, 4], [4, 0, 1], [2, 5, 3]], device=DEVICE)[:B]
+    positions = torch.tensor([23, 14, 6, 19], device=DEVICE)[:B]
+    q_hat = torch.randn(B, H, R, generator=g).to(DEVICE)
+    o = dsa_kernels.dsa_sparse_attention(q_hat, latent, tables, positions, None, kpool, True, 3.0, splits=2)
+    for b in range(B):
+        hist = latent[tables[b]].flatten(0, 1)[:int(positions[b]) + 1]
+        want = torch.softmax(q_hat[b] @ hist.T / 3.0, dim=-1) @ hist
+        torch.testing.assert_close(o[b], want, rtol=1e-5, atol=1e-5, msg=f"sequence {b}")
+
+
 
 @pytest.mark.parametrize("K", [200, 264])
 def test_head_matmul_decode_steps_end_inside_a_k_block(K):
