@@ -208,7 +208,7 @@ class Layer:
     ffn_hc: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     input_norm: torch.Tensor
     post_norm: torch.Tensor
-    proj: Fused  # KDA: q, k, v, f_a, g_a, b; DSA: q_a, kv_a, indexer wk, indexer gate
+    proj: Fused  # KDA: q, k, v, f_a, g_a, b; DSA: q_a, kv_a, indexer wk (its gate: attn["gate"])
     proj2: list[Fused]  # KDA: [f_b], [g_b]; DSA: [q_b, indexer wq_b]
     gates: tuple[kda_kernels.LowRank, kda_kernels.LowRank] | None  # KDA: f_b, g_b applied by the inputs kernel
     attn: dict[str, torch.Tensor]  # the small tensors of the mixer
@@ -328,8 +328,7 @@ class FastDecoder:
         else:
             kind, row, gates = "dsa", self.cache.dsa_index(L), None
             i = a + "indexer."
-            proj = fuse(m, [a + "q_a_proj.weight", a + "kv_a_proj_with_mqa.weight", i + "wk.weight",
-                            i + "index_kpool_compress_gate"])
+            proj = fuse(m, [a + "q_a_proj.weight", a + "kv_a_proj_with_mqa.weight", i + "wk.weight"])
             proj2 = [fuse(m, [a + "q_b_proj.weight", i + "wq_b.weight"])]
             H, dn = cfg.num_attention_heads, cfg.qk_nope_head_dim
             # views of kv_b_proj in its own dtype (dsa_kernels.head_matmul takes 16-bit weights exactly)
@@ -337,7 +336,8 @@ class FastDecoder:
             attn = {"W_UK": W[:, :dn], "W_UV": W[:, dn:],
                     "q_norm": m.w(a + "q_a_layernorm.weight"), "kv_norm": m.w(a + "kv_a_layernorm.weight"),
                     "k_norm_w": m.w(i + "k_norm.weight"), "k_norm_b": m.w(i + "k_norm.bias"),
-                    "w_idx": m.w(i + "weights_proj.weight").float(), "ape": m.w(i + "index_kpool_compress_ape").float()}
+                    "w_idx": m.w(i + "weights_proj.weight").float(), "ape": m.w(i + "index_kpool_compress_ape").float(),
+                    "gate": m.w(i + "index_kpool_compress_gate")}
         f = p + "mlp."
         if cfg.mlp_layer_types[L] == "dense":
             mlp, down, experts, router = fuse(m, [f + "gate_proj.weight", f + "up_proj.weight"]), \
@@ -556,7 +556,8 @@ class FastDecoder:
 
     def dsa(self, layer: Layer, x: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
         cfg, cache, a, row = self.cfg, self.cache, layer.attn, layer.row
-        q_a, kv_a, wk, gamma = layer.proj(x)
+        q_a, kv_a, wk = layer.proj(x)
+        gamma = gate_linear(x, a["gate"])
         # q_a_layernorm; this token's cache rows (kv_a_layernorm and k_norm applied there), and its
         # pool's pooled key once the pool is complete.
         q_r = dsa_kernels.dsa_decode_inputs(q_a, kv_a, wk, gamma, a["q_norm"], a["kv_norm"], a["k_norm_w"], a["k_norm_b"],
@@ -671,6 +672,16 @@ def fp32_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     if x.shape[0] <= kernels.FP8_GEMV_ROWS and x.shape[1] <= kernels.GEMV_MAX_K:
         return kernels.fp32_gemv(x, w)
     return F.linear(x.float(), w)
+
+
+def gate_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """model_glm.linear for the indexer's pooling gate (128 x 4096, left in the checkpoint's dtype by an
+    FP8 core, so it runs apart from the FP8 projections beside it): decode rows in one launch
+    (kernels.fp32_gemv, with F.linear's exact products and fp32 sums, in another order), where cuBLAS took
+    a split-K GEMV and its reduce; else F.linear."""
+    if x.shape[0] <= kernels.FP8_GEMV_ROWS and x.shape[1] <= kernels.GEMV_MAX_K:
+        return kernels.fp32_gemv(x.to(w.dtype), w, w.dtype)
+    return linear(x, w)
 
 
 def _dense_experts(h: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 import exl3_kernels
 import kda_kernels
 import kernels
-from fastdecode import FastDecoder, Layer, Unsupported, fp32_linear, to_device
+from fastdecode import FastDecoder, Layer, Unsupported, fp32_linear, gate_linear, to_device
 from model_glm import KDA_CHUNK, ForwardOutput, KDASnapshot, SeqChunk, linear, on_device, rms_norm, write_dsa_rows
 
 # Up to this many rows in a step, the decode kernel's split-k GEMVs beat the grouped GEMMs, whose few
@@ -189,7 +189,8 @@ class FastPrefill:
         top-k (2051 positions at full size), not with the context."""
         cfg, cache, a = self.cfg, self.cache, layer.attn
         eps, n = cfg.rms_norm_eps, x.shape[0]
-        q_a, kv_a, wk, gamma = layer.proj(x)
+        q_a, kv_a, wk = layer.proj(x)
+        gamma = gate_linear(x, a["gate"])
         q, q_idx = layer.proj2[0](kernels.rms_norm(q_a, a["q_norm"], eps))
         k_idx = F.layer_norm(wk, (cfg.index_head_dim,), a["k_norm_w"], a["k_norm_b"], eps=1e-6)
         write_dsa_rows(cache, layer.row, c, kernels.rms_norm(kv_a, a["kv_norm"], eps), k_idx, gamma, a["ape"],

@@ -1080,10 +1080,12 @@ def _route_logits_kernel(h_ptr, h_stride, w_ptr, part_ptr, B, E, D, BE: tl.const
     e = tl.program_id(0) * BE + tl.arange(0, BE)
     s = tl.program_id(1)
     k = s * BK + tl.arange(0, BK)
-    w = tl.load(w_ptr + e[:, None] * D + k[None, :], mask=(e[:, None] < E) & (k[None, :] < D), other=0.0)
+    w = tl.load(w_ptr + e[:, None] * D + k[None, :], mask=(e[:, None] < E) & (k[None, :] < D),
+                other=0.0).to(tl.float32)
     for b in range(B):
         x = tl.load(h_ptr + b * h_stride + k, mask=k < D, other=0.0).to(tl.float32)
-        tl.store(part_ptr + (b * tl.num_programs(1) + s) * E + e, tl.sum(w * x[None, :], axis=1), mask=e < E)
+        y = _cast(tl.sum(w * x[None, :], axis=1), part_ptr.dtype.element_ty)  # fp32 for the router's partial sums
+        tl.store(part_ptr + (b * tl.num_programs(1) + s) * E + e, y, mask=e < E)
 
 
 @triton.jit
@@ -1127,11 +1129,12 @@ def _route_topk_kernel(part_ptr, bias_ptr, ids_ptr, wt_ptr, E, S, scaling,
     tl.store(wt_ptr + b * TOPK + j, w, mask=j < TOPK)
 
 
-def _fp32_weight(name: str, w: torch.Tensor, D: int) -> int:
-    # The rows E of a GEMV's weight w [E, D], which `_route_logits_kernel` reads as contiguous fp32.
+def _gemv_weight(name: str, w: torch.Tensor, D: int, dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> int:
+    # The rows E of a GEMV's weight w [E, D], which `_route_logits_kernel` reads contiguous, in one of `dtypes`.
     E = w.shape[0]
-    if tuple(w.shape) != (E, D) or w.dtype != torch.float32 or not w.is_contiguous():
-        raise ValueError(f"{name} must be contiguous fp32 (E, {D}), got {w.dtype} {tuple(w.shape)}")
+    if tuple(w.shape) != (E, D) or w.dtype not in dtypes or not w.is_contiguous():
+        names = ", ".join({torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[t] for t in dtypes)
+        raise ValueError(f"{name} must be contiguous {names} (E, {D}), got {w.dtype} {tuple(w.shape)}")
     return E
 
 
@@ -1146,7 +1149,7 @@ def router_scores(h: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, top
                   scaling: float) -> RouterScores:
     """The first launch of moe_route: the router GEMV h·gate_wᵀ (gate_w [E, D] fp32) as partial sums."""
     B, D = h.shape
-    E = _fp32_weight("moe_route: gate_w", gate_w, D)
+    E = _gemv_weight("moe_route: gate_w", gate_w, D)
     _check_route("moe_route", bias, top_k, E)
     _rows(h, "moe_route: h", B, D)
     S = triton.cdiv(D, ROUTE_BLOCK_K)
@@ -1180,10 +1183,12 @@ def route_topk(logits: torch.Tensor, bias: torch.Tensor, top_k: int, norm_topk_p
                                    float(scaling)))
 
 
-# `fp32_gemv`: x.float() · wᵀ for decode rows against a small fp32 weight (the indexer's head weights,
-# 32 x 4096, 512 KB) in one launch of `_route_logits_kernel`, where torch takes two or three (x.float(),
-# cuBLAS's GEMV, a split-K reduce): a program holds whole rows of w (GEMV_ROWS_A_PROGRAM of them), so its
-# sums are finished and no second pass adds parts; x is widened in registers. H100, 11 copies in a graph,
+# `fp32_gemv`: x.float() · w.float()ᵀ for decode rows against a small weight in one launch of
+# `_route_logits_kernel`, where torch takes two or three (x.float(), cuBLAS's GEMV, a split-K reduce): the
+# indexer's head weights (fp32, 32 x 4096, 512 KB) and its pooling gate (bf16, 128 x 4096, which an FP8
+# core leaves in bf16 and cuBLAS ran as a split-K GEMV and its reduce). A program holds whole rows of w
+# (GEMV_ROWS_A_PROGRAM of them), so its sums are finished and no second pass adds parts; x and a 16-bit w
+# are widened in registers. H100, 11 copies in a graph,
 # `.notes/s35_gemv.py`: 32 x 4096 at 1 / 4 / 16 rows 2.1 / 4.3 / 13.3 us against torch's 8.3 / 13.9 / 13.5;
 # the router's 288 x 4096 (a prefill chunk of <= 16 rows) 4.0 / 6.8 / 17.5 against 8.8 / 18.8 / 22.6. Rows of x
 # run one after another in a program, hence the small gain at 16. Other launches: 8 warps 6 % faster at 1 row
@@ -1193,15 +1198,16 @@ GEMV_ROWS_A_PROGRAM = 1
 GEMV_MAX_K = 8192  # a program's rows of w sit in registers: 64 fp32 a thread at 4 warps
 
 
-def fp32_gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x.float() @ w.T for rows x [B, D] (any float dtype, unit column stride) and w [E, D] contiguous fp32,
-    D <= GEMV_MAX_K. Returns fp32 [B, E]; each sum in a fixed tree order (not torch's)."""
+def fp32_gemv(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """x.float() @ w.float().T for rows x [B, D] (any float dtype, unit column stride) and w [E, D] contiguous
+    fp32, bf16 or fp16, D <= GEMV_MAX_K. Returns [B, E] in out_dtype, each fp32 sum (in a fixed tree order,
+    not torch's) rounded once: 16-bit x and w give F.linear's exact products and fp32 sums."""
     B, D = x.shape
-    E = _fp32_weight("fp32_gemv: w", w, D)
+    E = _gemv_weight("fp32_gemv: w", w, D, (torch.float32, torch.bfloat16, torch.float16))
     if D > GEMV_MAX_K:
         raise ValueError(f"fp32_gemv: rows of {D} exceed GEMV_MAX_K ({GEMV_MAX_K})")
     _rows(x, "fp32_gemv: x", B, D)
-    out = torch.empty(B, E, dtype=torch.float32, device=x.device)
+    out = torch.empty(B, E, dtype=out_dtype, device=x.device)
     _route_logits_kernel[(triton.cdiv(E, GEMV_ROWS_A_PROGRAM), 1)](
         x, x.stride(0), w, out, B, E, D, BE=GEMV_ROWS_A_PROGRAM, BK=triton.next_power_of_2(D), launch_pdl=_pdl())
     return out

@@ -389,8 +389,13 @@ def test_fp32_gemv_is_the_fp32_product(dtype):
     err = ((got.double() - want).abs() / (x.double().abs() @ w.double().abs().T)).max().item()
     assert got.shape == (B, E) and got.dtype == torch.float32 and err <= 2.0 ** -20, f"error {err:.2e}"
     torch.testing.assert_close(fastdecode.fp32_linear(x, w), got, rtol=0, atol=0)
-    with pytest.raises(ValueError, match=r"w must be contiguous fp32 \(E, 200\), got torch.bfloat16 \(5, 200\)"):
-        kernels.fp32_gemv(x, w.bfloat16())
+    # a 16-bit weight is widened in the kernel, and the sums are rounded once to out_dtype (the indexer's gate)
+    w16 = w.bfloat16()
+    torch.testing.assert_close(kernels.fp32_gemv(x, w16, torch.bfloat16),
+                               kernels.fp32_gemv(x, w16.float()).bfloat16(), rtol=0, atol=0)
+    torch.testing.assert_close(fastdecode.gate_linear(x, w16), linear(x, w16), rtol=2.0 ** -8, atol=1e-6)
+    with pytest.raises(ValueError, match=r"w must be contiguous fp32, bf16, fp16 \(E, 200\), got torch.float64"):
+        kernels.fp32_gemv(x, w.double())
     with pytest.raises(ValueError, match=r"rows of 8200 exceed GEMV_MAX_K \(8192\)"):
         kernels.fp32_gemv(torch.zeros(1, 8200, device=DEVICE), torch.zeros(2, 8200, device=DEVICE))
 
@@ -510,7 +515,7 @@ def test_dsa_sparse_attention_wide_head_blocks():
     full block and a padded one. Every complete pool and the tail are selected (top None), so each
     head's output is the plain softmax attention over the sequence's history."""
     g = torch.Generator().manual_seed(9)
-    B, H, R, bs, kpool = dsa_kernels.DSA_ATTN_WIDE_FROM, 48, 32, 8, 4
+    B, H, R, kpool = dsa_kernels.DSA_ATTN_WIDE_FROM, 48, 32, 4
     assert H % dsa_kernels.DSA_ATTN_HEADS_WIDE != 0 and H > dsa_kernels.DSA_ATTN_HEADS_WIDE
     latent = _dsa_cache(torch.float32, g)[0]
     tables = torch.tensor([[5, 2, 0], [1, 3, 4], [4, 0, 1], [2, 5, 3]], device=DEVICE)[:B]
