@@ -42,7 +42,7 @@ import fp8
 import kda_kernels
 import kernels
 from cache import CachePool
-from model_glm import ForwardOutput, GLMModel, SeqChunk, Weight, linear, on_device, rms_norm, swiglu
+from model_glm import ForwardOutput, GLMModel, SeqChunk, Weight, linear, on_device, swiglu
 
 
 class Unsupported(ValueError):
@@ -486,7 +486,7 @@ class FastDecoder:
         cfg = self.cfg
         with on_device(span.device):  # Triton launches on the current device
             if span.embed:
-                X = self.embed[tokens][:, None, :].repeat(1, cfg.hc_mult, 1).contiguous()
+                X = kernels.embed_streams(self.embed, tokens, cfg.hc_mult)
             # A sub-layer's hc_post shares a launch with the next one's hc_pre (`_mhc`): `done`
             # holds the sub-layer's output (y, y2) and its post, C until then.
             done = None
@@ -507,7 +507,7 @@ class FastDecoder:
                 X = kernels.hc_post(X, y, post, C, y2)
             if not span.head:
                 return (X,)
-            h = rms_norm(X.float().mean(1).to(X.dtype), self.norm, cfg.rms_norm_eps)
+            h = kernels.stream_mean_norm(X, self.norm, cfg.rms_norm_eps)
             return linear(h, self.head).float(), h
 
     def _hc_pre(self, X: torch.Tensor, hc: tuple, norm: torch.Tensor,

@@ -29,7 +29,7 @@ import exl3_kernels
 import kda_kernels
 import kernels
 from fastdecode import FastDecoder, Layer, Unsupported, fp32_linear, gate_linear, to_device
-from model_glm import KDA_CHUNK, ForwardOutput, KDASnapshot, SeqChunk, linear, on_device, rms_norm, write_dsa_rows
+from model_glm import KDA_CHUNK, ForwardOutput, KDASnapshot, SeqChunk, linear, on_device, write_dsa_rows
 
 # Up to this many rows in a step, the decode kernel's split-k GEMVs beat the grouped GEMMs, whose few
 # tiles leave most SMs idle (H200, full-size K3 experts, uniform routing, session 23: 2.82x at 1 row,
@@ -105,7 +105,8 @@ class FastPrefill:
         c = replace(c, block_table=to_device(c.block_table, first))
         run = ChunkRun(snapshots={p: KDASnapshot.empty(len(cfg.kda_layers)) for p in c.snapshots})
         recorded = to_device(sorted(record), first) if record else None
-        X = d.embed[tokens][:, None, :].repeat(1, cfg.hc_mult, 1).contiguous()
+        with on_device(first):
+            X = kernels.embed_streams(d.embed, tokens, cfg.hc_mult)
         for L, layer in enumerate(d.layers):
             X = X.to(layer.device)  # a layer split: each layer on its device (FastDecoder.run)
             with on_device(layer.device):
@@ -123,8 +124,8 @@ class FastPrefill:
             if L in taps:  # DFlash2 §2.4: mean of the streams after the layer, fp32 in stream order
                 run.taps[L] = (X.float().sum(1) * (1 / cfg.hc_mult)).to(X.dtype).to(first)
         X = X.to(first)
-        last = X if every_row else X[-1:]
-        run.h = rms_norm(last.float().mean(1).to(X.dtype), d.norm, cfg.rms_norm_eps)
+        with on_device(first):
+            run.h = kernels.stream_mean_norm(X if every_row else X[-1:], d.norm, cfg.rms_norm_eps)
         return run
 
     # -- §4.3 KDA ------------------------------------------------------------------------------

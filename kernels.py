@@ -998,22 +998,43 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
 # model_glm.rms_norm for a prefill chunk's rows (the DSA layers' q_a and kv_a): one read and one write
 # of the rows, where the twin's torch ops take seven launches and an fp32 copy (H200, an 8K prefill's 22 calls:
 # 0.27 against ~2.7 ms). A program holds RB whole rows; the sum of squares follows the block's layout, not
-# torch's order, so the scale can differ from the twin's in its last bit.
+# torch's order, so the scale can differ from the twin's in its last bit. `stream_mean_norm` (§4.1's end,
+# h = norm(mean over the streams of X)) runs the same kernel on the S streams of each row: their fp32 mean,
+# rounded to X's dtype, is the row.
 
 RMS_NORM_ELEMENTS = 2048  # elements a program holds (whole rows, at least one)
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, x_stride, w_ptr, out_ptr, B, N, eps, RB: tl.constexpr, NP: tl.constexpr):
+def _rms_norm_kernel(x_ptr, x_stride, s_stride, w_ptr, out_ptr, B, N, eps, S: tl.constexpr, RB: tl.constexpr,
+                     NP: tl.constexpr):
     _pdl_enter()
     rows = tl.program_id(0) * RB + tl.arange(0, RB)[:, None]
     cols = tl.arange(0, NP)[None, :]
     inside = (rows < B) & (cols < N)
     x = tl.load(x_ptr + rows.to(tl.int64) * x_stride + cols, mask=inside, other=0.0).to(tl.float32)
-    rs = 1.0 / tl.sqrt(tl.sum(x * x, axis=1)[:, None] / N + eps)
     w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+    if S > 1:
+        for i in tl.static_range(1, S):
+            x += tl.load(x_ptr + rows.to(tl.int64) * x_stride + i * s_stride + cols, mask=inside, other=0.0).to(
+                tl.float32)
+        x = _cast(x / S, x_ptr.dtype.element_ty).to(tl.float32)
+    rs = 1.0 / tl.sqrt(tl.sum(x * x, axis=1)[:, None] / N + eps)
     y = _rms_scaled(x, rs, w, x_ptr.dtype.element_ty, out_ptr.dtype.element_ty)
     tl.store(out_ptr + rows.to(tl.int64) * N + cols, y, mask=inside)
+
+
+def _rms_norm_launch(x: torch.Tensor, s_stride: int, S: int, weight: torch.Tensor, eps: float, B: int,
+                     N: int) -> torch.Tensor:
+    if tuple(weight.shape) != (N,):
+        raise ValueError(f"rms_norm: weight must be ({N},), got {tuple(weight.shape)}")
+    out = torch.empty(B, N, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    if B:
+        NP = triton.next_power_of_2(N)
+        rb = max(1, RMS_NORM_ELEMENTS // NP)
+        _rms_norm_kernel[(triton.cdiv(B, rb),)](x, x.stride(0), s_stride, weight.contiguous(), out, B, N, eps, S=S,
+                                                RB=rb, NP=NP, launch_pdl=_pdl())
+    return out
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -1021,14 +1042,48 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     projection's output) and weight [N]: [B, N] contiguous, in the dtype torch's product gives."""
     B, N = x.shape
     _rows(x, "rms_norm: x", B, N)
-    if tuple(weight.shape) != (N,):
-        raise ValueError(f"rms_norm: weight must be ({N},), got {tuple(weight.shape)}")
-    out = torch.empty(B, N, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    return _rms_norm_launch(x, 0, 1, weight, eps, B, N)
+
+
+def stream_mean_norm(X: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """model_glm.rms_norm(X.float().mean(1).to(X.dtype), weight, eps) in one launch for the residual
+    streams X [B, S, N] (unit last stride): [B, N] contiguous."""
+    if X.dim() != 3 or X.stride(2) != 1:
+        raise ValueError(f"stream_mean_norm: X must be [B, S, N] with unit last stride, got {tuple(X.shape)} "
+                         f"{X.stride()}")
+    B, S, N = X.shape
+    return _rms_norm_launch(X, X.stride(1), S, weight, eps, B, N)
+
+
+# ================================================================ the embedding's streams (§4.1)
+# X = repeat(embed(tok), S streams) in one launch, where torch takes two (the gather, the repeat). Token
+# ids are not checked here: the engine and the server reject ids outside the vocabulary.
+
+EMBED_BLOCK = 1024
+
+
+@triton.jit
+def _embed_streams_kernel(embed_ptr, tok_ptr, out_ptr, D, S: tl.constexpr, BD: tl.constexpr):
+    _pdl_enter()
+    b = tl.program_id(0)
+    cols = tl.program_id(1) * BD + tl.arange(0, BD)
+    row = tl.load(embed_ptr + tl.load(tok_ptr + b).to(tl.int64) * D + cols, mask=cols < D)
+    for i in tl.static_range(S):
+        tl.store(out_ptr + (b * S + i).to(tl.int64) * D + cols, row, mask=cols < D)
+
+
+def embed_streams(embed: torch.Tensor, tokens: torch.Tensor, streams: int) -> torch.Tensor:
+    """embed[tokens][:, None, :].repeat(1, streams, 1) for tokens [B] (int32 / int64) and a contiguous
+    embedding [V, D]: [B, streams, D] contiguous in embed's dtype."""
+    if embed.dim() != 2 or not embed.is_contiguous():
+        raise ValueError(f"embed_streams: embed must be a contiguous [V, D], got {tuple(embed.shape)} {embed.stride()}")
+    if tokens.dim() != 1 or tokens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"embed_streams: tokens must be int32 / int64 [B], got {tokens.dtype} {tuple(tokens.shape)}")
+    B, D = tokens.shape[0], embed.shape[1]
+    out = torch.empty(B, streams, D, dtype=embed.dtype, device=embed.device)
     if B:
-        NP = triton.next_power_of_2(N)
-        rb = max(1, RMS_NORM_ELEMENTS // NP)
-        _rms_norm_kernel[(triton.cdiv(B, rb),)](x, x.stride(0), weight.contiguous(), out, B, N, eps, RB=rb, NP=NP,
-                                                launch_pdl=_pdl())
+        _embed_streams_kernel[(B, triton.cdiv(D, EMBED_BLOCK))](embed, tokens.contiguous(), out, D, S=streams,
+                                                                BD=EMBED_BLOCK, launch_pdl=_pdl())
     return out
 
 

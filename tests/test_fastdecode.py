@@ -298,6 +298,43 @@ def test_rms_norm_matches_model_glm(dtype, w_dtype, B, N):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("B,N", [(5, 96), (2, 1536)])
+def test_stream_mean_norm_matches_model_glm(dtype, B, N):
+    """§4.1's end, h = norm(mean over the 4 streams of X), in one launch: the streams' fp32 mean rounded
+    to X's dtype, then rms_norm's roundings. Rows of a larger X (the prefill passes its last row)."""
+    g = torch.Generator().manual_seed(6)
+    X = (3 * torch.randn(B + 1, 4, N, generator=g)).to(dtype).to(DEVICE)[1:]
+    weight = (1 + torch.randn(N, generator=g) / 4).to(dtype).to(DEVICE)
+    got = kernels.stream_mean_norm(X, weight, 1e-5)
+    want = rms_norm(X.float().mean(1).to(dtype), weight, 1e-5)
+    assert got.dtype == want.dtype and got.shape == (B, N)
+    tol = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=8e-3, atol=1e-3)
+    torch.testing.assert_close(got, want, **tol)
+    if dtype != torch.float32:
+        assert float((got != want).float().mean()) <= 0.01
+        # the mean is rounded to X's dtype before the norm, as the twin rounds it
+        unrounded = rms_norm(X.float().mean(1), weight.float(), 1e-5).to(dtype)
+        assert float((got != unrounded).float().mean()) > float((got != want).float().mean())
+    with pytest.raises(ValueError, match=r"X must be \[B, S, N\] with unit last stride, got \(2, 96\)"):
+        kernels.stream_mean_norm(torch.zeros(2, 96, device=DEVICE), weight, 1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_embed_streams_is_the_repeated_embedding(dtype):
+    """§4.1: X = repeat(embed(tok), 4 streams) in one launch; D 1100 ends inside a column block."""
+    g = torch.Generator().manual_seed(7)
+    embed = torch.randn(50, 1100, generator=g).to(dtype).to(DEVICE)
+    for tokens in (torch.tensor([3, 49, 0, 3]), torch.tensor([17], dtype=torch.int32)):
+        tokens = tokens.to(DEVICE)
+        got = kernels.embed_streams(embed, tokens, 4)
+        assert torch.equal(got, embed[tokens.long()][:, None, :].repeat(1, 4, 1))
+    with pytest.raises(ValueError, match=r"tokens must be int32 / int64 \[B\], got torch.float32"):
+        kernels.embed_streams(embed, torch.zeros(2, device=DEVICE), 4)
+    with pytest.raises(ValueError, match=r"embed must be a contiguous \[V, D\]"):
+        kernels.embed_streams(embed.t(), tokens, 4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n", [1, 2, 21])  # fewer chunk rows than the history, and more than a program's 16
 def test_kda_chunk_inputs_match_model_glm(dtype, n):
     g = torch.Generator().manual_seed(2)
