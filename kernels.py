@@ -1024,10 +1024,10 @@ def _rms_norm_kernel(x_ptr, x_stride, s_stride, w_ptr, out_ptr, B, N, eps, S: tl
     tl.store(out_ptr + rows.to(tl.int64) * N + cols, y, mask=inside)
 
 
-def _rms_norm_launch(x: torch.Tensor, s_stride: int, S: int, weight: torch.Tensor, eps: float, B: int,
+def _rms_norm_launch(name: str, x: torch.Tensor, s_stride: int, S: int, weight: torch.Tensor, eps: float, B: int,
                      N: int) -> torch.Tensor:
     if tuple(weight.shape) != (N,):
-        raise ValueError(f"rms_norm: weight must be ({N},), got {tuple(weight.shape)}")
+        raise ValueError(f"{name}: weight must be ({N},), got {tuple(weight.shape)}")
     out = torch.empty(B, N, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
     if B:
         NP = triton.next_power_of_2(N)
@@ -1042,7 +1042,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     projection's output) and weight [N]: [B, N] contiguous, in the dtype torch's product gives."""
     B, N = x.shape
     _rows(x, "rms_norm: x", B, N)
-    return _rms_norm_launch(x, 0, 1, weight, eps, B, N)
+    return _rms_norm_launch("rms_norm", x, 0, 1, weight, eps, B, N)
 
 
 def stream_mean_norm(X: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -1052,7 +1052,7 @@ def stream_mean_norm(X: torch.Tensor, weight: torch.Tensor, eps: float) -> torch
         raise ValueError(f"stream_mean_norm: X must be [B, S, N] with unit last stride, got {tuple(X.shape)} "
                          f"{X.stride()}")
     B, S, N = X.shape
-    return _rms_norm_launch(X, X.stride(1), S, weight, eps, B, N)
+    return _rms_norm_launch("stream_mean_norm", X, X.stride(1), S, weight, eps, B, N)
 
 
 # ================================================================ the embedding's streams (§4.1)

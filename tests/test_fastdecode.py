@@ -317,6 +317,8 @@ def test_stream_mean_norm_matches_model_glm(dtype, B, N):
         assert float((got != unrounded).float().mean()) > float((got != want).float().mean())
     with pytest.raises(ValueError, match=r"X must be \[B, S, N\] with unit last stride, got \(2, 96\)"):
         kernels.stream_mean_norm(torch.zeros(2, 96, device=DEVICE), weight, 1e-5)
+    with pytest.raises(ValueError, match=rf"stream_mean_norm: weight must be \({N},\), got \({N + 1},\)"):
+        kernels.stream_mean_norm(X, torch.ones(N + 1, device=DEVICE), 1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
