@@ -669,9 +669,15 @@ def fp32_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     torch's fp32 GEMM on the CUDA cores."""
     if x.dtype == torch.bfloat16 and x.shape[0] > kernels.FP8_GEMV_ROWS:
         return kernels.bf16_fp32_linear(x, w)
-    if x.shape[0] <= kernels.FP8_GEMV_ROWS and x.shape[1] <= kernels.GEMV_MAX_K:
+    if _gemv_rows(x):
         return kernels.fp32_gemv(x, w)
     return F.linear(x.float(), w)
+
+
+def _gemv_rows(x: torch.Tensor) -> bool:
+    """Rows that kernels.fp32_gemv takes in one launch: a decode step's (at most FP8_GEMV_ROWS), each of
+    at most GEMV_MAX_K."""
+    return x.shape[0] <= kernels.FP8_GEMV_ROWS and x.shape[1] <= kernels.GEMV_MAX_K
 
 
 def gate_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -679,7 +685,7 @@ def gate_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     FP8 core, so it runs apart from the FP8 projections beside it): decode rows in one launch
     (kernels.fp32_gemv, with F.linear's exact products and fp32 sums, in another order), where cuBLAS took
     a split-K GEMV and its reduce; else F.linear."""
-    if x.shape[0] <= kernels.FP8_GEMV_ROWS and x.shape[1] <= kernels.GEMV_MAX_K:
+    if _gemv_rows(x):
         return kernels.fp32_gemv(x.to(w.dtype), w, w.dtype)
     return linear(x, w)
 
