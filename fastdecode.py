@@ -4,7 +4,7 @@ captured once per batch size in a CUDA graph and replayed (spec performance.md �
 
 The math is model_glm's, in the same order (spec glm53.md §4), and model_glm.forward is this file's
 twin (tests/test_fastdecode.py holds them together). Only the way of computing differs:
-- mHC (§4.2): three small kernels per sub-layer (`kernels.hc_post_pre`: a sub-layer's hc_post with the
+- mHC (§4.2): three small kernels per sub-layer (`mhc_kernels.hc_post_pre`: a sub-layer's hc_post with the
   next one's mix, then hc_pre's Sinkhorn and RMSNorm launches) instead of ~70 torch ops, most of them
   the 20 Sinkhorn iterations on 4x4 matrices;
 - projections that read the same input run as one GEMV: their weights are concatenated once and
@@ -41,6 +41,7 @@ import exl3_kernels
 import fp8
 import kda_kernels
 import kernels
+import mhc_kernels
 from cache import CachePool
 from model_glm import ForwardOutput, GLMModel, SeqChunk, Weight, linear, on_device, swiglu
 
@@ -504,7 +505,7 @@ class FastDecoder:
             if done is not None:
                 y, y2, post, C = done
                 self._join(X.device)
-                X = kernels.hc_post(X, y, post, C, y2)
+                X = mhc_kernels.hc_post(X, y, post, C, y2)
             if not span.head:
                 return (X,)
             h = kernels.stream_mean_norm(X, self.norm, cfg.rms_norm_eps)
@@ -513,19 +514,19 @@ class FastDecoder:
     def _hc_pre(self, X: torch.Tensor, hc: tuple, norm: torch.Tensor,
                 beside: "torch.cuda.Stream | None" = None) -> tuple[torch.Tensor, ...]:
         cfg = self.cfg
-        return kernels.hc_pre(X, *hc, norm, cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters, beside)
+        return mhc_kernels.hc_pre(X, *hc, norm, cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters, beside)
 
     def _mhc(self, X: torch.Tensor, done: tuple | None, hc: tuple, norm: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """§4.2 between two sub-layers: hc_post of the one before (done = (y, y2, post, C); None before
         the first) and hc_pre of the next: (X', x, post', C'). On a GPU the Sinkhorn (post', C') runs on
-        the second stream beside the sub-layer (kernels.hc_pre's `beside`), joined before the next mHC."""
+        the second stream beside the sub-layer (mhc_kernels.hc_pre's `beside`), joined before the next mHC."""
         cfg = self.cfg
         beside = self._beside.get(X.device)
         if done is None:
             return X, *self._hc_pre(X, hc, norm, beside)
         y, y2, post, C = done
         self._join(X.device)  # post and C of the sub-layer before
-        return kernels.hc_post_pre(X, y, post, C, *hc, norm, cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters,
+        return mhc_kernels.hc_post_pre(X, y, post, C, *hc, norm, cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters,
                                    y2=y2, beside=beside)
 
     def _join(self, device: torch.device) -> None:
@@ -616,7 +617,7 @@ class FastDecoder:
 
     def moe(self, layer: Layer, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(routed [B, D] fp32, shared expert [B, D]): model_glm adds them in fp32 and rounds the sum to
-        h's dtype; here the next mHC launch does (`kernels.hc_post` / `hc_post_pre`'s y2)."""
+        h's dtype; here the next mHC launch does (`mhc_kernels.hc_post` / `hc_post_pre`'s y2)."""
         return self.beside_shared(layer, h, lambda: self._routed(layer, h))
 
     def _routed(self, layer: Layer, h: torch.Tensor) -> torch.Tensor:

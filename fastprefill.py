@@ -4,7 +4,7 @@ kernels where the reference spends its time (spec performance.md §5: prefill is
 The trunk is model_glm's, in the same order (spec glm53.md §4.1), over the fused projections and
 stacked experts that `fastdecode.FastDecoder` prepared; model_glm.forward is this file's twin
 (tests/test_fastprefill.py holds them together). What differs:
-- mHC (§4.2): `kernels.hc_pre` / `hc_post`, row-parallel, as in the decode step;
+- mHC (§4.2): `mhc_kernels.hc_pre` / `hc_post`, row-parallel, as in the decode step;
 - KDA (§4.3): the short conv, norms, gate and β in one launch (`kda_kernels.kda_chunk_inputs`), then the
   chunked WY form in `kda_kernels.kda_chunk_prefill` (three launches for the whole chunk) instead of a
   Python loop of torch ops per 64 tokens;
@@ -28,6 +28,7 @@ import torch.nn.functional as F
 import exl3_kernels
 import kda_kernels
 import kernels
+import mhc_kernels
 from fastdecode import FastDecoder, Layer, Unsupported, fp32_linear, gate_linear, to_device
 from model_glm import KDA_CHUNK, ForwardOutput, KDASnapshot, SeqChunk, linear, on_device, write_dsa_rows
 
@@ -117,10 +118,10 @@ class FastPrefill:
                     y = self.kda(layer, x, c, run.snapshots)
                 else:
                     y = self.dsa(layer, x, c)
-                X = kernels.hc_post(X, y, post, C)
+                X = mhc_kernels.hc_post(X, y, post, C)
                 h, post, C = d._hc_pre(X, layer.ffn_hc, layer.post_norm)
                 y, y2 = self.moe(L, layer, h) if layer.experts is not None else (d.mlp(layer, h), None)
-                X = kernels.hc_post(X, y, post, C, y2)
+                X = mhc_kernels.hc_post(X, y, post, C, y2)
             if L in taps:  # DFlash2 §2.4: mean of the streams after the layer, fp32 in stream order
                 run.taps[L] = (X.float().sum(1) * (1 / cfg.hc_mult)).to(X.dtype).to(first)
         X = X.to(first)
@@ -211,7 +212,7 @@ class FastPrefill:
     # -- §4.5 routed experts ------------------------------------------------------------------------
 
     def moe(self, L: int, layer: Layer, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(routed fp32, shared expert), summed by `kernels.hc_post`; on a GPU the shared expert runs
+        """(routed fp32, shared expert), summed by `mhc_kernels.hc_post`; on a GPU the shared expert runs
         beside the routed ones (FastDecoder.beside_shared)."""
         return self.decoder.beside_shared(layer, h, lambda: self._routed(L, layer, h))
 

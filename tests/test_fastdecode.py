@@ -15,6 +15,7 @@ import fastdecode
 import fastprefill
 import kda_kernels
 import kernels
+import mhc_kernels
 import fp8
 import tiny
 from cache import CachePool
@@ -36,12 +37,12 @@ def _kl(ref: torch.Tensor, got: torch.Tensor) -> float:
 
 # B, D: "tiny" one block of D, "D4096" 8 blocks; "dot" takes the tensor-core mix (16-bit X, B past
 # HC_DOT_MIN_ROWS): a ragged row tile, two splits of n_in, the second ending inside a k block.
-HC_DOT_N_IN = kernels.HC_DOT_SPLIT + kernels.HC_DOT_BLOCK // 2
+HC_DOT_N_IN = mhc_kernels.HC_DOT_SPLIT + mhc_kernels.HC_DOT_BLOCK // 2
 
 
 @pytest.mark.parametrize("dtype,B,D", [
     (torch.float32, 3, None), (torch.bfloat16, 3, None), (torch.float32, 2, 4096), (torch.bfloat16, 2, 4096),
-    (torch.bfloat16, kernels.HC_DOT_MIN_ROWS + 5, HC_DOT_N_IN // 4)],
+    (torch.bfloat16, mhc_kernels.HC_DOT_MIN_ROWS + 5, HC_DOT_N_IN // 4)],
     ids=["tiny-fp32", "tiny-bf16", "D4096-fp32", "D4096-bf16", "dot-bf16"])
 def test_hc_kernels_match_model_glm(dtype, B, D):
     cfg = GLMConfig.from_dict(tiny.tiny_config_dict())
@@ -53,24 +54,24 @@ def test_hc_kernels_match_model_glm(dtype, B, D):
     norm = (1 + 0.1 * torch.randn(D, generator=g)).to(dtype).to(DEVICE)
     u, post, C = hc_pre(X, fn, base, scale, cfg)
     x = rms_norm(u, norm, cfg.rms_norm_eps)
-    got_x, got_post, got_C = kernels.hc_pre(X, fn, base, scale, norm, cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
+    got_x, got_post, got_C = mhc_kernels.hc_pre(X, fn, base, scale, norm, cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
     torch.testing.assert_close(got_post, post, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(got_C, C, rtol=1e-5, atol=1e-6)
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-2)
     torch.testing.assert_close(got_x, x, **tol)
     y = torch.randn(B, D, generator=g).to(dtype).to(DEVICE)
-    torch.testing.assert_close(kernels.hc_post(X, y, post, C), hc_post(X, y, post, C), **tol)
+    torch.testing.assert_close(mhc_kernels.hc_post(X, y, post, C), hc_post(X, y, post, C), **tol)
     # A MoE layer's two parts: the kernel's in-launch sum rounds as model_glm's (routed + shared).to(dtype).
     routed = torch.randn(B, D, generator=g).to(DEVICE)
     summed = (routed + y.float()).to(dtype)
     assert (dtype == torch.float32) == torch.equal(summed.float(), routed + y.float())  # a rounding to get right
-    assert torch.equal(kernels.hc_post(X, routed, post, C, y), kernels.hc_post(X, summed, post, C))
+    assert torch.equal(mhc_kernels.hc_post(X, routed, post, C, y), mhc_kernels.hc_post(X, summed, post, C))
     with pytest.raises(ValueError, match=rf"y2 must be \({B}, {D}\), got \(1, {D}\)"):
-        kernels.hc_post(X, routed, post, C, y[:1])
+        mhc_kernels.hc_post(X, routed, post, C, y[:1])
 
 
 @pytest.mark.parametrize("dtype,B,parts", [(torch.float32, 3, 1), (torch.bfloat16, 3, 2), (torch.bfloat16, 17, 1),
-                                           (torch.bfloat16, kernels.HC_DOT_MIN_ROWS, 2)],
+                                           (torch.bfloat16, mhc_kernels.HC_DOT_MIN_ROWS, 2)],
                          ids=["fp32", "bf16-moe", "bf16-two-row-blocks", "bf16-prefill-rows"])
 def test_hc_post_pre_is_hc_post_then_hc_pre(dtype, B, parts):
     """The decode step's fused mHC boundary (one sub-layer's hc_post with the next one's hc_pre, the mix
@@ -78,25 +79,25 @@ def test_hc_post_pre_is_hc_post_then_hc_pre(dtype, B, parts):
     cfg = GLMConfig.from_dict(tiny.tiny_config_dict())
     g = torch.Generator().manual_seed(B)
     hc, D = cfg.hc_mult, cfg.hidden_size
-    assert D % kernels.HC_POST_MIX_BLOCK == 0  # else the fused kernel would not run here
+    assert D % mhc_kernels.HC_POST_MIX_BLOCK == 0  # else the fused kernel would not run here
     X = torch.randn(B, hc, D, generator=g).to(dtype).to(DEVICE)
     rand = lambda *shape: torch.randn(*shape, generator=g).to(DEVICE)
     fn, base, scale = 0.02 * rand(2 * hc + hc * hc, hc * D), rand(2 * hc + hc * hc), rand(3).abs() + 0.5
     norm = (1 + 0.1 * rand(D)).to(dtype)
-    _, post, C = kernels.hc_pre(X, fn, base, scale, norm, cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
+    _, post, C = mhc_kernels.hc_pre(X, fn, base, scale, norm, cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
     y, y2 = (rand(B, D), rand(B, D).to(dtype)) if parts == 2 else (rand(B, D).to(dtype), None)
     fn2, base2 = 0.02 * rand(2 * hc + hc * hc, hc * D), rand(2 * hc + hc * hc)
     args = (base2, scale, norm, cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
-    X_want = kernels.hc_post(X, y, post, C, y2)
-    want = kernels.hc_pre(X_want, fn2, *args)
-    X_got, *got = kernels.hc_post_pre(X, y, post, C, fn2, *args, y2=y2)
+    X_want = mhc_kernels.hc_post(X, y, post, C, y2)
+    want = mhc_kernels.hc_pre(X_want, fn2, *args)
+    X_got, *got = mhc_kernels.hc_post_pre(X, y, post, C, fn2, *args, y2=y2)
     assert torch.equal(X_got, X_want)
     torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-6)  # post
     torch.testing.assert_close(got[2], want[2], rtol=1e-5, atol=1e-6)  # C
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-2)
     torch.testing.assert_close(got[0], want[0], **tol)  # x: a 1-ulp rounding of u may differ
     with pytest.raises(ValueError, match=r"hc_post_pre: fn must be contiguous fp32"):
-        kernels.hc_post_pre(X, y, post, C, fn2[:, :-1], *args, y2=y2)
+        mhc_kernels.hc_post_pre(X, y, post, C, fn2[:, :-1], *args, y2=y2)
 
 
 @pytest.mark.parametrize("B,D", [(1, 1536), (5, 1536), (2, 4096)], ids=["one-row", "ragged-blocks", "D4096"])
@@ -109,8 +110,8 @@ def test_hc_post_pre_runs_hc_pre_in_its_own_launch_as_the_launches_after_it(B, D
     cfg = GLMConfig.from_dict(tiny.tiny_config_dict())
     g = torch.Generator().manual_seed(B)
     hc = cfg.hc_mult
-    assert D % kernels.HC_POST_MIX_BLOCK == 0 and D > kernels.HC_BLOCK
-    monkeypatch.setattr(kernels, "HC_FINISH_ROWS", max(B, kernels.HC_FINISH_ROWS))
+    assert D % mhc_kernels.HC_POST_MIX_BLOCK == 0 and D > mhc_kernels.HC_BLOCK
+    monkeypatch.setattr(mhc_kernels, "HC_FINISH_ROWS", max(B, mhc_kernels.HC_FINISH_ROWS))
     rand = lambda *shape: torch.randn(*shape, generator=g).to(DEVICE)
     X = rand(B, hc, D).to(torch.bfloat16)
     post, C = rand(B, hc), rand(B, hc, hc).softmax(-1)
@@ -118,11 +119,11 @@ def test_hc_post_pre_runs_hc_pre_in_its_own_launch_as_the_launches_after_it(B, D
     fn, base, scale = 0.02 * rand(2 * hc + hc * hc, hc * D), rand(2 * hc + hc * hc), rand(3).abs() + 0.5
     args = (fn, base, scale, (1 + 0.1 * rand(D)).to(torch.bfloat16), cfg.rms_norm_eps, cfg.hc_eps,
             cfg.hc_sinkhorn_iters)
-    got = kernels.hc_post_pre(X, y, post, C, *args, y2=y2)
-    again = kernels.hc_post_pre(X, y, post, C, *args, y2=y2)
-    assert not kernels._HC_ARRIVALS[(X.device, B)].any()
-    monkeypatch.setattr(kernels, "HC_FINISH_ROWS", 0)
-    want = kernels.hc_post_pre(X, y, post, C, *args, y2=y2)
+    got = mhc_kernels.hc_post_pre(X, y, post, C, *args, y2=y2)
+    again = mhc_kernels.hc_post_pre(X, y, post, C, *args, y2=y2)
+    assert not mhc_kernels._HC_ARRIVALS[(X.device, B)].any()
+    monkeypatch.setattr(mhc_kernels, "HC_FINISH_ROWS", 0)
+    want = mhc_kernels.hc_post_pre(X, y, post, C, *args, y2=y2)
     assert all(torch.equal(a, b) for a, b in zip(got, again))
     assert torch.equal(got[0], want[0])  # X'
     if DEVICE == "cpu":
@@ -137,10 +138,10 @@ def test_hc_mix_tensor_core_sums_are_fp32_exact(dtype):
     # The sums against fp64, scaled by Σ |x·fn| (fp32 summation's error bound is n·2^-24 times it):
     # exact TF32 products leave only fp32 rounding; fn in TF32 alone (fn_lo dropped) is up to 2^-11 off per term.
     g = torch.Generator().manual_seed(1)
-    B, n_in = kernels.HC_DOT_MIN_ROWS + 5, HC_DOT_N_IN
+    B, n_in = mhc_kernels.HC_DOT_MIN_ROWS + 5, HC_DOT_N_IN
     x = torch.randn(B, n_in, generator=g).to(dtype).to(DEVICE)
     fn = (0.02 * torch.randn(24, n_in, generator=g)).to(DEVICE)
-    part, sq = kernels._hc_mix(x, fn)
+    part, sq = mhc_kernels._hc_mix(x, fn)
     x64, fn64 = x.double(), fn.double()
     m64 = x64 @ fn64.T
     bound = 1e-6 * (x64.abs() @ fn64.abs().T)
@@ -151,7 +152,7 @@ def test_hc_mix_tensor_core_sums_are_fp32_exact(dtype):
 
 @pytest.mark.parametrize("B", [1, 3])
 def test_hc_sinkhorn_apart_gives_hc_pre_post_and_c(B):
-    # The decode step computes post and C on its second stream (kernels.hc_pre's `beside`): the launch it
+    # The decode step computes post and C on its second stream (mhc_kernels.hc_pre's `beside`): the launch it
     # uses there must give hc_pre's own values bit for bit.
     cfg = GLMConfig.from_dict(tiny.tiny_config_dict())
     g = torch.Generator().manual_seed(B)
@@ -160,17 +161,17 @@ def test_hc_sinkhorn_apart_gives_hc_pre_post_and_c(B):
     fn = (0.02 * torch.randn(2 * hc + hc * hc, hc * D, generator=g)).to(DEVICE)
     base, scale = torch.randn(2 * hc + hc * hc, generator=g).to(DEVICE), (torch.rand(3, generator=g) + 0.5).to(DEVICE)
     norm = (1 + 0.1 * torch.randn(D, generator=g)).to(DEVICE)
-    _, post, C = kernels.hc_pre(X, fn, base, scale, norm, cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
-    part, sq = kernels._hc_mix(X.view(B, hc * D), fn)
+    _, post, C = mhc_kernels.hc_pre(X, fn, base, scale, norm, cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
+    part, sq = mhc_kernels._hc_mix(X.view(B, hc * D), fn)
     post2, C2 = torch.full_like(post, float("nan")), torch.full_like(C, float("nan"))
-    kernels._hc_sinkhorn(part, sq, base, scale, post2, C2, D, cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
+    mhc_kernels._hc_sinkhorn(part, sq, base, scale, post2, C2, D, cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
     assert torch.equal(post2, post) and torch.equal(C2, C)
 
 
 def test_hc_pre_rejects_a_wrong_fn():
     X = torch.zeros(1, 4, 128, device=DEVICE)
     with pytest.raises(ValueError, match=r"fn must be contiguous fp32 \(24, 512\)"):
-        kernels.hc_pre(X, torch.zeros(24, 256, device=DEVICE), torch.zeros(24, device=DEVICE),
+        mhc_kernels.hc_pre(X, torch.zeros(24, 256, device=DEVICE), torch.zeros(24, device=DEVICE),
                   torch.ones(3, device=DEVICE), torch.ones(128, device=DEVICE), 1e-5, 1e-6, 20)
 
 
