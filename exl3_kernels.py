@@ -30,8 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import (_COMPILED, ROUTE_MANY_ROWS, RouterScores, _check_block_n, _out_buffer, _pdl, _pdl_enter,
-                     _pow2_scale, _route_pick, _sm_count)
+from kernels import _COMPILED, _check_block_n, _out_buffer, _pdl, _pdl_enter, _pow2_scale, _sm_count
 
 CODEBOOKS = ("3inst", "mcg", "mul1")
 
@@ -519,11 +518,6 @@ def exl3_gemv(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: to
 # linear's output to the activation dtype.
 
 
-# warps a program by rows (fewer than kernels.ROUTE_MANY_ROWS or not): every program also picks its token's
-# experts (kernels._route_pick, a serial chain of max reductions that across 4 warps meets in shared memory
-# at each step). H200, whole decode steps at one warp (the router's launch as chosen): 1.005x at B 4, 1.009x at
-# B 16 (the rotation 7.5 against 10.3 us a call at B 4, eager), but 0.973-0.983x at B 1
-MOE_ROTATE_WARPS = {False: 4, True: 1}
 MOE_CAP_ROWS = 4  # rows from which the K <= 3 GEMV gets 128 registers (_moe_registers)
 
 
@@ -537,28 +531,19 @@ def _moe_registers(k2: int, m: int) -> dict:
 
 
 @triton.jit
-def _moe_rotate_kernel(x_ptr, ids_ptr, route_ptr, part_ptr, bias_ptr, E, S, scaling, suh_gate_ptr, suh_up_ptr, xh_ptr,
-                       k, top_k, pairs, ROUTED: tl.constexpr, NORM: tl.constexpr, TOPK: tl.constexpr,
-                       KP: tl.constexpr, EP: tl.constexpr, SP: tl.constexpr):
+def _moe_rotate_kernel(x_ptr, ids_ptr, suh_gate_ptr, suh_up_ptr, xh_ptr, k, top_k, pairs):
     # xh[0 | 1, p, block] = (x[token] ⊙ suh_gate | suh_up [e]) · H128 / sqrt(128), in the gemv's row
-    # order. ROUTED: every program picks its token's experts from the router's partial sums itself
-    # (kernels._route_pick, the same picks in every program) and the token's first program of block 0
-    # stores them (ids, route) for the GEMVs: the top-k launch fewer. Else e comes from ids.
+    # order, e = ids[p]. The router's top-k is a launch of its own before this one (kernels.route_pick, at
+    # one warp). Picking in each of these programs instead, as this launch once did, made the serial chain
+    # of max reductions meet across 4 warps and repeated it for every (pair, block). H100, router and
+    # rotation of 20 layers in a CUDA graph: the same at B 1 (10.93 against 10.86 us a layer), 1.18x at
+    # B 4 (12.03 against 14.24), 1.52x at B 16 (18.87 against 28.70).
     _pdl_enter()
     blk = tl.program_id(0)
     p = tl.program_id(1)
     i = tl.arange(0, 128)
-    x = tl.load(x_ptr + (p // top_k) * k + blk * 128 + i).to(tl.float32)  # the token's row, ahead of the picks
-    if ROUTED:
-        ids, w = _route_pick(part_ptr, bias_ptr, p // top_k, E, S, scaling, NORM, TOPK, KP, EP, SP)
-        j = tl.arange(0, KP)
-        e = tl.sum(tl.where(j == p % top_k, ids, 0), axis=0).to(tl.int64)
-        if blk == 0:
-            if p % top_k == 0:
-                tl.store(ids_ptr + p + j, ids, mask=j < TOPK)
-                tl.store(route_ptr + p + j, w, mask=j < TOPK)
-    else:
-        e = tl.load(ids_ptr + p).to(tl.int64)
+    x = tl.load(x_ptr + (p // top_k) * k + blk * 128 + i).to(tl.float32)
+    e = tl.load(ids_ptr + p).to(tl.int64)
     r = i % 16
     slot = blk * 128 + i - r + 4 * ((r >> 1) & 3) + 2 * (r >> 3) + (r & 1)
     # Both signs before the first Hadamard: its shuffles through shared memory (barriers) would hold
@@ -719,41 +704,10 @@ def exl3_moe_decode(x: torch.Tensor, ids: torch.Tensor, route: torch.Tensor,
     suh [E, D], svh [E, I]) and down = (trellis [E, I/16, D/16, 16K], suh [E, I], svh [E, D]), each
     stacked over the layer's experts (one K per layer). Returns fp32 [m, D].
     """
-    shape = _check_moe(x, ids, route, gate, up, down, codebook, "[m, {D}]")
-    top_k = ids.shape[1]
+    k2, E, D, I = _check_moe(x, ids, route, gate, up, down, codebook, "[m, {D}]")
+    m, top_k = ids.shape
     ids = ids.reshape(-1).to(torch.int32).contiguous()
     route = route.reshape(-1).float().contiguous()
-    return _moe_decode(x, ids, route, top_k, None, gate, up, down, shape, codebook, limit, block_n, row_tiles,
-                       num_warps)
-
-
-def exl3_moe_decode_routed(x: torch.Tensor, scores: RouterScores,
-                           gate: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-                           up: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-                           down: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-                           codebook: str, limit: float, *, block_n: int = 128, row_tiles: int = 2,
-                           num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """exl3_moe_decode(x, *kernels.route_pick(scores), ...) with the top-k inside its first launch:
-    scores are the router's partial sums for the rows of x (kernels.router_scores). Returns (y fp32
-    [m, D], ids int32 [m, top_k], route fp32 [m, top_k]), the picks being route_pick's."""
-    m = x.shape[0]
-    if scores.part.dim() != 3 or scores.part.shape[0] != m or scores.part.shape[2] != gate[0].shape[0]:
-        raise ValueError(f"router scores must be [{m}, S, {gate[0].shape[0]}] for {m} rows and the experts' "
-                         f"count, got {tuple(scores.part.shape)}")
-    ids = torch.empty((m, scores.top_k), dtype=torch.int32, device=x.device)
-    route = torch.empty((m, scores.top_k), dtype=torch.float32, device=x.device)
-    shape = _check_moe(x, ids, route, gate, up, down, codebook, "[m, {D}]")
-    y = _moe_decode(x, ids.view(-1), route.view(-1), scores.top_k, scores, gate, up, down, shape, codebook, limit,
-                    block_n, row_tiles, num_warps)
-    return y, ids, route
-
-
-def _moe_decode(x: torch.Tensor, ids: torch.Tensor, route: torch.Tensor, top_k: int, scores: RouterScores | None,
-                gate: tuple, up: tuple, down: tuple, shape: tuple[int, int, int, int], codebook: str, limit: float,
-                block_n: int, row_tiles: int, num_warps: int) -> torch.Tensor:
-    # ids int32 [P = m top_k], route fp32 [P]: read, or (scores given) written by the rotation launch.
-    k2, E, D, I = shape
-    m = x.shape[0]
     _check_block_n(block_n)
     P = m * top_k
     dev = x.device
@@ -764,14 +718,7 @@ def _moe_decode(x: torch.Tensor, ids: torch.Tensor, route: torch.Tensor, top_k: 
 
     xh = torch.empty((2, P, D), dtype=torch.float32, device=dev)
     y = torch.empty((m, D), dtype=torch.float32, device=dev)
-    if scores is None:
-        pick = (route, route, 0, 0, 0.0)
-        constants = dict(ROUTED=False, NORM=False, TOPK=1, KP=1, EP=1, SP=1)
-    else:
-        pick = (scores.part, scores.bias, E, scores.part.shape[1], scores.scaling)
-        constants = dict(ROUTED=True, **scores.pick_constants())
-    _moe_rotate_kernel[(D // 128, P)](x, ids, route, *pick, gate[1], up[1], xh, D, top_k, P, **constants,
-                                      num_warps=MOE_ROTATE_WARPS[m >= ROUTE_MANY_ROWS], launch_pdl=_pdl())
+    _moe_rotate_kernel[(D // 128, P)](x, ids, gate[1], up[1], xh, D, top_k, P, num_warps=4, launch_pdl=_pdl())
 
     act_h = torch.empty((P, I), dtype=torch.float32, device=dev)
     steps = D // 16 // row_tiles

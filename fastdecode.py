@@ -19,8 +19,7 @@ twin (tests/test_fastdecode.py holds them together). Only the way of computing d
   a fixed top-k (2051 positions at full size), masking what does not exist instead of slicing; the
   attention gathers the selected latent rows itself (`dsa_kernels.dsa_sparse_attention`); cache rows
   are addressed through device index tensors;
-- the router (§4.5): GEMV, sigmoid, top-k and weights in `kernels.moe_route` (two launches; with EXL3
-  experts the top-k runs inside the experts' first launch, `exl3_kernels.exl3_moe_decode_routed`);
+- the router (§4.5): GEMV, sigmoid, top-k and weights in `kernels.moe_route` (two launches);
 - on a GPU a MoE layer's shared expert runs on a second stream beside the router and the routed experts
   (`FastDecoder.beside_shared`; the prefill's MoE layers too).
 Chunks of several tokens (prefill, speculative verification) go to fastprefill.py; MTP stays in model_glm.
@@ -622,13 +621,13 @@ class FastDecoder:
 
     def _routed(self, layer: Layer, h: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
-        scores = kernels.router_scores(h, *layer.router, cfg.num_experts_per_tok, cfg.norm_topk_prob,
+        ids, route = kernels.moe_route(h, *layer.router, cfg.num_experts_per_tok, cfg.norm_topk_prob,
                                        cfg.routed_scaling_factor)
         ex = layer.experts
         if ex.exl3 is not None:
             gate, up, down, codebook = ex.exl3
-            return exl3_kernels.exl3_moe_decode_routed(h, scores, gate, up, down, codebook, cfg.swiglu_limit)[0]
-        return _dense_experts(h, *kernels.route_pick(scores), ex.dense, cfg.swiglu_limit)
+            return exl3_kernels.exl3_moe_decode(h, ids, route, gate, up, down, codebook, cfg.swiglu_limit)
+        return _dense_experts(h, ids, route, ex.dense, cfg.swiglu_limit)
 
     def beside_shared(self, layer: Layer, h: torch.Tensor,
                       routed: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -630,8 +630,7 @@ def embed_streams(embed: torch.Tensor, tokens: torch.Tensor, streams: int) -> to
 # per row runs `_route_pick`, which adds the partial sums in a fixed order, applies the sigmoid and
 # takes the top-k of s + bias by k rounds of one max over packed (choice, expert) keys (ties to the
 # lower expert), the weights coming from s, then normalizes and scales them. The logits never exist
-# as a separate tensor, and there is no torch op in between. exl3_kernels.exl3_moe_decode_routed
-# runs `_route_pick` in its first launch instead of a launch of its own.
+# as a separate tensor, and there is no torch op in between.
 
 ROUTE_BLOCK_K = 512
 # the router GEMV's launch (experts a program, warps): from ROUTE_MANY_ROWS rows 4 experts at one warp, so that
@@ -650,8 +649,7 @@ ROUTE_PICK_WARPS = 1
 @dataclass
 class RouterScores:
     """The router GEMV's partial sums part [B, S, E] fp32 (S blocks of D, added up by `_route_pick`)
-    and what the top-k needs: the first launch of moe_route, for `route_pick` or a kernel that picks
-    the experts itself (exl3_kernels.exl3_moe_decode_routed)."""
+    and what the top-k needs: the first launch of moe_route, for `route_pick`."""
     part: torch.Tensor
     bias: torch.Tensor
     top_k: int

@@ -475,26 +475,6 @@ def test_exl3_kernels_give_the_same_bits_every_launch():
         assert torch.equal(exl3_kernels.exl3_gemv(x, trellis, suh, svh, "mcg", row_tiles=2, split_k=8), first)
 
 
-def test_moe_decode_routed_is_route_pick_then_moe_decode():
-    # The rotation launch picks each token's experts itself: the same picks as route_pick (stored for the
-    # GEMVs by one program a token) and the same layer output as the two-step path; bad scores are named.
-    E, D, I, m, top_k = 6, 256, 128, 3, 2
-    g = torch.Generator().manual_seed(5)
-    projections = _random_experts(E, D, I, 48, g)
-    x = (4.0 * torch.randn(m, D, generator=g)).half().to(DEVICE)
-    gate_w = (torch.randn(E, D, generator=g) / D ** 0.5).to(DEVICE)
-    bias = (0.1 * torch.randn(E, generator=g)).to(DEVICE)
-    scores = kernels.router_scores(x, gate_w, bias, top_k, True, 2.5)
-    ids, route = kernels.route_pick(scores)
-    assert len({tuple(r) for r in ids.tolist()}) == m, "the test needs each token to pick other experts"
-    y, got_ids, got_route = exl3_kernels.exl3_moe_decode_routed(x, scores, *projections, "mcg", 1.0)
-    assert torch.equal(got_ids, ids) and torch.equal(got_route, route)
-    want = exl3_kernels.exl3_moe_decode(x, ids, route, *projections, "mcg", 1.0)
-    assert rel_err(y, want) <= (0.0 if DEVICE == "cpu" else 1e-6), f"relative error {rel_err(y, want):.2e}"
-    with pytest.raises(ValueError, match=r"router scores must be \[2, S, 6\]"):
-        exl3_kernels.exl3_moe_decode_routed(x[:2], scores, *projections, "mcg", 1.0)
-
-
 # ---------------------------------------------------------------- EXL3 MoE prefill
 
 @pytest.mark.parametrize("I", [256, 384])
