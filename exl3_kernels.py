@@ -519,6 +519,10 @@ def exl3_gemv(x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: to
 
 
 MOE_CAP_ROWS = 4  # rows from which the K <= 3 GEMV gets 128 registers (_moe_registers)
+# Rows from which the rotation runs at 1 warp a (pair, block) instead of 4 (the same bits). H100, whole
+# 20-layer decode steps at 1K of context, 4 alternating rounds (`.notes/s36_trees.py`): 1.006x at B 4
+# (every round above main's), 1.000x at B 1 and 16.
+MOE_ROTATE_ONE_WARP_ROWS = 4
 
 
 def _moe_registers(k2: int, m: int) -> dict:
@@ -718,7 +722,8 @@ def exl3_moe_decode(x: torch.Tensor, ids: torch.Tensor, route: torch.Tensor,
 
     xh = torch.empty((2, P, D), dtype=torch.float32, device=dev)
     y = torch.empty((m, D), dtype=torch.float32, device=dev)
-    _moe_rotate_kernel[(D // 128, P)](x, ids, gate[1], up[1], xh, D, top_k, P, num_warps=4, launch_pdl=_pdl())
+    _moe_rotate_kernel[(D // 128, P)](x, ids, gate[1], up[1], xh, D, top_k, P,
+                                      num_warps=1 if m >= MOE_ROTATE_ONE_WARP_ROWS else 4, launch_pdl=_pdl())
 
     act_h = torch.empty((P, I), dtype=torch.float32, device=dev)
     steps = D // 16 // row_tiles
