@@ -29,11 +29,13 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 class ChatError(ValueError):
-    """A request field the chat layer cannot honour; `param` names the field."""
+    """A request field the chat layer cannot honour; `param` names the field, `code` says why (OpenAI's
+    error codes: "invalid_value", or "unsupported" for what is valid but not served here)."""
 
-    def __init__(self, message: str, param: str | None = None):
+    def __init__(self, message: str, param: str | None = None, code: str = "invalid_value"):
         super().__init__(message)
         self.param = param
+        self.code = code
 
 
 # ---------------------------------------------------------------------------------------------
@@ -99,7 +101,15 @@ def _text_of(content: Any, param: str) -> Any:
         for i, part in enumerate(content):
             if not (isinstance(part, str) or (isinstance(part, dict) and isinstance(part.get("type"), str))):
                 raise ChatError(f"{param}[{i}] must be a string or an object with a 'type'", f"{param}[{i}]")
-            if isinstance(part, dict) and part["type"] == "text" and not isinstance(part.get("text"), str):
+            if isinstance(part, str):
+                continue
+            # The template renders image, video and audio parts as placeholder tokens and drops other types;
+            # with no encoder behind the placeholders the model would answer about media it never saw.
+            if part["type"] != "text":
+                raise ChatError(f"{param}[{i}] is a {part['type']!r} part: only text parts are supported (this "
+                                "engine runs the text model, with no vision or audio encoder)", f"{param}[{i}].type",
+                                "unsupported")
+            if not isinstance(part.get("text"), str):
                 raise ChatError(f"{param}[{i}].text must be a string", f"{param}[{i}].text")
         return content
     raise ChatError(f"{param} must be a string, a list of content parts or null; got {type(content).__name__}", param)

@@ -589,7 +589,7 @@ class Server:
             thinking = chat.resolve_thinking(body.get("reasoning_effort", kwargs.get("reasoning_effort")),
                                              body.get("enable_thinking", kwargs.get("enable_thinking")))
         except chat.ChatError as e:
-            raise ApiError(400, str(e), e.param, "invalid_value")
+            raise ApiError(400, str(e), e.param, e.code)
         tool_choice = body.get("tool_choice") or ("auto" if tools else "none")
         if tool_choice not in ("auto", "none", "required") and not _named_choice(tool_choice):
             raise ApiError(400, "'tool_choice' must be 'auto', 'none', 'required' or "
@@ -615,7 +615,7 @@ class Server:
             text = chat.render(self.engine.chat_template, messages, tools if tool_choice != "none" else None,
                                thinking, **extra) + forced
         except chat.ChatError as e:
-            raise ApiError(400, str(e), e.param, "invalid_value")
+            raise ApiError(400, str(e), e.param, e.code)
         except Exception as e:  # the template itself rejected the conversation
             raise ApiError(400, f"the chat template could not render these messages: {e}", "messages", "invalid_value")
         prompt_ids = self.engine.tokenizer.encode(text, add_special_tokens=False).ids

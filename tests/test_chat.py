@@ -117,6 +117,13 @@ def test_history_tool_calls_and_reordered_results(template):
     ([{"role": "user"}], "messages[0].content"),
     ([{"role": "user", "content": 5}], "messages[0].content"),
     ([{"role": "user", "content": [{"text": "no type"}]}], "messages[0].content[0]"),
+    ([{"role": "user", "content": [{"type": "text", "text": 5}]}], "messages[0].content[0].text"),
+    # media parts would render as placeholder tokens with nothing behind them
+    ([{"role": "user", "content": ["look:", {"type": "image_url", "image_url": {"url": "data:,"}}]}],
+     "messages[0].content[1].type"),
+    ([{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}]}],
+     "messages[0].content[0].type"),
+    ([{"role": "assistant", "content": [{"type": "refusal", "refusal": "no"}]}], "messages[0].content[0].type"),
     ([{"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": "{bad"}}]}],
      "messages[0].tool_calls[0].function.arguments"),
     ([{"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": "[1]"}}]}],

@@ -292,6 +292,8 @@ BAD = [  # (path, body: dict or raw str, status, param, code)
     ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "messages[0].content", None),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"text": "x"}]}]}, 400,
      "messages[0].content[0]", None),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:,"}}]}]}, 400, "messages[0].content[0].type", "unsupported"),
     ("/v1/chat/completions", {"messages": [{"role": "assistant", "content": None, "tool_calls": [
         {"type": "function", "function": {"name": "f", "arguments": "{oops"}}]}, *M]}, 400,
      "messages[0].tool_calls[0].function.arguments", None),
