@@ -710,8 +710,13 @@ class Server:
                            "invalid_value")
         if not prompt_ids:
             raise ApiError(400, "'prompt' encodes to no tokens", "prompt", "invalid_value")
-        if field_of(body, "echo", "bool", False) or body.get("suffix") is not None:
-            raise ApiError(400, "'echo' and 'suffix' are not supported", "echo", "unsupported")
+        if field_of(body, "echo", "bool", False):
+            raise ApiError(400, "'echo' is not supported", "echo", "unsupported")
+        if body.get("suffix") is not None:
+            raise ApiError(400, "'suffix' is not supported", "suffix", "unsupported")
+        if field_of(body, "best_of", "int", 1) != 1:
+            raise ApiError(400, "'best_of' other than 1 is not supported: this server samples one completion per "
+                                "request", "best_of", "unsupported")
         logprobs = field_of(body, "logprobs", "int", None, lambda v: 0 <= v <= MAX_TOP_LOGPROBS,
                             f"must be between 0 and {MAX_TOP_LOGPROBS}")
         skip = field_of(body, "skip_special_tokens", "bool", True)
