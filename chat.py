@@ -106,7 +106,7 @@ def _text_of(content: Any, param: str) -> Any:
             # The template renders image, video and audio parts as placeholder tokens and drops other types;
             # with no encoder behind the placeholders the model would answer about media it never saw.
             if part["type"] != "text":
-                raise ChatError(f"{param}[{i}] is a {part['type']!r} part: only text parts are supported (this "
+                raise ChatError(f"{param}[{i}] has type {part['type']!r}: only text parts are supported (this "
                                 "engine runs the text model, with no vision or audio encoder)", f"{param}[{i}].type",
                                 "unsupported")
             if not isinstance(part.get("text"), str):
