@@ -4,9 +4,10 @@ captured once per batch size in a CUDA graph and replayed (spec performance.md �
 
 The math is model_glm's, in the same order (spec glm53.md §4), and model_glm.forward is this file's
 twin (tests/test_fastdecode.py holds them together). Only the way of computing differs:
-- mHC (§4.2): three small kernels per sub-layer (`mhc_kernels.hc_post_pre`: a sub-layer's hc_post with the
-  next one's mix, then hc_pre's Sinkhorn and RMSNorm launches) instead of ~70 torch ops, most of them
-  the 20 Sinkhorn iterations on 4x4 matrices;
+- mHC (§4.2): one launch per sub-layer boundary up to 32 rows (`mhc_kernels.hc_post_pre`: a sub-layer's
+  hc_post with the next one's mix, whose last program of a row finishes hc_pre and its RMSNorm), plus the
+  Sinkhorn on the second stream, instead of ~70 torch ops, most of them the 20 Sinkhorn iterations on 4x4
+  matrices;
 - projections that read the same input run as one GEMV: their weights are concatenated once and
   the model's own entries become views of the concatenation (same values, no extra memory);
 - the routed experts of a layer are stacked the same way, so `exl3_kernels.exl3_moe_decode` runs all
