@@ -98,21 +98,26 @@ def _text_of(content: Any, param: str) -> Any:
     if content is None or isinstance(content, str):
         return content
     if isinstance(content, list):
-        for i, part in enumerate(content):
-            if not (isinstance(part, str) or (isinstance(part, dict) and isinstance(part.get("type"), str))):
-                raise ChatError(f"{param}[{i}] must be a string or an object with a 'type'", f"{param}[{i}]")
-            if isinstance(part, str):
-                continue
-            # The template renders image, video and audio parts as placeholder tokens and drops other types;
-            # with no encoder behind the placeholders the model would answer about media it never saw.
-            if part["type"] != "text":
-                raise ChatError(f"{param}[{i}] has type {part['type']!r}: only text parts are supported (this "
-                                "engine runs the text model, with no vision or audio encoder)", f"{param}[{i}].type",
-                                "unsupported")
-            if not isinstance(part.get("text"), str):
-                raise ChatError(f"{param}[{i}].text must be a string", f"{param}[{i}].text")
-        return content
+        return [_text_part(part, f"{param}[{i}]") for i, part in enumerate(content)]
     raise ChatError(f"{param} must be a string, a list of content parts or null; got {type(content).__name__}", param)
+
+
+def _text_part(part: Any, param: str) -> str | dict:
+    """A content part as the template reads it: a string or a text part. An assistant's refusal part (what
+    OpenAI's API returns for a refused request) is its text. The template renders image, video and audio
+    parts as placeholder tokens and drops other types: with no encoder behind the placeholders the model
+    would answer about media it never saw, so those are refused."""
+    if isinstance(part, str):
+        return part
+    if not (isinstance(part, dict) and isinstance(part.get("type"), str)):
+        raise ChatError(f"{param} must be a string or an object with a 'type'", param)
+    key = {"text": "text", "refusal": "refusal"}.get(part["type"])
+    if key is None:
+        raise ChatError(f"{param} has type {part['type']!r}: only text parts are supported (this engine runs the "
+                        "text model, with no vision or audio encoder)", f"{param}.type", "unsupported")
+    if not isinstance(part.get(key), str):
+        raise ChatError(f"{param}.{key} must be a string", f"{param}.{key}")
+    return {"type": "text", "text": part[key]}
 
 
 def _tool_call_for_template(tc: Any, param: str) -> dict:

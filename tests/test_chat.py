@@ -123,7 +123,7 @@ def test_history_tool_calls_and_reordered_results(template):
      "messages[0].content[1].type"),
     ([{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}]}],
      "messages[0].content[0].type"),
-    ([{"role": "assistant", "content": [{"type": "refusal", "refusal": "no"}]}], "messages[0].content[0].type"),
+    ([{"role": "assistant", "content": [{"type": "refusal", "refusal": None}]}], "messages[0].content[0].refusal"),
     ([{"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": "{bad"}}]}],
      "messages[0].tool_calls[0].function.arguments"),
     ([{"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": "[1]"}}]}],
@@ -139,6 +139,15 @@ def test_bad_messages_name_the_field(messages, param):
 def test_developer_role_renders_as_system(template):
     text = _render(template, [{"role": "developer", "content": "Dev"}, {"role": "user", "content": "Hi"}])
     assert "<|system|>Dev<|user|>Hi" in text
+
+
+def test_refusal_part_renders_as_its_text(template):
+    def turns(answer):
+        return [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": answer},
+                {"role": "user", "content": "Why?"}]
+
+    text = _render(template, turns([{"type": "refusal", "refusal": "I can't."}]))
+    assert "I can't." in text and text == _render(template, turns("I can't."))
 
 
 # ---------------------------------------------------------------------------------------------
