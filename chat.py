@@ -111,13 +111,13 @@ def _text_part(part: Any, param: str) -> str | dict:
         return part
     if not (isinstance(part, dict) and isinstance(part.get("type"), str)):
         raise ChatError(f"{param} must be a string or an object with a 'type'", param)
-    key = {"text": "text", "refusal": "refusal"}.get(part["type"])
-    if key is None:
-        raise ChatError(f"{param} has type {part['type']!r}: only text parts are supported (this engine runs the "
-                        "text model, with no vision or audio encoder)", f"{param}.type", "unsupported")
-    if not isinstance(part.get(key), str):
-        raise ChatError(f"{param}.{key} must be a string", f"{param}.{key}")
-    return {"type": "text", "text": part[key]}
+    kind = part["type"]
+    if kind not in ("text", "refusal"):
+        raise ChatError(f"{param} has type {kind!r}: only text parts are supported (this engine runs the text "
+                        "model, with no vision or audio encoder)", f"{param}.type", "unsupported")
+    if not isinstance(part.get(kind), str):  # both kinds hold their text under their own name
+        raise ChatError(f"{param}.{kind} must be a string", f"{param}.{kind}")
+    return {"type": "text", "text": part[kind]}
 
 
 def _tool_call_for_template(tc: Any, param: str) -> dict:
