@@ -168,6 +168,7 @@ class RequestOutput:
     usage: Usage | None = None  # set when finished
     logprobs: list[TokenLogprob] | None = None
     acceptance: Acceptance | None = None  # set when finished, if the engine speculates
+    stop_string: str | None = None  # the stop string that ended it (finish_reason "stop"), if one did
 
 
 @dataclass
@@ -562,6 +563,7 @@ class Sequence:
     text: str = ""
     emitted: int = 0  # characters of text already returned
     finish_reason: str | None = None
+    stop_string: str | None = None
     # block_table's mirror for table(): the list it mirrors, and its first `_mirrored` entries
     _table: np.ndarray = field(default_factory=lambda: np.zeros(16, dtype=np.int64), repr=False)
     _table_of: list[int] | None = field(default=None, repr=False)
@@ -1202,9 +1204,10 @@ class Engine:
             old_len = len(seq.text)
             seq.text += seq.detok.push(token)
             # A stop string can only be new if it ends inside the new text.
-            hit = [i for i in (seq.text.find(s, max(0, old_len - len(s) + 1)) for s in p.stop) if i >= 0]
+            hit = [(i, s) for i, s in ((seq.text.find(s, max(0, old_len - len(s) + 1)), s) for s in p.stop) if i >= 0]
             if hit:
-                seq.text = seq.text[:min(hit)]
+                at, seq.stop_string = min(hit, key=lambda h: h[0])
+                seq.text = seq.text[:at]
                 self._finish(seq, "stop")
             elif self._tokens_left(seq) <= 0:
                 self._finish(seq, "length")
@@ -1232,7 +1235,8 @@ class Engine:
         usage = Usage(seq.prompt_len, len(seq.output_ids), max(seq.cached_tokens, 0)) if finished else None
         st = seq.draft_stats
         acceptance = Acceptance(st.verify_steps, st.draft_tokens, st.accepted_tokens) if finished and st else None
-        return RequestOutput(seq.request_id, token_ids, text, finished, seq.finish_reason, usage, logprobs, acceptance)
+        return RequestOutput(seq.request_id, token_ids, text, finished, seq.finish_reason, usage, logprobs, acceptance,
+                             seq.stop_string)
 
     # --- whole requests ---------------------------------------------------------------------
 

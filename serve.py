@@ -6,8 +6,10 @@ The engine is not thread-safe, so exactly one thread (EngineLoop) touches it: ha
 commands to its inbox (add a request, cancel one, run a function such as scoring) and read their
 request's outputs from a per-request queue. Endpoints: /v1/chat/completions, /v1/completions
 (both streamed as SSE or not), /v1/models, /v1/score (teacher-forced log-probabilities),
+/v1/messages and /v1/messages/count_tokens (Anthropic's API, translated by messages_api.py),
 /health (ready after load and warm-up), /metrics (Prometheus text). Every bad request gets an
-OpenAI-style error body {"error": {"message", "type", "param", "code"}} with a 4xx status.
+OpenAI-style error body {"error": {"message", "type", "param", "code"}} with a 4xx status (on
+/v1/messages Anthropic's {"type": "error", "error": {"type", "message"}}).
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ from werkzeug.exceptions import HTTPException
 from werkzeug.serving import make_server
 
 import chat
+import messages_api
 
 MAX_BODY_BYTES = 32 << 20
 MAX_TOP_LOGPROBS = 20
@@ -47,7 +50,11 @@ class ApiError(Exception):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
 
-    def body(self) -> dict:
+    def body(self, anthropic: bool = False) -> dict:
+        """OpenAI's error object, or Anthropic's for /v1/messages (which has no param: the message names it)."""
+        if anthropic:
+            return messages_api.error_body(self.status, self.message if self.param is None or self.param in
+                                           self.message else f"{self.param}: {self.message}")
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
@@ -411,7 +418,8 @@ class Server:
 
         @app.errorhandler(ApiError)
         def api_error(e: ApiError):
-            return Response(json.dumps(e.body()), e.status, mimetype="application/json")
+            return Response(json.dumps(e.body(anthropic=request.path.startswith("/v1/messages"))), e.status,
+                            mimetype="application/json")
 
         @app.errorhandler(HTTPException)
         def http_error(e: HTTPException):
@@ -426,9 +434,10 @@ class Server:
         @app.before_request
         def gate():
             if self.args.api_key and request.path != "/health":
-                if request.headers.get("Authorization", "") != f"Bearer {self.args.api_key}":
-                    raise ApiError(401, "missing or wrong API key (send 'Authorization: Bearer KEY')", None,
-                                   "invalid_api_key", "authentication_error")
+                key = self.args.api_key  # OpenAI clients send a bearer token, Anthropic clients x-api-key
+                if request.headers.get("Authorization", "") != f"Bearer {key}" and request.headers.get("x-api-key") != key:
+                    raise ApiError(401, "missing or wrong API key (send 'Authorization: Bearer KEY' or 'x-api-key: KEY')",
+                                   None, "invalid_api_key", "authentication_error")
             if request.path.startswith("/v1/") and not self.ready.is_set():
                 raise ApiError(503, "the model is still loading; poll /health", None, "loading", "server_error")
 
@@ -443,6 +452,8 @@ class Server:
         app.add_url_rule("/v1/chat/completions", view_func=self.chat_completions, methods=["POST"])
         app.add_url_rule("/v1/completions", view_func=self.completions, methods=["POST"])
         app.add_url_rule("/v1/score", view_func=self.score, methods=["POST"])
+        app.add_url_rule("/v1/messages", view_func=self.messages, methods=["POST"])
+        app.add_url_rule("/v1/messages/count_tokens", view_func=self.count_tokens, methods=["POST"])
         return app
 
     def health(self):
@@ -480,12 +491,14 @@ class Server:
                            "model", "model_not_found")
         return body
 
-    def _job(self, body: dict, prompt_ids: list[int], logprobs: int | None, skip_special: bool) -> Job:
+    def _job(self, body: dict, prompt_ids: list[int], logprobs: int | None, skip_special: bool,
+             prompt_param: str) -> Job:
+        """`prompt_param`: the request field the prompt came from, named when the prompt is too long."""
         _refuse_unsupported(body)
         limit = self.engine.max_model_len
         if len(prompt_ids) >= limit:
             raise ApiError(400, f"the prompt has {len(prompt_ids)} tokens; this model's context is {limit} tokens "
-                                f"(at most {limit - 1} for the prompt)", "messages" if "messages" in body else "prompt",
+                                f"(at most {limit - 1} for the prompt)", prompt_param,
                            "context_length_exceeded")
         max_tokens = field_of(body, "max_completion_tokens", "int", None, lambda v: v >= 1, "must be >= 1")
         max_tokens = field_of(body, "max_tokens", "int", max_tokens, lambda v: v >= 1, "must be >= 1")
@@ -591,6 +604,24 @@ class Server:
         except chat.ChatError as e:
             raise ApiError(400, str(e), e.param, e.code)
         tool_choice = body.get("tool_choice") or ("auto" if tools else "none")
+        logprobs = field_of(body, "logprobs", "bool", False)
+        top = field_of(body, "top_logprobs", "int", 0, lambda v: 0 <= v <= MAX_TOP_LOGPROBS,
+                       f"must be between 0 and {MAX_TOP_LOGPROBS}")
+        if top and not logprobs:
+            raise ApiError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs", "invalid_value")
+        extra = {"clear_thinking": field_of(kwargs, "clear_thinking", "bool")} if "clear_thinking" in kwargs else {}
+        prompt_ids, parser, head = self._chat_prompt(messages, tools, tool_choice, thinking, **extra)
+        job = self._job(body, prompt_ids, top if logprobs else None, skip_special=False, prompt_param="messages")
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        outputs = self._outputs(job, request.environ.get("werkzeug.socket"))
+        if job.stream:
+            return self._sse(self._chat_chunks(outputs, parser, head, job, rid, created), outputs)
+        return self._chat_response(outputs, parser, head, job, rid, created)
+
+    def _chat_prompt(self, messages: list[dict], tools: list[dict] | None, tool_choice: Any, thinking: chat.Thinking,
+                     **extra: Any) -> tuple[list[int], chat.StreamParser, list[chat.Delta]]:
+        """The prompt's token ids for checked messages and tools, the parser of the answer, and what the parser
+        already made of a forced start of the answer."""
         if tool_choice not in ("auto", "none", "required") and not _named_choice(tool_choice):
             raise ApiError(400, "'tool_choice' must be 'auto', 'none', 'required' or "
                                 "{'type': 'function', 'function': {'name': ...}}", "tool_choice", "invalid_value")
@@ -605,12 +636,6 @@ class Server:
                 raise ApiError(400, f"tool_choice names '{name}', which is not in 'tools'", "tool_choice", "invalid_value")
             thinking = chat.Thinking(enabled=False, effort=thinking.effort)
             forced = chat.TOOL_START + name
-        logprobs = field_of(body, "logprobs", "bool", False)
-        top = field_of(body, "top_logprobs", "int", 0, lambda v: 0 <= v <= MAX_TOP_LOGPROBS,
-                       f"must be between 0 and {MAX_TOP_LOGPROBS}")
-        if top and not logprobs:
-            raise ApiError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs", "invalid_value")
-        extra = {"clear_thinking": field_of(kwargs, "clear_thinking", "bool")} if "clear_thinking" in kwargs else {}
         try:
             text = chat.render(self.engine.chat_template, messages, tools if tool_choice != "none" else None,
                                thinking, **extra) + forced
@@ -619,14 +644,8 @@ class Server:
         except Exception as e:  # the template itself rejected the conversation
             raise ApiError(400, f"the chat template could not render these messages: {e}", "messages", "invalid_value")
         prompt_ids = self.engine.tokenizer.encode(text, add_special_tokens=False).ids
-        job = self._job(body, prompt_ids, top if logprobs else None, skip_special=False)
         parser = chat.StreamParser(thinking.enabled, tools, parse_tools=tool_choice != "none")
-        head = parser.feed(forced)
-        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        outputs = self._outputs(job, request.environ.get("werkzeug.socket"))
-        if job.stream:
-            return self._sse(self._chat_chunks(outputs, parser, head, job, rid, created), outputs)
-        return self._chat_response(outputs, parser, head, job, rid, created)
+        return prompt_ids, parser, parser.feed(forced)
 
     def _chat_response(self, outputs, parser, head, job: Job, rid: str, created: int) -> dict:
         deltas, lps, last = list(head), [], None
@@ -687,6 +706,51 @@ class Server:
             yield {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
                    "choices": [], "usage": _usage(last.usage)}
 
+    # --- /v1/messages (Anthropic) -----------------------------------------------------------
+
+    def _messages_prompt(self, body: dict) -> tuple[messages_api.ChatRequest, list[int], chat.StreamParser, list]:
+        if not self.engine.chat_template:
+            raise ApiError(400, "this checkpoint has no chat template; use /v1/completions", "messages", "unsupported")
+        try:
+            req = messages_api.to_chat(body)
+            messages, tools = chat.normalize_messages(req.messages), chat.check_tools(req.tools)
+        except (messages_api.MessagesError, chat.ChatError) as e:
+            raise ApiError(400, str(e), e.param, e.code)
+        return (req, *self._chat_prompt(messages, tools, req.tool_choice, req.thinking))
+
+    def messages(self):
+        req, prompt_ids, parser, head = self._messages_prompt(self._body())
+        left = self.engine.max_model_len - len(prompt_ids)
+        if _is_int(req.options.get("max_tokens")) and left > 0:
+            # Anthropic clients ask for one large max_tokens whatever the model's context (a maximum there,
+            # not a promise): what the context leaves is the most this request can get.
+            req.options["max_tokens"] = min(req.options["max_tokens"], left)
+        job = self._job(req.options, prompt_ids, None, skip_special=False, prompt_param="messages")
+        outputs = self._outputs(job, request.environ.get("werkzeug.socket"))
+        events = self._message_events(messages_api.MessageStream(self.model_name, len(prompt_ids)), outputs,
+                                      parser, head)
+        if job.stream:
+            return self._sse(events, outputs, anthropic=True)
+        message = messages_api.fold(events)
+        if message.get("stop_reason") is None:
+            raise ApiError(499, "the client went away", None, "cancelled")
+        return message
+
+    def _message_events(self, stream: messages_api.MessageStream, outputs, parser: chat.StreamParser,
+                        head: list) -> Iterator[tuple[str, dict]]:
+        yield from stream.start()
+        yield from stream.feed(head)
+        last = None
+        for o in outputs:
+            last = o
+            yield from stream.feed(parser.feed(o.text) + (parser.finish() if o.finished else []))
+        if last is not None and last.finished:
+            yield from stream.finish(last.finish_reason, last.stop_string, last.usage)
+
+    def count_tokens(self):
+        _, prompt_ids, _, _ = self._messages_prompt({"max_tokens": 1, **self._body()})
+        return {"input_tokens": len(prompt_ids)}
+
     # --- /v1/completions --------------------------------------------------------------------
 
     def completions(self):
@@ -720,7 +784,7 @@ class Server:
         logprobs = field_of(body, "logprobs", "int", None, lambda v: 0 <= v <= MAX_TOP_LOGPROBS,
                             f"must be between 0 and {MAX_TOP_LOGPROBS}")
         skip = field_of(body, "skip_special_tokens", "bool", True)
-        job = self._job(body, prompt_ids, logprobs, skip_special=skip)
+        job = self._job(body, prompt_ids, logprobs, skip_special=skip, prompt_param="prompt")
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         outputs = self._outputs(job, request.environ.get("werkzeug.socket"))
 
@@ -803,20 +867,28 @@ class Server:
 
     # --- SSE --------------------------------------------------------------------------------
 
-    def _sse(self, events: Iterator[dict], outputs: Iterator[Any]) -> Response:
+    def _sse(self, events: Iterator[Any], outputs: Iterator[Any], anthropic: bool = False) -> Response:
         # Request validation happens before this, so bad requests still get a 4xx status; an error
         # after the first byte (the engine refusing the request) goes out as an error event.
+        # OpenAI's stream is data lines ending in [DONE]; Anthropic's names each event and has no end marker.
+        def frame(e: Any) -> str:
+            name, data = e if anthropic else (None, e)
+            return (f"event: {name}\n" if anthropic else "") + f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+        def error(e: ApiError) -> str:
+            return frame(("error", e.body(anthropic)) if anthropic else e.body())
+
         def body() -> Iterator[str]:
             try:
                 for e in events:
-                    yield f"data: {json.dumps(e, ensure_ascii=False)}\n\n"
-                yield "data: [DONE]\n\n"
+                    yield frame(e)
+                if not anthropic:
+                    yield "data: [DONE]\n\n"
             except ApiError as e:
-                yield f"data: {json.dumps(e.body())}\n\n"
+                yield error(e)
             except Exception as e:  # a server bug after the 200 went out: say so in the stream
                 traceback.print_exc()
-                err = ApiError(500, f"internal error: {type(e).__name__}", type="server_error")
-                yield f"data: {json.dumps(err.body())}\n\n"
+                yield error(ApiError(500, f"internal error: {type(e).__name__}", type="server_error"))
             finally:
                 # A client that disconnects ends up here (GeneratorExit): cancel its request.
                 events.close()

@@ -373,6 +373,118 @@ def test_malformed_requests_get_openai_errors_and_never_5xx(url, client):
     assert r.usage.completion_tokens >= 1
 
 
+# --- Anthropic's Messages API --------------------------------------------------------------------
+
+
+def post_messages(url, body, headers=None):
+    """(status, the whole message or the error) and, when streamed, the (event, data) pairs in order."""
+    r = requests.post(url + "/v1/messages", json={"model": default_model.NAME, **body}, timeout=120,
+                      headers=headers, stream=bool(body.get("stream")))
+    if not body.get("stream") or r.status_code != 200:
+        return r.status_code, r.json(), None
+    events, name = [], None
+    for line in r.iter_lines(decode_unicode=True):
+        if line.startswith("event: "):
+            name = line[len("event: "):]
+        elif line.startswith("data: "):
+            events.append((name, json.loads(line[len("data: "):])))
+    return r.status_code, None, events
+
+
+ANTHROPIC_WEATHER = {"name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}
+
+
+def test_messages_greedy_stream_matches_nonstream_and_counts_like_chat(server, url):
+    body = {"max_tokens": 12, "temperature": 0, "messages": HI}
+    status, msg, _ = post_messages(url, body)
+    assert status == 200 and msg["type"] == "message" and msg["role"] == "assistant", msg
+    assert msg["id"].startswith("msg_") and msg["model"] == default_model.NAME
+    u = msg["usage"]  # thinking is off unless asked for: the same prompt as chat's reasoning_effort "none"
+    assert u["input_tokens"] + u["cache_read_input_tokens"] == prompt_len(server, HI, effort="none")
+    assert [b["type"] for b in msg["content"]] == ["text"] and 1 <= u["output_tokens"] <= 12
+    assert msg["stop_reason"] in ("end_turn", "max_tokens")
+    status, _, events = post_messages(url, {**body, "stream": True})
+    names = [n for n, _ in events]
+    assert status == 200 and names[0] == "message_start" and names[-2:] == ["message_delta", "message_stop"]
+    assert all(e["type"] == n for n, e in events)
+    text = "".join(e["delta"]["text"] for n, e in events if n == "content_block_delta")
+    assert text == msg["content"][0]["text"] and events[-2][1]["delta"]["stop_reason"] == msg["stop_reason"]
+    assert requests.post(url + "/v1/messages/count_tokens", json={"messages": HI}, timeout=30).json() == \
+        {"input_tokens": prompt_len(server, HI, effort="none")}
+
+
+def test_messages_thinking_and_tool_use_nonstream_and_stream(server, url, scripted):
+    scripted(SCRIPT)
+    q = [{"role": "user", "content": "Weather in Paris for 3 days?"}]
+    body = {"max_tokens": 200, "messages": q, "tools": [ANTHROPIC_WEATHER],
+            "thinking": {"type": "enabled", "budget_tokens": 1024}}
+    status, msg, _ = post_messages(url, body)
+    assert status == 200, msg
+    thinking, text, tool = msg["content"]
+    assert thinking == {"type": "thinking", "thinking": "Need the weather.", "signature": ""}
+    assert text == {"type": "text", "text": "Let me check."}
+    assert (tool["type"], tool["name"], tool["input"]) == ("tool_use", "get_weather", {"city": "Paris", "days": 3})
+    assert msg["stop_reason"] == "tool_use"
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": ANTHROPIC_WEATHER["input_schema"]}}]
+    assert msg["usage"]["input_tokens"] + msg["usage"]["cache_read_input_tokens"] == prompt_len(server, q, tools)
+    _, _, events = post_messages(url, {**body, "stream": True})
+    starts = [e["content_block"]["type"] for n, e in events if n == "content_block_start"]
+    deltas = [e["delta"]["type"] for n, e in events if n == "content_block_delta"]
+    assert starts == ["thinking", "text", "tool_use"] and deltas[-1] == "input_json_delta"
+    partial = next(e["delta"]["partial_json"] for n, e in events if e.get("delta", {}).get("type") == "input_json_delta")
+    assert json.loads(partial) == {"city": "Paris", "days": 3}
+    assert events[-2][1]["delta"]["stop_reason"] == "tool_use"
+
+
+def test_messages_tool_result_turn_renders_like_chat(server, url):
+    anthropic = [{"role": "user", "content": "Weather in Paris?"},
+                 {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+                                                    "input": {"city": "Paris"}}]},
+                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "sun"}]}]
+    openai = [{"role": "user", "content": "Weather in Paris?"},
+              {"role": "assistant", "content": "", "tool_calls": [
+                  {"id": "toolu_1", "type": "function", "function": {"name": "get_weather",
+                                                                     "arguments": '{"city": "Paris"}'}}]},
+              {"role": "tool", "tool_call_id": "toolu_1", "content": "sun"}]
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": ANTHROPIC_WEATHER["input_schema"]}}]
+    counted = requests.post(url + "/v1/messages/count_tokens", timeout=30, json={
+        "messages": anthropic, "tools": [ANTHROPIC_WEATHER], "system": "Be brief."}).json()
+    assert counted == {"input_tokens": prompt_len(server, [{"role": "system", "content": "Be brief."}, *openai], tools,
+                                                  effort="none")}
+
+
+def test_messages_stop_sequence_and_large_max_tokens(server, url, scripted):
+    scripted("Hello STOP more")
+    status, msg, _ = post_messages(url, {"max_tokens": 10 ** 6, "messages": M, "stop_sequences": ["zzz", "STOP"]})
+    assert status == 200, msg  # a max_tokens past the context is the most the context leaves
+    assert msg["content"] == [{"type": "text", "text": "Hello "}]
+    assert (msg["stop_reason"], msg["stop_sequence"]) == ("stop_sequence", "STOP")
+
+
+MESSAGES_BAD = [  # (body, status, words the message must hold)
+    ({"messages": M}, 400, "max_tokens is required"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, 400,
+     "not supported"),
+    ({"max_tokens": 5, "messages": M, "temperature": 2}, 400, "temperature"),
+    ({"max_tokens": 0, "messages": M}, 400, "max_tokens"),
+    ({"max_tokens": 5, "messages": M, "tool_choice": {"type": "any"}}, 400, "needs 'tools'"),
+    ({"max_tokens": 5, "messages": M, "model": "claude-9"}, 404, "does not exist"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": LONG}]}, 400, "context"),
+]
+
+
+def test_messages_errors_in_anthropics_shape(url):
+    for body, status, words in MESSAGES_BAD:
+        r = requests.post(url + "/v1/messages", json=body, timeout=30)
+        assert r.status_code == status, (body, r.text)
+        e = r.json()
+        assert e["type"] == "error" and set(e["error"]) == {"type", "message"}, e
+        assert e["error"]["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
+        assert words in e["error"]["message"], (body, e)
+    r = requests.post(url + "/v1/messages", data="{oops", timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+
+
 def test_body_too_large_is_413(server, url):
     limit = server.app.config["MAX_CONTENT_LENGTH"]
     server.app.config["MAX_CONTENT_LENGTH"] = 1000
@@ -396,6 +508,11 @@ def test_api_key(server, url):
         ok = requests.post(url + "/v1/chat/completions", json=body, timeout=60,
                            headers={"Authorization": "Bearer sekrit"})
         assert ok.status_code == 200
+        anthropic = {"messages": M, "max_tokens": 1}
+        wrong = requests.post(url + "/v1/messages", json=anthropic, timeout=30, headers={"x-api-key": "nope"})
+        assert wrong.status_code == 401 and wrong.json()["error"]["type"] == "authentication_error"
+        assert requests.post(url + "/v1/messages", json=anthropic, timeout=60,
+                             headers={"x-api-key": "sekrit"}).status_code == 200
     finally:
         server.args.api_key = None
 

@@ -1,0 +1,308 @@
+"""Anthropic's Messages API (POST /v1/messages) over the chat path, so Claude Code and other Anthropic clients
+connect directly (spec serving.md §1.9).
+
+Two translations, both pure: `to_chat` turns a Messages request into the OpenAI-style chat that chat.py
+checks and renders; `MessageStream` turns chat.StreamParser's deltas (reasoning, content, tool calls) into
+Anthropic's content blocks (thinking, text, tool_use) as the SSE events of a streamed message. A whole
+(non-streamed) message is those same events folded (`fold`), so the two forms cannot disagree.
+
+Where the two APIs differ in meaning, Anthropic's holds: thinking is off unless `thinking` turns it on
+(GLM's template thinks by default), `temperature` is in [0, 1], `max_tokens` is required, and usage counts
+prompt tokens served from the prefix cache as `cache_read_input_tokens`, not in `input_tokens`.
+"""
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import chat
+
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error"}
+UNSUPPORTED_BLOCKS = ("image", "document", "search_result", "container_upload", "server_tool_use")
+SAMPLING_FIELDS = ("max_tokens", "top_p", "top_k", "stream")  # the same name and meaning in both APIs
+
+
+class MessagesError(ValueError):
+    """A Messages request the server cannot take; `param` names the field in the request's own terms."""
+
+    def __init__(self, message: str, param: str | None = None, code: str = "invalid_value"):
+        super().__init__(message)
+        self.param, self.code = param, code
+
+
+def error_body(status: int, message: str) -> dict:
+    return {"type": "error", "error": {"type": ERROR_TYPES.get(status, "api_error"), "message": message}}
+
+
+@dataclass
+class ChatRequest:
+    """A Messages request in the chat path's terms (OpenAI chat shapes, before chat.normalize_messages)."""
+
+    messages: list[dict]
+    tools: list[dict] | None
+    tool_choice: str | dict  # "auto", "none", "required" or {"type": "function", "function": {"name": ...}}
+    thinking: chat.Thinking
+    options: dict  # chat-completions fields: max_tokens, temperature, top_p, top_k, stop, stream
+
+
+def _bad_block(b: Any, q: str, where: str) -> MessagesError:
+    kind = b.get("type") if isinstance(b, dict) else None
+    if kind in UNSUPPORTED_BLOCKS:
+        return MessagesError(f"{q} is a {kind} block: not supported (this engine runs the text model, with no "
+                             "vision encoder or server tools)", f"{q}.type", "unsupported")
+    return MessagesError(f"{q} must be one of these blocks: {where}; got type {kind!r}", f"{q}.type")
+
+
+def _text(content: Any, q: str) -> str:
+    """A string, or a list of text blocks joined, as plain text."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise MessagesError(f"{q} must be a string or a list of text blocks", q)
+    parts = []
+    for i, b in enumerate(content):
+        if not (isinstance(b, dict) and b.get("type") == "text"):
+            raise _bad_block(b, f"{q}[{i}]", "text")
+        parts.append(_block_text(b, f"{q}[{i}]", "text"))
+    return "".join(parts)  # as the template joins a message's text parts
+
+
+def _block_text(b: dict, q: str, key: str) -> str:
+    if not isinstance(b.get(key), str):
+        raise MessagesError(f"{q}.{key} must be a string", f"{q}.{key}")
+    return b[key]
+
+
+def _blocks(m: dict, p: str) -> list[dict]:
+    content = m.get("content")
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    if not isinstance(content, list) or not content:
+        raise MessagesError(f"{p}.content must be a string or a non-empty list of content blocks", f"{p}.content")
+    return content
+
+
+def _user_turn(m: dict, p: str) -> list[dict]:
+    """Tool results become tool messages, put first (the template expects them right after the assistant's
+    calls); the text blocks become one user message."""
+    results, texts = [], []
+    for j, b in enumerate(_blocks(m, p)):
+        q = f"{p}.content[{j}]"
+        kind = b.get("type") if isinstance(b, dict) else None
+        if kind == "tool_result":
+            if not isinstance(b.get("tool_use_id"), str):
+                raise MessagesError(f"{q}.tool_use_id must be a string", f"{q}.tool_use_id")
+            results.append({"role": "tool", "tool_call_id": b["tool_use_id"],
+                            "content": _text(b.get("content", ""), f"{q}.content")})
+        elif kind == "text":
+            texts.append(_block_text(b, q, "text"))
+        else:
+            raise _bad_block(b, q, "text, tool_result")
+    return results + ([{"role": "user", "content": "".join(texts)}] if texts else [])
+
+
+def _assistant_turn(m: dict, p: str) -> dict:
+    """Thinking blocks become reasoning_content, text blocks content, tool_use blocks tool_calls."""
+    texts, thoughts, calls = [], [], []
+    for j, b in enumerate(_blocks(m, p)):
+        q = f"{p}.content[{j}]"
+        kind = b.get("type") if isinstance(b, dict) else None
+        if kind == "text":
+            texts.append(_block_text(b, q, "text"))
+        elif kind == "thinking":
+            thoughts.append(_block_text(b, q, "thinking"))
+        elif kind == "redacted_thinking":
+            continue  # encrypted by another server: nothing this model can read
+        elif kind == "tool_use":
+            if not isinstance(b.get("id"), str) or not isinstance(b.get("name"), str) or not b["name"]:
+                raise MessagesError(f"{q} needs a string 'id' and a non-empty string 'name'", q)
+            if not isinstance(b.get("input", {}), dict):
+                raise MessagesError(f"{q}.input must be an object", f"{q}.input")
+            calls.append({"id": b["id"], "type": "function",
+                          "function": {"name": b["name"], "arguments": b.get("input", {})}})
+        else:
+            raise _bad_block(b, q, "text, thinking, redacted_thinking, tool_use")
+    out = {"role": "assistant", "content": "".join(texts)}
+    if thoughts:
+        out["reasoning_content"] = "".join(thoughts)
+    if calls:
+        out["tool_calls"] = calls
+    return out
+
+
+def _messages(body: dict) -> list[dict]:
+    system = body.get("system")
+    out = [] if system is None else [{"role": "system", "content": _text(system, "system")}]
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise MessagesError("messages must be a non-empty list", "messages")
+    for i, m in enumerate(messages):
+        p = f"messages[{i}]"
+        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
+            raise MessagesError(f"{p} must be an object with role 'user' or 'assistant'", f"{p}.role")
+        out += _user_turn(m, p) if m["role"] == "user" else [_assistant_turn(m, p)]
+    return out
+
+
+def _tools(body: dict) -> list[dict] | None:
+    tools = body.get("tools")
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise MessagesError("tools must be a list", "tools")
+    out = []
+    for i, t in enumerate(tools):
+        if not isinstance(t, dict) or not isinstance(t.get("name"), str) or not t["name"]:
+            raise MessagesError(f"tools[{i}] must be an object with a non-empty string 'name'", f"tools[{i}]")
+        if t.get("type") not in (None, "custom"):  # Anthropic's server tools (web search, bash, ...) run there
+            raise MessagesError(f"tools[{i}] has type {t['type']!r}: only client tools (name, description, "
+                                "input_schema) are supported", f"tools[{i}].type", "unsupported")
+        schema = t.get("input_schema", {"type": "object"})
+        if not isinstance(schema, dict):
+            raise MessagesError(f"tools[{i}].input_schema must be a JSON schema object", f"tools[{i}].input_schema")
+        fn = {"name": t["name"], "parameters": schema}
+        if isinstance(t.get("description"), str):
+            fn["description"] = t["description"]
+        out.append({"type": "function", "function": fn})
+    return out or None
+
+
+def _tool_choice(body: dict, tools: list[dict] | None) -> str | dict:
+    tc = body.get("tool_choice")
+    if tc is None:
+        return "auto" if tools else "none"
+    kind = tc.get("type") if isinstance(tc, dict) else None
+    if kind == "tool" and isinstance(tc.get("name"), str):
+        return {"type": "function", "function": {"name": tc["name"]}}
+    if kind in ("auto", "any", "none"):
+        return {"auto": "auto", "any": "required", "none": "none"}[kind]
+    raise MessagesError("tool_choice must be {'type': 'auto' | 'any' | 'none'} or {'type': 'tool', 'name': ...}",
+                        "tool_choice")
+
+
+def _thinking(body: dict) -> chat.Thinking:
+    t = body.get("thinking")
+    if t is None:
+        return chat.resolve_thinking(enable_thinking=False)
+    kind = t.get("type") if isinstance(t, dict) else None
+    if kind not in ("enabled", "disabled", "adaptive"):
+        raise MessagesError("thinking must be {'type': 'enabled', 'budget_tokens': N}, {'type': 'adaptive'} or "
+                            "{'type': 'disabled'}", "thinking")
+    if kind == "enabled" and not (isinstance(t.get("budget_tokens"), int) and t["budget_tokens"] >= 1):
+        raise MessagesError("thinking.budget_tokens must be a positive integer", "thinking.budget_tokens")
+    # The budget is a target in Anthropic's API too; GLM's template has efforts, not budgets: the default one.
+    return chat.resolve_thinking(enable_thinking=kind != "disabled")
+
+
+def to_chat(body: dict) -> ChatRequest:
+    """The Messages request `body` in the chat path's terms; MessagesError names what is wrong."""
+    if body.get("max_tokens") is None:
+        raise MessagesError("max_tokens is required", "max_tokens")
+    t = body.get("temperature")
+    if isinstance(t, (int, float)) and not isinstance(t, bool) and not 0 <= t <= 1:
+        raise MessagesError(f"temperature must be between 0 and 1; got {t}", "temperature")
+    stop = body.get("stop_sequences")
+    if stop is not None and not (isinstance(stop, list) and all(isinstance(s, str) and s for s in stop)):
+        raise MessagesError("stop_sequences must be a list of non-empty strings", "stop_sequences")
+    tools = _tools(body)
+    options = {k: body[k] for k in SAMPLING_FIELDS if k in body}
+    options.update(temperature=t, stop=stop or None)
+    return ChatRequest(_messages(body), tools, _tool_choice(body, tools), _thinking(body), options)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The answer: chat deltas -> content blocks, as SSE events (name, data)
+
+BLOCK_OF = {"reasoning": ("thinking", "thinking_delta", "thinking"), "content": ("text", "text_delta", "text")}
+
+
+def stop_reason(finish_reason: str, stop_string: str | None, tool_calls: int) -> str:
+    if tool_calls:
+        return "tool_use"
+    if finish_reason == "length":
+        return "max_tokens"
+    return "stop_sequence" if stop_string is not None else "end_turn"
+
+
+def usage(prompt_tokens: int, output_tokens: int, cached_tokens: int) -> dict:
+    return {"input_tokens": prompt_tokens - cached_tokens, "output_tokens": output_tokens,
+            "cache_read_input_tokens": cached_tokens, "cache_creation_input_tokens": 0}
+
+
+class MessageStream:
+    """The events of one streamed message: `start`, then `feed` with each batch of chat.Delta, then `finish`.
+    One content block is open at a time; a change of kind closes it and opens the next."""
+
+    def __init__(self, model: str, prompt_tokens: int):
+        self.id, self.model, self.prompt_tokens = f"msg_{uuid.uuid4().hex}", model, prompt_tokens
+        self.index, self.open, self.tool_calls = -1, None, 0
+
+    def start(self) -> Iterator[tuple[str, dict]]:
+        message = {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": [],
+                   "stop_reason": None, "stop_sequence": None, "usage": usage(self.prompt_tokens, 0, 0)}
+        yield "message_start", {"type": "message_start", "message": message}
+
+    def feed(self, deltas: list[chat.Delta]) -> Iterator[tuple[str, dict]]:
+        for d in deltas:
+            if d.kind == "tool_call":
+                yield from self._close()
+                yield from self._tool_use(d.tool_call)
+                continue
+            if not d.text:
+                continue
+            block, delta, key = BLOCK_OF[d.kind]
+            if self.open != block:
+                yield from self._close()
+                self.index, self.open = self.index + 1, block
+                start = {"type": block, key: "", **({"signature": ""} if block == "thinking" else {})}
+                yield "content_block_start", {"type": "content_block_start", "index": self.index, "content_block": start}
+            yield "content_block_delta", {"type": "content_block_delta", "index": self.index,
+                                          "delta": {"type": delta, key: d.text}}
+
+    def finish(self, finish_reason: str, stop_string: str | None, u: Any) -> Iterator[tuple[str, dict]]:
+        """`u`: the engine's Usage (prompt, completion and cached tokens)."""
+        yield from self._close()
+        reason = stop_reason(finish_reason, stop_string, self.tool_calls)
+        yield "message_delta", {"type": "message_delta",
+                                "delta": {"stop_reason": reason, "stop_sequence": stop_string if
+                                          reason == "stop_sequence" else None},
+                                "usage": usage(u.prompt_tokens, u.completion_tokens, u.cached_tokens)}
+        yield "message_stop", {"type": "message_stop"}
+
+    def _close(self) -> Iterator[tuple[str, dict]]:
+        if self.open is not None:
+            yield "content_block_stop", {"type": "content_block_stop", "index": self.index}
+            self.open = None
+
+    def _tool_use(self, call: chat.ToolCall) -> Iterator[tuple[str, dict]]:
+        self.index += 1
+        self.tool_calls += 1
+        block = {"type": "tool_use", "id": f"toolu_{uuid.uuid4().hex[:24]}", "name": call.name, "input": {}}
+        yield "content_block_start", {"type": "content_block_start", "index": self.index, "content_block": block}
+        yield "content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": {
+            "type": "input_json_delta", "partial_json": json.dumps(call.arguments, ensure_ascii=False)}}
+        yield "content_block_stop", {"type": "content_block_stop", "index": self.index}
+
+
+def fold(events: Iterator[tuple[str, dict]]) -> dict:
+    """The whole message a client assembles from the events (as Anthropic's SDKs do)."""
+    message: dict = {}
+    for name, e in events:
+        if name == "message_start":
+            message = e["message"]
+        elif name == "content_block_start":
+            message["content"].append(dict(e["content_block"]))
+        elif name == "content_block_delta":
+            block, delta = message["content"][e["index"]], e["delta"]
+            if delta["type"] == "input_json_delta":
+                block["input"] = json.loads(delta["partial_json"])
+            else:
+                key = BLOCK_OF["reasoning" if delta["type"] == "thinking_delta" else "content"][2]
+                block[key] += delta[key]
+        elif name == "message_delta":
+            message.update(e["delta"])
+            message["usage"] = e["usage"]
+    return message

@@ -1,0 +1,128 @@
+"""messages_api without a server: a Messages request becomes the chat the OpenAI path would render, and the
+stream's events fold into the message a client assembles."""
+import json
+
+import pytest
+
+import chat
+import messages_api as m
+
+WEATHER = {"name": "get_weather", "description": "Weather by city",
+           "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}
+CONVERSATION = {"max_tokens": 50, "system": [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}],
+                "tools": [WEATHER], "messages": [
+                    {"role": "user", "content": "Weather in Paris?"},
+                    {"role": "assistant", "content": [
+                        {"type": "thinking", "thinking": "Need the tool.", "signature": "sig"},
+                        {"type": "text", "text": "Checking."},
+                        {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}]},
+                    {"role": "user", "content": [
+                        {"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "text", "text": "sun"}]},
+                        {"type": "text", "text": "Thanks!"}]}]}
+
+
+def test_a_tool_conversation_becomes_the_same_chat():
+    r = m.to_chat(CONVERSATION)
+    assert r.messages == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "Checking.", "reasoning_content": "Need the tool.", "tool_calls": [
+            {"id": "toolu_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+        {"role": "tool", "tool_call_id": "toolu_1", "content": "sun"},
+        {"role": "user", "content": "Thanks!"}]
+    assert r.tools == [{"type": "function", "function": {"name": "get_weather", "description": "Weather by city",
+                                                         "parameters": WEATHER["input_schema"]}}]
+    assert r.tool_choice == "auto" and r.options == {"max_tokens": 50, "temperature": None, "stop": None}
+    assert not r.thinking.enabled  # Anthropic's default, not the template's
+
+
+@pytest.mark.parametrize("thinking, enabled", [(None, False), ({"type": "disabled"}, False),
+                                               ({"type": "enabled", "budget_tokens": 2048}, True),
+                                               ({"type": "adaptive"}, True)])
+def test_thinking(thinking, enabled):
+    body = {"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}], "thinking": thinking}
+    assert m.to_chat(body).thinking.enabled is enabled
+
+
+@pytest.mark.parametrize("choice, chat_choice", [({"type": "auto"}, "auto"), ({"type": "any"}, "required"),
+                                                 ({"type": "none"}, "none"),
+                                                 ({"type": "tool", "name": "get_weather"},
+                                                  {"type": "function", "function": {"name": "get_weather"}})])
+def test_tool_choice(choice, chat_choice):
+    assert m.to_chat({**CONVERSATION, "tool_choice": choice}).tool_choice == chat_choice
+
+
+U = [{"role": "user", "content": "hi"}]
+BAD = [  # (body, param, code)
+    ({"messages": U}, "max_tokens", "invalid_value"),
+    ({"max_tokens": 5}, "messages", "invalid_value"),
+    ({"max_tokens": 5, "messages": [{"role": "system", "content": "x"}]}, "messages[0].role", "invalid_value"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": []}]}, "messages[0].content", "invalid_value"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+     "messages[0].content[0].type", "unsupported"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "text", "text": 3}]}]},
+     "messages[0].content[0].text", "invalid_value"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "tool_result", "content": "x"}]}]},
+     "messages[0].content[0].tool_use_id", "invalid_value"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "t", "content": [{"type": "image"}]}]}]},
+     "messages[0].content[0].content[0].type", "unsupported"),
+    ({"max_tokens": 5, "messages": [{"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f",
+                                                                       "input": [1]}]}]},
+     "messages[0].content[0].input", "invalid_value"),
+    ({"max_tokens": 5, "messages": [{"role": "assistant", "content": [{"type": "tool_result"}]}]},
+     "messages[0].content[0].type", "invalid_value"),
+    ({"max_tokens": 5, "messages": U, "system": 5}, "system", "invalid_value"),
+    ({"max_tokens": 5, "messages": U, "temperature": 1.5}, "temperature", "invalid_value"),
+    ({"max_tokens": 5, "messages": U, "stop_sequences": "X"}, "stop_sequences", "invalid_value"),
+    ({"max_tokens": 5, "messages": U, "tools": [{"description": "no name"}]}, "tools[0]", "invalid_value"),
+    ({"max_tokens": 5, "messages": U, "tools": [{"type": "web_search_20250305", "name": "web_search"}]},
+     "tools[0].type", "unsupported"),
+    ({"max_tokens": 5, "messages": U, "tool_choice": "auto"}, "tool_choice", "invalid_value"),
+    ({"max_tokens": 5, "messages": U, "thinking": {"type": "enabled"}}, "thinking.budget_tokens", "invalid_value"),
+    ({"max_tokens": 5, "messages": U, "thinking": True}, "thinking", "invalid_value"),
+]
+
+
+@pytest.mark.parametrize("body, param, code", BAD)
+def test_bad_requests_name_the_field(body, param, code):
+    with pytest.raises(m.MessagesError) as e:
+        m.to_chat(body)
+    assert (e.value.param, e.value.code) == (param, code) and str(e.value)
+
+
+class U_:
+    prompt_tokens, completion_tokens, cached_tokens = 30, 9, 16
+
+
+def test_stream_events_fold_into_the_message():
+    s = m.MessageStream("glm", 30)
+    call = chat.ToolCall("get_weather", {"city": "Paris"})
+    events = [*s.start(), *s.feed([chat.Delta("reasoning", "Need "), chat.Delta("reasoning", "it.")]),
+              *s.feed([chat.Delta("content", ""), chat.Delta("content", "Let me "), chat.Delta("content", "check.")]),
+              *s.feed([chat.Delta("tool_call", tool_call=call)]), *s.finish("stop", None, U_)]
+    names = [n for n, _ in events]
+    assert names == ["message_start", "content_block_start", "content_block_delta", "content_block_delta",
+                     "content_block_stop", "content_block_start", "content_block_delta", "content_block_delta",
+                     "content_block_stop", "content_block_start", "content_block_delta", "content_block_stop",
+                     "message_delta", "message_stop"]
+    assert all(e["type"] == n for n, e in events)
+    assert [e["index"] for n, e in events if n == "content_block_start"] == [0, 1, 2]
+    msg = m.fold(iter(events))
+    tool = msg["content"][2]
+    assert msg["content"][:2] == [{"type": "thinking", "thinking": "Need it.", "signature": ""},
+                                  {"type": "text", "text": "Let me check."}]
+    assert (tool["type"], tool["name"], tool["input"]) == ("tool_use", "get_weather", {"city": "Paris"})
+    assert tool["id"].startswith("toolu_")
+    assert (msg["stop_reason"], msg["stop_sequence"]) == ("tool_use", None)
+    assert msg["usage"] == {"input_tokens": 14, "output_tokens": 9, "cache_read_input_tokens": 16,
+                            "cache_creation_input_tokens": 0}
+    json.dumps(msg)
+
+
+@pytest.mark.parametrize("finish, stop, reason", [("stop", None, "end_turn"), ("length", None, "max_tokens"),
+                                                  ("stop", "###", "stop_sequence")])
+def test_stop_reason(finish, stop, reason):
+    s = m.MessageStream("glm", 30)
+    msg = m.fold(iter([*s.start(), *s.feed([chat.Delta("content", "x")]), *s.finish(finish, stop, U_)]))
+    assert (msg["stop_reason"], msg["stop_sequence"]) == (reason, stop)
