@@ -26,7 +26,8 @@ SAMPLING_FIELDS = ("max_tokens", "top_p", "top_k", "stream")  # the same name an
 
 
 class MessagesError(ValueError):
-    """A Messages request the server cannot take; `param` names the field in the request's own terms."""
+    """A Messages request the server cannot take; `param` names the field in the request's own terms, and
+    the message names it too (Anthropic's error object has no field for it)."""
 
     def __init__(self, message: str, param: str | None = None, code: str = "invalid_value"):
         super().__init__(message)
@@ -51,9 +52,9 @@ class ChatRequest:
 def _bad_block(b: Any, q: str, where: str) -> MessagesError:
     kind = b.get("type") if isinstance(b, dict) else None
     if kind in UNSUPPORTED_BLOCKS:
-        return MessagesError(f"{q} is a {kind} block: not supported (this engine runs the text model, with no "
-                             "vision encoder or server tools)", f"{q}.type", "unsupported")
-    return MessagesError(f"{q} must be one of these blocks: {where}; got type {kind!r}", f"{q}.type")
+        return MessagesError(f"{q}.type {kind!r}: these blocks are not supported (this engine runs the text "
+                             "model, with no vision encoder or server tools)", f"{q}.type", "unsupported")
+    return MessagesError(f"{q}.type must be one of {where}; got {kind!r}", f"{q}.type")
 
 
 def _text(content: Any, q: str) -> str:
@@ -142,7 +143,7 @@ def _messages(body: dict) -> list[dict]:
     for i, m in enumerate(messages):
         p = f"messages[{i}]"
         if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
-            raise MessagesError(f"{p} must be an object with role 'user' or 'assistant'", f"{p}.role")
+            raise MessagesError(f"{p}.role must be 'user' or 'assistant' (system goes in 'system')", f"{p}.role")
         out += _user_turn(m, p) if m["role"] == "user" else [_assistant_turn(m, p)]
     return out
 
@@ -158,8 +159,8 @@ def _tools(body: dict) -> list[dict] | None:
         if not isinstance(t, dict) or not isinstance(t.get("name"), str) or not t["name"]:
             raise MessagesError(f"tools[{i}] must be an object with a non-empty string 'name'", f"tools[{i}]")
         if t.get("type") not in (None, "custom"):  # Anthropic's server tools (web search, bash, ...) run there
-            raise MessagesError(f"tools[{i}] has type {t['type']!r}: only client tools (name, description, "
-                                "input_schema) are supported", f"tools[{i}].type", "unsupported")
+            raise MessagesError(f"tools[{i}].type {t['type']!r} is a server tool: only client tools (name, "
+                                "description, input_schema) are supported", f"tools[{i}].type", "unsupported")
         schema = t.get("input_schema", {"type": "object"})
         if not isinstance(schema, dict):
             raise MessagesError(f"tools[{i}].input_schema must be a JSON schema object", f"tools[{i}].input_schema")

@@ -53,8 +53,8 @@ class ApiError(Exception):
     def body(self, anthropic: bool = False) -> dict:
         """OpenAI's error object, or Anthropic's for /v1/messages (which has no param: the message names it)."""
         if anthropic:
-            return messages_api.error_body(self.status, self.message if self.param is None or self.param in
-                                           self.message else f"{self.param}: {self.message}")
+            named = self.param is None or self.param in self.message
+            return messages_api.error_body(self.status, self.message if named else f"{self.param}: {self.message}")
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
