@@ -461,6 +461,29 @@ def test_messages_stop_sequence_and_large_max_tokens(server, url, scripted):
     assert (msg["stop_reason"], msg["stop_sequence"]) == ("stop_sequence", "STOP")
 
 
+def test_messages_with_the_anthropic_client(server, url, scripted):
+    import anthropic
+    client = anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0, timeout=120)
+    scripted(SCRIPT)
+    q = [{"role": "user", "content": "Weather in Paris for 3 days?"}]
+    kw = dict(model=default_model.NAME, max_tokens=200, messages=q, tools=[ANTHROPIC_WEATHER],
+              thinking={"type": "enabled", "budget_tokens": 1024})
+    r = client.messages.create(**kw)
+    with client.messages.stream(**kw) as s:
+        streamed = s.get_final_message()
+    for msg in (r, streamed):
+        assert [b.type for b in msg.content] == ["thinking", "text", "tool_use"] and msg.stop_reason == "tool_use"
+        assert (msg.content[0].thinking, msg.content[1].text) == ("Need the weather.", "Let me check.")
+        assert (msg.content[2].name, msg.content[2].input) == ("get_weather", {"city": "Paris", "days": 3})
+    assert streamed.usage.output_tokens == r.usage.output_tokens
+    assert client.messages.count_tokens(model=default_model.NAME, messages=q).input_tokens == \
+        prompt_len(server, q, effort="none")
+    with pytest.raises(anthropic.BadRequestError) as e:
+        client.messages.create(model=default_model.NAME, max_tokens=5, messages=[{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}]}])
+    assert e.value.body["error"]["message"].startswith("messages[0].content[0].type 'image'")
+
+
 MESSAGES_BAD = [  # (body, status, words the message must hold)
     ({"messages": M}, 400, "max_tokens is required"),
     ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, 400,
