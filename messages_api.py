@@ -19,10 +19,10 @@ from typing import Any, Iterator
 
 import chat
 
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error"}
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+               413: "request_too_large"}  # the statuses this server sends; others are "api_error"
 UNSUPPORTED_BLOCKS = ("image", "document", "search_result", "container_upload", "server_tool_use")
-SAMPLING_FIELDS = ("max_tokens", "top_p", "top_k", "stream")  # the same name and meaning in both APIs
+SHARED_FIELDS = ("max_tokens", "top_p", "top_k", "stream")  # the same name and meaning in both APIs
 
 
 class MessagesError(ValueError):
@@ -209,7 +209,7 @@ def to_chat(body: dict) -> ChatRequest:
     if stop is not None and not (isinstance(stop, list) and all(isinstance(s, str) and s for s in stop)):
         raise MessagesError("stop_sequences must be a list of non-empty strings", "stop_sequences")
     tools = _tools(body)
-    options = {k: body[k] for k in SAMPLING_FIELDS if k in body}
+    options = {k: body[k] for k in SHARED_FIELDS if k in body}
     options.update(temperature=t, stop=stop or None)
     return ChatRequest(_messages(body), tools, _tool_choice(body, tools), _thinking(body), options)
 
