@@ -47,6 +47,7 @@ class ChatRequest:
     tool_choice: str | dict  # "auto", "none", "required" or {"type": "function", "function": {"name": ...}}
     thinking: chat.Thinking
     options: dict  # chat-completions fields: max_tokens, temperature, top_p, top_k, stop, stream
+    prefill: str = ""  # a final assistant message: the answer starts with it, and the reply continues it
 
 
 def _bad_block(b: Any, q: str, where: str) -> MessagesError:
@@ -134,6 +135,20 @@ def _assistant_turn(m: dict, p: str) -> dict:
     return out
 
 
+def _prefill(messages: list[dict], thinking: chat.Thinking) -> tuple[list[dict], str]:
+    """A final assistant message is the start of the answer (Anthropic's prefill): text only, no thinking."""
+    if messages[-1]["role"] != "assistant":
+        return messages, ""
+    last, p = messages[-1], f"messages[{len(messages) - 1}]"
+    if last.get("tool_calls") or last.get("reasoning_content"):
+        raise MessagesError(f"{p}.content: a final assistant message (the start of the answer) may hold only "
+                            "text blocks", f"{p}.content")
+    if thinking.enabled:
+        raise MessagesError("thinking cannot be enabled when the final message is the assistant's (a prefilled "
+                            "answer starts after the reasoning)", "thinking")
+    return messages[:-1], last["content"]
+
+
 def _messages(body: dict) -> list[dict]:
     system = body.get("system")
     out = [] if system is None else [{"role": "system", "content": _text(system, "system")}]
@@ -211,7 +226,9 @@ def to_chat(body: dict) -> ChatRequest:
     tools = _tools(body)
     options = {k: body[k] for k in SHARED_FIELDS if k in body}
     options.update(temperature=t, stop=stop or None)
-    return ChatRequest(_messages(body), tools, _tool_choice(body, tools), _thinking(body), options)
+    thinking = _thinking(body)
+    messages, prefill = _prefill(_messages(body), thinking)
+    return ChatRequest(messages, tools, _tool_choice(body, tools), thinking, options, prefill)
 
 
 # ---------------------------------------------------------------------------------------------------------

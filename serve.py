@@ -619,9 +619,10 @@ class Server:
         return self._chat_response(outputs, parser, head, job, rid, created)
 
     def _chat_prompt(self, messages: list[dict], tools: list[dict] | None, tool_choice: Any, thinking: chat.Thinking,
-                     **extra: Any) -> tuple[list[int], chat.StreamParser, list[chat.Delta]]:
+                     prefill: str = "", **extra: Any) -> tuple[list[int], chat.StreamParser, list[chat.Delta]]:
         """The prompt's token ids for checked messages and tools, the parser of the answer, and what the parser
-        already made of a forced start of the answer."""
+        already made of a forced start of the answer. `prefill`: the start of the answer a client wrote, after a
+        closed think block; parsed but not returned (the client has it)."""
         if tool_choice not in ("auto", "none", "required") and not _named_choice(tool_choice):
             raise ApiError(400, "'tool_choice' must be 'auto', 'none', 'required' or "
                                 "{'type': 'function', 'function': {'name': ...}}", "tool_choice", "invalid_value")
@@ -636,16 +637,21 @@ class Server:
                 raise ApiError(400, f"tool_choice names '{name}', which is not in 'tools'", "tool_choice", "invalid_value")
             thinking = chat.Thinking(enabled=False, effort=thinking.effort)
             forced = chat.TOOL_START + name
+        if forced and prefill:
+            raise ApiError(400, f"tool_choice {json.dumps(tool_choice)} starts the answer with a tool call, so the "
+                                "final assistant message cannot start it too", "tool_choice", "invalid_value")
         try:
             text = chat.render(self.engine.chat_template, messages, tools if tool_choice != "none" else None,
-                               thinking, **extra) + forced
+                               thinking, **extra) + forced + prefill
         except chat.ChatError as e:
             raise ApiError(400, str(e), e.param, e.code)
         except Exception as e:  # the template itself rejected the conversation
             raise ApiError(400, f"the chat template could not render these messages: {e}", "messages", "invalid_value")
         prompt_ids = self.engine.tokenizer.encode(text, add_special_tokens=False).ids
         parser = chat.StreamParser(thinking.enabled, tools, parse_tools=tool_choice != "none")
-        return prompt_ids, parser, parser.feed(forced)
+        head = parser.feed(forced)
+        parser.feed(prefill)
+        return prompt_ids, parser, head
 
     def _chat_response(self, outputs, parser, head, job: Job, rid: str, created: int) -> dict:
         deltas, lps, last = list(head), [], None
@@ -716,7 +722,7 @@ class Server:
             messages, tools = chat.normalize_messages(req.messages), chat.check_tools(req.tools)
         except (messages_api.MessagesError, chat.ChatError) as e:
             raise ApiError(400, str(e), e.param, e.code)
-        return (req, *self._chat_prompt(messages, tools, req.tool_choice, req.thinking))
+        return (req, *self._chat_prompt(messages, tools, req.tool_choice, req.thinking, req.prefill))
 
     def messages(self):
         req, prompt_ids, parser, head = self._messages_prompt(self._body())

@@ -126,3 +126,18 @@ def test_stop_reason(finish, stop, reason):
     s = m.MessageStream("glm", 30)
     msg = m.fold(iter([*s.start(), *s.feed([chat.Delta("content", "x")]), *s.finish(finish, stop, U_)]))
     assert (msg["stop_reason"], msg["stop_sequence"]) == (reason, stop)
+
+
+def test_a_final_assistant_message_is_the_start_of_the_answer():
+    body = {"max_tokens": 5, "messages": [{"role": "user", "content": "Name a colour."},
+                                          {"role": "assistant", "content": [{"type": "text", "text": "The colour is"}]}]}
+    r = m.to_chat(body)
+    assert r.messages == [{"role": "user", "content": "Name a colour."}] and r.prefill == "The colour is"
+    assert m.to_chat({**body, "messages": body["messages"][:1]}).prefill == ""
+    with pytest.raises(m.MessagesError) as e:
+        m.to_chat({**body, "thinking": {"type": "enabled", "budget_tokens": 1024}})
+    assert e.value.param == "thinking"
+    with pytest.raises(m.MessagesError) as e:
+        m.to_chat({**body, "messages": [body["messages"][0], {"role": "assistant", "content": [
+            {"type": "tool_use", "id": "t", "name": "f", "input": {}}]}]})
+    assert e.value.param == "messages[1].content"

@@ -484,6 +484,18 @@ def test_messages_with_the_anthropic_client(server, url, scripted):
     assert e.value.body["error"]["message"].startswith("messages[0].content[0].type 'image'")
 
 
+def test_messages_prefill_starts_the_answer_and_is_not_returned(server, url, scripted):
+    scripted(" blue.")
+    q = [{"role": "user", "content": "Name a colour."}]
+    status, msg, _ = post_messages(url, {"max_tokens": 20, "messages": [*q, {"role": "assistant",
+                                                                             "content": "The colour is"}]})
+    assert status == 200 and msg["content"] == [{"type": "text", "text": " blue."}], msg
+    text = chat.render(server.engine.chat_template, q, None, chat.resolve_thinking("none")) + "The colour is"
+    u = msg["usage"]
+    assert u["input_tokens"] + u["cache_read_input_tokens"] == \
+        len(server.engine.tokenizer.encode(text, add_special_tokens=False).ids)
+
+
 MESSAGES_BAD = [  # (body, status, words the message must hold)
     ({"messages": M}, 400, "max_tokens is required"),
     ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, 400,
