@@ -209,7 +209,9 @@ def _thinking(body: dict) -> chat.Thinking:
                             "{'type': 'disabled'}", "thinking")
     if kind == "enabled" and not (isinstance(t.get("budget_tokens"), int) and t["budget_tokens"] >= 1):
         raise MessagesError("thinking.budget_tokens must be a positive integer", "thinking.budget_tokens")
-    # The budget is a target in Anthropic's API too; GLM's template has efforts, not budgets: the default one.
+    # budget_tokens is not enforced: GLM's template has efforts, not budgets, so the default effort is used
+    # (force-closing </think> after N tokens would override a sampled token the engine's next step, launched
+    # ahead, has already read on the device). README says so.
     return chat.resolve_thinking(enable_thinking=kind != "disabled")
 
 
