@@ -282,12 +282,12 @@ class MessageStream:
             yield "content_block_delta", {"type": "content_block_delta", "index": self.index,
                                           "delta": {"type": delta, key: d.text}}
 
-    def finish(self, finish_reason: str, stop_string: str | None, u: Any) -> Iterator[tuple[str, dict]]:
-        """`u`: the engine's Usage (prompt, completion and cached tokens)."""
+    def finish(self, last: Any) -> Iterator[tuple[str, dict]]:
+        """`last`: the request's final engine.RequestOutput."""
         yield from self._close()
-        reason = stop_reason(finish_reason, stop_string, self.tool_calls)
+        reason, u = stop_reason(last.finish_reason, last.stop_string, self.tool_calls), last.usage
         yield "message_delta", {"type": "message_delta",
-                                "delta": {"stop_reason": reason, "stop_sequence": stop_string if
+                                "delta": {"stop_reason": reason, "stop_sequence": last.stop_string if
                                           reason == "stop_sequence" else None},
                                 "usage": usage(u.prompt_tokens, u.completion_tokens, u.cached_tokens)}
         yield "message_stop", {"type": "message_stop"}

@@ -7,6 +7,7 @@ commands to its inbox (add a request, cancel one, run a function such as scoring
 request's outputs from a per-request queue. Endpoints: /v1/chat/completions, /v1/completions
 (both streamed as SSE or not), /v1/models, /v1/score (teacher-forced log-probabilities),
 /v1/messages and /v1/messages/count_tokens (Anthropic's API, translated by messages_api.py),
+/v1/responses (OpenAI's Responses API, translated by responses_api.py),
 /health (ready after load and warm-up), /metrics (Prometheus text). Every bad request gets an
 OpenAI-style error body {"error": {"message", "type", "param", "code"}} with a 4xx status (on
 /v1/messages Anthropic's {"type": "error", "error": {"type", "message"}}).
@@ -38,6 +39,7 @@ from werkzeug.serving import make_server
 
 import chat
 import messages_api
+import responses_api
 
 MAX_BODY_BYTES = 32 << 20
 MAX_TOP_LOGPROBS = 20
@@ -454,6 +456,7 @@ class Server:
         app.add_url_rule("/v1/score", view_func=self.score, methods=["POST"])
         app.add_url_rule("/v1/messages", view_func=self.messages, methods=["POST"])
         app.add_url_rule("/v1/messages/count_tokens", view_func=self.count_tokens, methods=["POST"])
+        app.add_url_rule("/v1/responses", view_func=self.responses, methods=["POST"])
         return app
 
     def health(self):
@@ -733,17 +736,18 @@ class Server:
             req.options["max_tokens"] = min(req.options["max_tokens"], left)
         job = self._job(req.options, prompt_ids, None, skip_special=False, prompt_param="messages")
         outputs = self._outputs(job, request.environ.get("werkzeug.socket"))
-        events = self._message_events(messages_api.MessageStream(self.model_name, len(prompt_ids)), outputs,
-                                      parser, head)
+        events = self._stream_events(messages_api.MessageStream(self.model_name, len(prompt_ids)), outputs,
+                                     parser, head)
         if job.stream:
-            return self._sse(events, outputs, anthropic=True)
+            return self._sse(events, outputs, api="anthropic")
         message = messages_api.fold(events)
         if message.get("stop_reason") is None:
             raise ApiError(499, "the client went away", None, "cancelled")
         return message
 
-    def _message_events(self, stream: messages_api.MessageStream, outputs, parser: chat.StreamParser,
-                        head: list) -> Iterator[tuple[str, dict]]:
+    def _stream_events(self, stream: Any, outputs, parser: chat.StreamParser,
+                       head: list) -> Iterator[tuple[str, dict]]:
+        """A messages_api.MessageStream's or a responses_api.ResponseStream's events for the engine's outputs."""
         yield from stream.start()
         yield from stream.feed(head)
         last = None
@@ -751,11 +755,35 @@ class Server:
             last = o
             yield from stream.feed(parser.feed(o.text) + (parser.finish() if o.finished else []))
         if last is not None and last.finished:
-            yield from stream.finish(last.finish_reason, last.stop_string, last.usage)
+            yield from stream.finish(last)
 
     def count_tokens(self):
         _, prompt_ids, _, _ = self._messages_prompt({"max_tokens": 1, **self._body()})
         return {"input_tokens": len(prompt_ids)}
+
+    # --- /v1/responses (OpenAI's Responses API) ----------------------------------------------
+
+    def responses(self):
+        body = self._body()
+        if not self.engine.chat_template:
+            raise ApiError(400, "this checkpoint has no chat template; use /v1/completions", "input", "unsupported")
+        try:
+            req = responses_api.to_chat(body)
+            messages, tools = chat.normalize_messages(req.messages), chat.check_tools(req.tools)
+        except (responses_api.ResponsesError, chat.ChatError) as e:
+            raise ApiError(400, str(e), e.param, e.code)
+        prompt_ids, parser, head = self._chat_prompt(messages, tools, req.tool_choice, req.thinking)
+        job = self._job(req.options, prompt_ids, None, skip_special=False, prompt_param="input")
+        outputs = self._outputs(job, request.environ.get("werkzeug.socket"))
+        events = self._stream_events(responses_api.ResponseStream(self.model_name, req.echo), outputs, parser, head)
+        if job.stream:
+            return self._sse(events, outputs, api="responses")
+        last = None
+        for last in events:
+            pass
+        if last is None or last[0] not in ("response.completed", "response.incomplete"):
+            raise ApiError(499, "the client went away", None, "cancelled")
+        return last[1]["response"]
 
     # --- /v1/completions --------------------------------------------------------------------
 
@@ -873,22 +901,28 @@ class Server:
 
     # --- SSE --------------------------------------------------------------------------------
 
-    def _sse(self, events: Iterator[Any], outputs: Iterator[Any], anthropic: bool = False) -> Response:
+    def _sse(self, events: Iterator[Any], outputs: Iterator[Any], api: str = "chat") -> Response:
         # Request validation happens before this, so bad requests still get a 4xx status; an error
         # after the first byte (the engine refusing the request) goes out as an error event.
-        # OpenAI's stream is data lines ending in [DONE]; Anthropic's names each event and has no end marker.
+        # Chat completions stream data lines ending in [DONE]; the Messages and Responses APIs name each
+        # event ((name, data) pairs here) and have no end marker.
+        named = api != "chat"
+
         def frame(e: Any) -> str:
-            name, data = e if anthropic else (None, e)
-            return (f"event: {name}\n" if anthropic else "") + f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+            name, data = e if named else (None, e)
+            return (f"event: {name}\n" if named else "") + f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
         def error(e: ApiError) -> str:
-            return frame(("error", e.body(anthropic)) if anthropic else e.body())
+            if api == "chat":
+                return frame(e.body())
+            data = e.body(anthropic=True) if api == "anthropic" else {"type": "error", **e.body()["error"]}
+            return frame(("error", data))
 
         def body() -> Iterator[str]:
             try:
                 for e in events:
                     yield frame(e)
-                if not anthropic:
+                if not named:
                     yield "data: [DONE]\n\n"
             except ApiError as e:
                 yield error(e)

@@ -5,6 +5,7 @@ import json
 import pytest
 
 import chat
+import engine
 import messages_api as m
 
 WEATHER = {"name": "get_weather", "description": "Weather by city",
@@ -91,8 +92,8 @@ def test_bad_requests_name_the_field(body, param, code):
     assert (e.value.param, e.value.code) == (param, code) and str(e.value).startswith(param)
 
 
-class U_:
-    prompt_tokens, completion_tokens, cached_tokens = 30, 9, 16
+def last(finish_reason: str, stop_string: str | None = None) -> engine.RequestOutput:
+    return engine.RequestOutput("r", [], "", True, finish_reason, engine.Usage(30, 9, 16), stop_string=stop_string)
 
 
 def test_stream_events_fold_into_the_message():
@@ -100,7 +101,7 @@ def test_stream_events_fold_into_the_message():
     call = chat.ToolCall("get_weather", {"city": "Paris"})
     events = [*s.start(), *s.feed([chat.Delta("reasoning", "Need "), chat.Delta("reasoning", "it.")]),
               *s.feed([chat.Delta("content", ""), chat.Delta("content", "Let me "), chat.Delta("content", "check.")]),
-              *s.feed([chat.Delta("tool_call", tool_call=call)]), *s.finish("stop", None, U_)]
+              *s.feed([chat.Delta("tool_call", tool_call=call)]), *s.finish(last("stop"))]
     names = [n for n, _ in events]
     assert names == ["message_start", "content_block_start", "content_block_delta", "content_block_delta",
                      "content_block_stop", "content_block_start", "content_block_delta", "content_block_delta",
@@ -124,7 +125,7 @@ def test_stream_events_fold_into_the_message():
                                                   ("stop", "###", "stop_sequence")])
 def test_stop_reason(finish, stop, reason):
     s = m.MessageStream("glm", 30)
-    msg = m.fold(iter([*s.start(), *s.feed([chat.Delta("content", "x")]), *s.finish(finish, stop, U_)]))
+    msg = m.fold(iter([*s.start(), *s.feed([chat.Delta("content", "x")]), *s.finish(last(finish, stop))]))
     assert (msg["stop_reason"], msg["stop_sequence"]) == (reason, stop)
 
 

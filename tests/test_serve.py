@@ -520,6 +520,53 @@ def test_messages_errors_in_anthropics_shape(url):
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
 
 
+# --- OpenAI's Responses API --------------------------------------------------------------------
+
+RESPONSES_WEATHER = {"type": "function", "name": "get_weather", "parameters": WEATHER["function"]["parameters"]}
+
+
+def test_responses_reasoning_and_function_call_whole_and_streamed(server, client, scripted):
+    scripted(SCRIPT)
+    q = [{"role": "user", "content": "Weather in Paris for 3 days?"}]
+    kw = dict(model=default_model.NAME, input=q, tools=[RESPONSES_WEATHER], max_output_tokens=200)
+    r = client.responses.create(**kw)
+    with client.responses.stream(**kw) as s:
+        streamed = s.get_final_response()
+    for resp in (r, streamed):
+        assert resp.status == "completed" and [o.type for o in resp.output] == ["reasoning", "message", "function_call"]
+        assert resp.output[0].content[0].text == "Need the weather." and resp.output_text == "Let me check."
+        fc = resp.output[2]
+        assert (fc.name, json.loads(fc.arguments)) == ("get_weather", {"city": "Paris", "days": 3})
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": RESPONSES_WEATHER["parameters"]}}]
+    assert r.usage.input_tokens == prompt_len(server, q, tools) and streamed.usage.output_tokens == r.usage.output_tokens
+
+
+def test_responses_function_call_output_turn_renders_like_chat(server, client, scripted):
+    scripted("It is sunny.")
+    items = [{"role": "user", "content": "Weather in Paris?"},
+             {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+             {"type": "function_call_output", "call_id": "call_1", "output": "sun"}]
+    chat_messages = [{"role": "user", "content": "Weather in Paris?"},
+                     {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function", "function": {
+                         "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+                     {"role": "tool", "tool_call_id": "call_1", "content": "sun"}]
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": RESPONSES_WEATHER["parameters"]}}]
+    r = client.responses.create(model=default_model.NAME, input=items, tools=[RESPONSES_WEATHER],
+                                reasoning={"effort": "none"}, max_output_tokens=3)
+    assert r.usage.input_tokens == prompt_len(server, chat_messages, tools, effort="none")
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert r.output_text == "It is sunny."[:len(r.output_text)] and r.usage.output_tokens == 3
+
+
+def test_responses_errors_name_the_field(url):
+    for body, param in [({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
+                        ({"input": "x", "reasoning": {"effort": "medium"}}, "reasoning.effort"),
+                        ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input[0].content[0].type"),
+                        ({"input": LONG}, "input"), ({"input": "x", "max_output_tokens": 0}, "max_output_tokens")]:
+        resp = requests.post(url + "/v1/responses", json=body, timeout=30)
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == param, (body, resp.text)
+
+
 def test_body_too_large_is_413(server, url):
     limit = server.app.config["MAX_CONTENT_LENGTH"]
     server.app.config["MAX_CONTENT_LENGTH"] = 1000
