@@ -85,7 +85,8 @@ def _messages(body: dict) -> list[dict]:
                                      f"{q}.role")
             out.append({"role": role, "content": _text(item.get("content"), f"{q}.content")})
         elif kind == "reasoning":
-            reasoning = _text(item.get("content") or item.get("summary") or [], f"{q}.content")
+            key = "content" if item.get("content") else "summary"  # the full text where the client kept it
+            reasoning = _text(item.get(key) or [], f"{q}.{key}")
             continue
         elif kind == "function_call":
             if not all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
@@ -156,7 +157,8 @@ def to_chat(body: dict) -> ChatRequest:
         if body.get(name) is not None:
             raise ResponsesError(f"{name} is not supported: this server stores no responses; send the whole input",
                                  name, "unsupported")
-    fmt = (body.get("text") or {}).get("format") if isinstance(body.get("text"), dict) else None
+    text = body.get("text")
+    fmt = text.get("format") if isinstance(text, dict) else text
     if fmt is not None and fmt != {"type": "text"}:
         raise ResponsesError("text.format other than {'type': 'text'} is not supported", "text.format", "unsupported")
     tools = _tools(body)

@@ -59,6 +59,9 @@ BAD = [  # (body, param, code)
     ({"input": "x", "reasoning": {"effort": "medium"}}, "reasoning.effort", "invalid_value"),
     ({"input": "x", "text": {"format": {"type": "json_object"}}}, "text.format", "unsupported"),
     ({"input": "x", "max_output_tokens": "10"}, "max_output_tokens", "invalid_value"),
+    ({"input": "x", "text": "json"}, "text.format", "unsupported"),
+    ({"input": [{"type": "reasoning", "summary": [{"type": "summary_text", "text": 1}]}]}, "input[0].summary[0].text",
+     "invalid_value"),
 ]
 
 
