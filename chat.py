@@ -38,6 +38,20 @@ class ChatError(ValueError):
         self.code = code
 
 
+@dataclass
+class ChatRequest:
+    """A request of another API (Anthropic's Messages, OpenAI's Responses) in the chat path's terms: OpenAI chat
+    shapes, before normalize_messages. What messages_api.to_chat and responses_api.to_chat return."""
+
+    messages: list[dict]
+    tools: list[dict] | None
+    tool_choice: str | dict  # "auto", "none", "required" or {"type": "function", "function": {"name": ...}}
+    thinking: Thinking
+    options: dict  # chat-completions fields: max_tokens, temperature, top_p, top_k, stop, stream
+    prefill: str = ""  # the start of the answer the client wrote (Anthropic's final assistant message)
+    echo: dict = field(default_factory=dict)  # request fields the API's response repeats (Responses)
+
+
 # ---------------------------------------------------------------------------------------------
 # Rendering
 

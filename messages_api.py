@@ -8,13 +8,13 @@ Anthropic's content blocks (thinking, text, tool_use) as the SSE events of a str
 
 Where the two APIs differ in meaning, Anthropic's holds: thinking is off unless `thinking` turns it on
 (GLM's template thinks by default), `temperature` is in [0, 1], `max_tokens` is required, and usage counts
-prompt tokens served from the prefix cache as `cache_read_input_tokens`, not in `input_tokens`.
+prompt tokens served from the prefix cache as `cache_read_input_tokens`, not in `input_tokens`. A bad request
+raises chat.ChatError whose message starts with the field it names: Anthropic's error object has no `param`.
 """
 from __future__ import annotations
 
 import json
 import uuid
-from dataclasses import dataclass
 from typing import Any, Iterator
 
 import chat
@@ -25,37 +25,16 @@ UNSUPPORTED_BLOCKS = ("image", "document", "search_result", "container_upload", 
 SHARED_FIELDS = ("max_tokens", "top_p", "top_k", "stream")  # the same name and meaning in both APIs
 
 
-class MessagesError(ValueError):
-    """A Messages request the server cannot take; `param` names the field in the request's own terms, and
-    the message names it too (Anthropic's error object has no field for it)."""
-
-    def __init__(self, message: str, param: str | None = None, code: str = "invalid_value"):
-        super().__init__(message)
-        self.param, self.code = param, code
-
-
 def error_body(status: int, message: str) -> dict:
     return {"type": "error", "error": {"type": ERROR_TYPES.get(status, "api_error"), "message": message}}
 
 
-@dataclass
-class ChatRequest:
-    """A Messages request in the chat path's terms (OpenAI chat shapes, before chat.normalize_messages)."""
-
-    messages: list[dict]
-    tools: list[dict] | None
-    tool_choice: str | dict  # "auto", "none", "required" or {"type": "function", "function": {"name": ...}}
-    thinking: chat.Thinking
-    options: dict  # chat-completions fields: max_tokens, temperature, top_p, top_k, stop, stream
-    prefill: str = ""  # a final assistant message: the answer starts with it, and the reply continues it
-
-
-def _bad_block(b: Any, q: str, where: str) -> MessagesError:
+def _bad_block(b: Any, q: str, where: str) -> chat.ChatError:
     kind = b.get("type") if isinstance(b, dict) else None
     if kind in UNSUPPORTED_BLOCKS:
-        return MessagesError(f"{q}.type {kind!r}: these blocks are not supported (this engine runs the text "
-                             "model, with no vision encoder or server tools)", f"{q}.type", "unsupported")
-    return MessagesError(f"{q}.type must be one of {where}; got {kind!r}", f"{q}.type")
+        return chat.ChatError(f"{q}.type {kind!r}: these blocks are not supported (this engine runs the text "
+                              "model, with no vision encoder or server tools)", f"{q}.type", "unsupported")
+    return chat.ChatError(f"{q}.type must be one of {where}; got {kind!r}", f"{q}.type")
 
 
 def _text(content: Any, q: str) -> str:
@@ -63,7 +42,7 @@ def _text(content: Any, q: str) -> str:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise MessagesError(f"{q} must be a string or a list of text blocks", q)
+        raise chat.ChatError(f"{q} must be a string or a list of text blocks", q)
     parts = []
     for i, b in enumerate(content):
         if not (isinstance(b, dict) and b.get("type") == "text"):
@@ -74,7 +53,7 @@ def _text(content: Any, q: str) -> str:
 
 def _block_text(b: dict, q: str, key: str) -> str:
     if not isinstance(b.get(key), str):
-        raise MessagesError(f"{q}.{key} must be a string", f"{q}.{key}")
+        raise chat.ChatError(f"{q}.{key} must be a string", f"{q}.{key}")
     return b[key]
 
 
@@ -83,7 +62,7 @@ def _blocks(m: dict, p: str) -> list[dict]:
     if isinstance(content, str):
         return [{"type": "text", "text": content}]
     if not isinstance(content, list) or not content:
-        raise MessagesError(f"{p}.content must be a string or a non-empty list of content blocks", f"{p}.content")
+        raise chat.ChatError(f"{p}.content must be a string or a non-empty list of content blocks", f"{p}.content")
     return content
 
 
@@ -96,7 +75,7 @@ def _user_turn(m: dict, p: str) -> list[dict]:
         kind = b.get("type") if isinstance(b, dict) else None
         if kind == "tool_result":
             if not isinstance(b.get("tool_use_id"), str):
-                raise MessagesError(f"{q}.tool_use_id must be a string", f"{q}.tool_use_id")
+                raise chat.ChatError(f"{q}.tool_use_id must be a string", f"{q}.tool_use_id")
             results.append({"role": "tool", "tool_call_id": b["tool_use_id"],
                             "content": _text(b.get("content", ""), f"{q}.content")})
         elif kind == "text":
@@ -120,9 +99,9 @@ def _assistant_turn(m: dict, p: str) -> dict:
             continue  # encrypted by another server: nothing this model can read
         elif kind == "tool_use":
             if not isinstance(b.get("id"), str) or not isinstance(b.get("name"), str) or not b["name"]:
-                raise MessagesError(f"{q} needs a string 'id' and a non-empty string 'name'", q)
+                raise chat.ChatError(f"{q} needs a string 'id' and a non-empty string 'name'", q)
             if not isinstance(b.get("input", {}), dict):
-                raise MessagesError(f"{q}.input must be an object", f"{q}.input")
+                raise chat.ChatError(f"{q}.input must be an object", f"{q}.input")
             calls.append({"id": b["id"], "type": "function",
                           "function": {"name": b["name"], "arguments": b.get("input", {})}})
         else:
@@ -141,11 +120,11 @@ def _prefill(messages: list[dict], thinking: chat.Thinking) -> tuple[list[dict],
         return messages, ""
     last, p = messages[-1], f"messages[{len(messages) - 1}]"
     if last.get("tool_calls") or last.get("reasoning_content"):
-        raise MessagesError(f"{p}.content: a final assistant message (the start of the answer) may hold only "
-                            "text blocks", f"{p}.content")
+        raise chat.ChatError(f"{p}.content: a final assistant message (the start of the answer) may hold only "
+                             "text blocks", f"{p}.content")
     if thinking.enabled:
-        raise MessagesError("thinking cannot be enabled when the final message is the assistant's (a prefilled "
-                            "answer starts after the reasoning)", "thinking")
+        raise chat.ChatError("thinking cannot be enabled when the final message is the assistant's (a prefilled "
+                             "answer starts after the reasoning)", "thinking")
     return messages[:-1], last["content"]
 
 
@@ -154,11 +133,11 @@ def _messages(body: dict) -> list[dict]:
     out = [] if system is None else [{"role": "system", "content": _text(system, "system")}]
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise MessagesError("messages must be a non-empty list", "messages")
+        raise chat.ChatError("messages must be a non-empty list", "messages")
     for i, m in enumerate(messages):
         p = f"messages[{i}]"
         if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
-            raise MessagesError(f"{p}.role must be 'user' or 'assistant' (system goes in 'system')", f"{p}.role")
+            raise chat.ChatError(f"{p}.role must be 'user' or 'assistant' (system goes in 'system')", f"{p}.role")
         out += _user_turn(m, p) if m["role"] == "user" else [_assistant_turn(m, p)]
     return out
 
@@ -168,17 +147,17 @@ def _tools(body: dict) -> list[dict] | None:
     if tools is None:
         return None
     if not isinstance(tools, list):
-        raise MessagesError("tools must be a list", "tools")
+        raise chat.ChatError("tools must be a list", "tools")
     out = []
     for i, t in enumerate(tools):
         if not isinstance(t, dict) or not isinstance(t.get("name"), str) or not t["name"]:
-            raise MessagesError(f"tools[{i}] must be an object with a non-empty string 'name'", f"tools[{i}]")
+            raise chat.ChatError(f"tools[{i}] must be an object with a non-empty string 'name'", f"tools[{i}]")
         if t.get("type") not in (None, "custom"):  # Anthropic's server tools (web search, bash, ...) run there
-            raise MessagesError(f"tools[{i}].type {t['type']!r} is a server tool: only client tools (name, "
-                                "description, input_schema) are supported", f"tools[{i}].type", "unsupported")
+            raise chat.ChatError(f"tools[{i}].type {t['type']!r} is a server tool: only client tools (name, "
+                                 "description, input_schema) are supported", f"tools[{i}].type", "unsupported")
         schema = t.get("input_schema", {"type": "object"})
         if not isinstance(schema, dict):
-            raise MessagesError(f"tools[{i}].input_schema must be a JSON schema object", f"tools[{i}].input_schema")
+            raise chat.ChatError(f"tools[{i}].input_schema must be a JSON schema object", f"tools[{i}].input_schema")
         fn = {"name": t["name"], "parameters": schema}
         if isinstance(t.get("description"), str):
             fn["description"] = t["description"]
@@ -195,8 +174,8 @@ def _tool_choice(body: dict, tools: list[dict] | None) -> str | dict:
         return {"type": "function", "function": {"name": tc["name"]}}
     if kind in ("auto", "any", "none"):
         return {"auto": "auto", "any": "required", "none": "none"}[kind]
-    raise MessagesError("tool_choice must be {'type': 'auto' | 'any' | 'none'} or {'type': 'tool', 'name': ...}",
-                        "tool_choice")
+    raise chat.ChatError("tool_choice must be {'type': 'auto' | 'any' | 'none'} or {'type': 'tool', 'name': ...}",
+                         "tool_choice")
 
 
 def _thinking(body: dict) -> chat.Thinking:
@@ -205,32 +184,32 @@ def _thinking(body: dict) -> chat.Thinking:
         return chat.resolve_thinking(enable_thinking=False)
     kind = t.get("type") if isinstance(t, dict) else None
     if kind not in ("enabled", "disabled", "adaptive"):
-        raise MessagesError("thinking must be {'type': 'enabled', 'budget_tokens': N}, {'type': 'adaptive'} or "
-                            "{'type': 'disabled'}", "thinking")
+        raise chat.ChatError("thinking must be {'type': 'enabled', 'budget_tokens': N}, {'type': 'adaptive'} or "
+                             "{'type': 'disabled'}", "thinking")
     if kind == "enabled" and not (isinstance(t.get("budget_tokens"), int) and t["budget_tokens"] >= 1):
-        raise MessagesError("thinking.budget_tokens must be a positive integer", "thinking.budget_tokens")
+        raise chat.ChatError("thinking.budget_tokens must be a positive integer", "thinking.budget_tokens")
     # budget_tokens is not enforced: GLM's template has efforts, not budgets, so the default effort is used
     # (force-closing </think> after N tokens would override a sampled token the engine's next step, launched
     # ahead, has already read on the device). README says so.
     return chat.resolve_thinking(enable_thinking=kind != "disabled")
 
 
-def to_chat(body: dict) -> ChatRequest:
-    """The Messages request `body` in the chat path's terms; MessagesError names what is wrong."""
+def to_chat(body: dict) -> chat.ChatRequest:
+    """The Messages request `body` in the chat path's terms; chat.ChatError names what is wrong."""
     if body.get("max_tokens") is None:
-        raise MessagesError("max_tokens is required", "max_tokens")
+        raise chat.ChatError("max_tokens is required", "max_tokens")
     t = body.get("temperature")
     if isinstance(t, (int, float)) and not isinstance(t, bool) and not 0 <= t <= 1:
-        raise MessagesError(f"temperature must be between 0 and 1; got {t}", "temperature")
+        raise chat.ChatError(f"temperature must be between 0 and 1; got {t}", "temperature")
     stop = body.get("stop_sequences")
     if stop is not None and not (isinstance(stop, list) and all(isinstance(s, str) and s for s in stop)):
-        raise MessagesError("stop_sequences must be a list of non-empty strings", "stop_sequences")
+        raise chat.ChatError("stop_sequences must be a list of non-empty strings", "stop_sequences")
     tools = _tools(body)
     options = {k: body[k] for k in SHARED_FIELDS if k in body}
     options.update(temperature=t, stop=stop or None)
     thinking = _thinking(body)
     messages, prefill = _prefill(_messages(body), thinking)
-    return ChatRequest(messages, tools, _tool_choice(body, tools), thinking, options, prefill)
+    return chat.ChatRequest(messages, tools, _tool_choice(body, tools), thinking, options, prefill)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -278,7 +257,8 @@ class MessageStream:
                 yield from self._close()
                 self.index, self.open = self.index + 1, block
                 start = {"type": block, key: "", **({"signature": ""} if block == "thinking" else {})}
-                yield "content_block_start", {"type": "content_block_start", "index": self.index, "content_block": start}
+                yield "content_block_start", {"type": "content_block_start", "index": self.index,
+                                              "content_block": start}
             yield "content_block_delta", {"type": "content_block_delta", "index": self.index,
                                           "delta": {"type": delta, key: d.text}}
 

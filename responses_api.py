@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from dataclasses import dataclass
 from typing import Any, Iterator
 
 import chat
@@ -22,42 +21,22 @@ UNSUPPORTED_PARTS = ("input_image", "input_file", "input_audio")
 STATEFUL_FIELDS = ("previous_response_id", "conversation")
 
 
-class ResponsesError(ValueError):
-    """A Responses request the server cannot take; `param` names the field, and so does the message's start."""
-
-    def __init__(self, message: str, param: str | None = None, code: str = "invalid_value"):
-        super().__init__(message)
-        self.param, self.code = param, code
-
-
-@dataclass
-class ChatRequest:
-    """A Responses request in the chat path's terms (OpenAI chat shapes, before chat.normalize_messages)."""
-
-    messages: list[dict]
-    tools: list[dict] | None
-    tool_choice: str | dict
-    thinking: chat.Thinking
-    options: dict  # chat-completions fields: max_tokens, temperature, top_p, stream
-    echo: dict  # request fields the response object repeats
-
-
 def _text(content: Any, q: str) -> str:
     """A string, or a list of text parts (input_text, output_text) joined, as plain text."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise ResponsesError(f"{q} must be a string or a list of content parts", q)
+        raise chat.ChatError(f"{q} must be a string or a list of content parts", q)
     parts = []
     for i, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind in UNSUPPORTED_PARTS:
-            raise ResponsesError(f"{q}[{i}].type {kind!r}: not supported (this engine runs the text model, with no "
+            raise chat.ChatError(f"{q}[{i}].type {kind!r}: not supported (this engine runs the text model, with no "
                                  "vision or audio encoder)", f"{q}[{i}].type", "unsupported")
         if kind not in ("input_text", "output_text", "text", "summary_text", "reasoning_text"):
-            raise ResponsesError(f"{q}[{i}].type must be input_text or output_text; got {kind!r}", f"{q}[{i}].type")
+            raise chat.ChatError(f"{q}[{i}].type must be input_text or output_text; got {kind!r}", f"{q}[{i}].type")
         if not isinstance(part.get("text"), str):
-            raise ResponsesError(f"{q}[{i}].text must be a string", f"{q}[{i}].text")
+            raise chat.ChatError(f"{q}[{i}].text must be a string", f"{q}[{i}].text")
         parts.append(part["text"])
     return "".join(parts)
 
@@ -71,17 +50,17 @@ def _messages(body: dict) -> list[dict]:
     if isinstance(items, str):
         items = [{"role": "user", "content": items}]
     if not isinstance(items, list) or not items:
-        raise ResponsesError("input must be a string or a non-empty list of items", "input")
+        raise chat.ChatError("input must be a string or a non-empty list of items", "input")
     reasoning = None
     for i, item in enumerate(items):
         q = f"input[{i}]"
         if not isinstance(item, dict):
-            raise ResponsesError(f"{q} must be an object", q)
+            raise chat.ChatError(f"{q} must be an object", q)
         kind = item.get("type", "message")
         if kind == "message":
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
-                raise ResponsesError(f"{q}.role must be user, system, developer or assistant; got {role!r}",
+                raise chat.ChatError(f"{q}.role must be user, system, developer or assistant; got {role!r}",
                                      f"{q}.role")
             out.append({"role": role, "content": _text(item.get("content"), f"{q}.content")})
         elif kind == "reasoning":
@@ -90,18 +69,18 @@ def _messages(body: dict) -> list[dict]:
             continue
         elif kind == "function_call":
             if not all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
-                raise ResponsesError(f"{q} needs string call_id, name and arguments", q)
+                raise chat.ChatError(f"{q} needs string call_id, name and arguments", q)
             if not (out and out[-1]["role"] == "assistant"):
                 out.append({"role": "assistant", "content": ""})
             out[-1].setdefault("tool_calls", []).append({"id": item["call_id"], "type": "function", "function": {
                 "name": item["name"], "arguments": item["arguments"]}})
         elif kind == "function_call_output":
             if not isinstance(item.get("call_id"), str):
-                raise ResponsesError(f"{q}.call_id must be a string", f"{q}.call_id")
+                raise chat.ChatError(f"{q}.call_id must be a string", f"{q}.call_id")
             out.append({"role": "tool", "tool_call_id": item["call_id"],
                         "content": _text(item.get("output", ""), f"{q}.output")})
         else:
-            raise ResponsesError(f"{q}.type must be message, reasoning, function_call or function_call_output; got "
+            raise chat.ChatError(f"{q}.type must be message, reasoning, function_call or function_call_output; got "
                                  f"{kind!r} (this server stores nothing, so items cannot be referenced)", f"{q}.type",
                                  "unsupported")
         if reasoning is not None and out[-1]["role"] == "assistant":
@@ -114,15 +93,15 @@ def _tools(body: dict) -> list[dict] | None:
     if tools is None:
         return None
     if not isinstance(tools, list):
-        raise ResponsesError("tools must be a list", "tools")
+        raise chat.ChatError("tools must be a list", "tools")
     out = []
     for i, t in enumerate(tools):
         if not isinstance(t, dict) or t.get("type") != "function":
             kind = t.get("type") if isinstance(t, dict) else None
-            raise ResponsesError(f"tools[{i}].type {kind!r}: only function tools are supported (this server runs no "
+            raise chat.ChatError(f"tools[{i}].type {kind!r}: only function tools are supported (this server runs no "
                                  "built-in tools)", f"tools[{i}].type", "unsupported")
         if not isinstance(t.get("name"), str) or not t["name"]:
-            raise ResponsesError(f"tools[{i}].name must be a non-empty string", f"tools[{i}].name")
+            raise chat.ChatError(f"tools[{i}].name must be a non-empty string", f"tools[{i}].name")
         fn = {k: t[k] for k in ("name", "description", "parameters") if t.get(k) is not None}
         out.append({"type": "function", "function": fn})
     return out or None
@@ -136,42 +115,43 @@ def _tool_choice(body: dict, tools: list[dict] | None) -> str | dict:
         return tc
     if isinstance(tc, dict) and tc.get("type") == "function" and isinstance(tc.get("name"), str):
         return {"type": "function", "function": {"name": tc["name"]}}
-    raise ResponsesError("tool_choice must be 'auto', 'none', 'required' or {'type': 'function', 'name': ...}",
+    raise chat.ChatError("tool_choice must be 'auto', 'none', 'required' or {'type': 'function', 'name': ...}",
                          "tool_choice")
 
 
 def _thinking(body: dict) -> chat.Thinking:
     r = body.get("reasoning")
     if r is not None and not isinstance(r, dict):
-        raise ResponsesError("reasoning must be an object {'effort': ...}", "reasoning")
+        raise chat.ChatError("reasoning must be an object {'effort': ...}", "reasoning")
     effort = (r or {}).get("effort")
     try:
         return chat.resolve_thinking("low" if effort == "minimal" else effort)
     except chat.ChatError as e:
-        raise ResponsesError(f"reasoning.effort: {e}", "reasoning.effort")
+        raise chat.ChatError(f"reasoning.effort: {e}", "reasoning.effort")
 
 
-def to_chat(body: dict) -> ChatRequest:
-    """The Responses request `body` in the chat path's terms; ResponsesError names what is wrong."""
+def to_chat(body: dict) -> chat.ChatRequest:
+    """The Responses request `body` in the chat path's terms; chat.ChatError names what is wrong."""
     for name in STATEFUL_FIELDS:
         if body.get(name) is not None:
-            raise ResponsesError(f"{name} is not supported: this server stores no responses; send the whole input",
+            raise chat.ChatError(f"{name} is not supported: this server stores no responses; send the whole input",
                                  name, "unsupported")
     text = body.get("text")
     fmt = text.get("format") if isinstance(text, dict) else text
     if fmt is not None and fmt != {"type": "text"}:
-        raise ResponsesError("text.format other than {'type': 'text'} is not supported", "text.format", "unsupported")
+        raise chat.ChatError("text.format other than {'type': 'text'} is not supported", "text.format", "unsupported")
     tools = _tools(body)
     options = {k: body[k] for k in ("temperature", "top_p", "stream") if k in body}
     limit = body.get("max_output_tokens")
     if limit is not None:  # checked here: the chat path would name its own field, max_tokens
         if not (isinstance(limit, int) and not isinstance(limit, bool) and limit >= 1):
-            raise ResponsesError(f"max_output_tokens must be an integer >= 1; got {json.dumps(limit)[:40]}",
+            raise chat.ChatError(f"max_output_tokens must be an integer >= 1; got {json.dumps(limit)[:40]}",
                                  "max_output_tokens")
         options["max_tokens"] = limit
     echo = {k: body.get(k) for k in ("instructions", "temperature", "top_p", "max_output_tokens", "metadata")}
-    return ChatRequest(_messages(body), tools, _tool_choice(body, tools), _thinking(body), options,
-                       {**echo, "tools": body.get("tools") or [], "tool_choice": body.get("tool_choice", "auto")})
+    return chat.ChatRequest(_messages(body), tools, _tool_choice(body, tools), _thinking(body), options,
+                            echo={**echo, "tools": body.get("tools") or [],
+                                  "tool_choice": body.get("tool_choice", "auto")})
 
 
 # ---------------------------------------------------------------------------------------------------------

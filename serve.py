@@ -717,18 +717,21 @@ class Server:
 
     # --- /v1/messages (Anthropic) -----------------------------------------------------------
 
-    def _messages_prompt(self, body: dict) -> tuple[messages_api.ChatRequest, list[int], chat.StreamParser, list]:
+    def _translated_prompt(self, to_chat: Callable[[dict], chat.ChatRequest], body: dict, prompt_param: str
+                           ) -> tuple[chat.ChatRequest, list[int], chat.StreamParser, list[chat.Delta]]:
+        """A Messages or Responses request (`to_chat` of messages_api or responses_api) in the chat path's terms,
+        checked and rendered as chat completions are."""
         if not self.engine.chat_template:
-            raise ApiError(400, "this checkpoint has no chat template; use /v1/completions", "messages", "unsupported")
+            raise ApiError(400, "this checkpoint has no chat template; use /v1/completions", prompt_param, "unsupported")
         try:
-            req = messages_api.to_chat(body)
+            req = to_chat(body)
             messages, tools = chat.normalize_messages(req.messages), chat.check_tools(req.tools)
-        except (messages_api.MessagesError, chat.ChatError) as e:
+        except chat.ChatError as e:
             raise ApiError(400, str(e), e.param, e.code)
         return (req, *self._chat_prompt(messages, tools, req.tool_choice, req.thinking, req.prefill))
 
     def messages(self):
-        req, prompt_ids, parser, head = self._messages_prompt(self._body())
+        req, prompt_ids, parser, head = self._translated_prompt(messages_api.to_chat, self._body(), "messages")
         left = self.engine.max_model_len - len(prompt_ids)
         if _is_int(req.options.get("max_tokens")) and left > 0:
             # Anthropic clients ask for one large max_tokens whatever the model's context (a maximum there,
@@ -758,21 +761,15 @@ class Server:
             yield from stream.finish(last)
 
     def count_tokens(self):
-        _, prompt_ids, _, _ = self._messages_prompt({"max_tokens": 1, **self._body()})
+        # count_tokens takes a Messages request without max_tokens, which to_chat requires of one to generate.
+        body = {"max_tokens": 1, **self._body()}
+        _, prompt_ids, _, _ = self._translated_prompt(messages_api.to_chat, body, "messages")
         return {"input_tokens": len(prompt_ids)}
 
     # --- /v1/responses (OpenAI's Responses API) ----------------------------------------------
 
     def responses(self):
-        body = self._body()
-        if not self.engine.chat_template:
-            raise ApiError(400, "this checkpoint has no chat template; use /v1/completions", "input", "unsupported")
-        try:
-            req = responses_api.to_chat(body)
-            messages, tools = chat.normalize_messages(req.messages), chat.check_tools(req.tools)
-        except (responses_api.ResponsesError, chat.ChatError) as e:
-            raise ApiError(400, str(e), e.param, e.code)
-        prompt_ids, parser, head = self._chat_prompt(messages, tools, req.tool_choice, req.thinking)
+        req, prompt_ids, parser, head = self._translated_prompt(responses_api.to_chat, self._body(), "input")
         job = self._job(req.options, prompt_ids, None, skip_special=False, prompt_param="input")
         outputs = self._outputs(job, request.environ.get("werkzeug.socket"))
         events = self._stream_events(responses_api.ResponseStream(self.model_name, req.echo), outputs, parser, head)

@@ -87,7 +87,7 @@ BAD = [  # (body, param, code)
 
 @pytest.mark.parametrize("body, param, code", BAD)
 def test_bad_requests_name_the_field(body, param, code):
-    with pytest.raises(m.MessagesError) as e:
+    with pytest.raises(chat.ChatError) as e:
         m.to_chat(body)
     assert (e.value.param, e.value.code) == (param, code) and str(e.value).startswith(param)
 
@@ -135,10 +135,10 @@ def test_a_final_assistant_message_is_the_start_of_the_answer():
     r = m.to_chat(body)
     assert r.messages == [{"role": "user", "content": "Name a colour."}] and r.prefill == "The colour is"
     assert m.to_chat({**body, "messages": body["messages"][:1]}).prefill == ""
-    with pytest.raises(m.MessagesError) as e:
+    with pytest.raises(chat.ChatError) as e:
         m.to_chat({**body, "thinking": {"type": "enabled", "budget_tokens": 1024}})
     assert e.value.param == "thinking"
-    with pytest.raises(m.MessagesError) as e:
+    with pytest.raises(chat.ChatError) as e:
         m.to_chat({**body, "messages": [body["messages"][0], {"role": "assistant", "content": [
             {"type": "tool_use", "id": "t", "name": "f", "input": {}}]}]})
     assert e.value.param == "messages[1].content"

@@ -67,7 +67,7 @@ BAD = [  # (body, param, code)
 
 @pytest.mark.parametrize("body, param, code", BAD)
 def test_bad_requests_name_the_field(body, param, code):
-    with pytest.raises(r.ResponsesError) as e:
+    with pytest.raises(chat.ChatError) as e:
         r.to_chat(body)
     assert (e.value.param, e.value.code) == (param, code) and str(e.value).startswith(param)
 
