@@ -68,6 +68,10 @@ class SamplingParams:
     ids; the checkpoint's eos ids always stop unless `ignore_eos`. A stop string ends the text
     before it. `logprobs=n` returns the chosen token's log-probability and the n most likely
     tokens, from the model's distribution before any of the processing above.
+    `thinking_token_budget=n`: when the prompt ends inside a think block (after `<think>`, with no
+    `</think>` since), at most n tokens are generated inside it, counting those the prompt already has
+    there; the next one is `</think>`, forced whatever was sampled (serving.md §1.2: a reasoning budget
+    that answers instead of spending max_tokens on thinking).
     """
 
     max_tokens: int | None = None  # None: until a stop or the context limit
@@ -84,6 +88,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    thinking_token_budget: int | None = None
 
     @property
     def penalizes(self) -> bool:
@@ -126,6 +131,9 @@ class SamplingParams:
             raise bad("stop_token_ids", "must be a list of token ids >= 0")
         if self.logprobs is not None and not (is_int(self.logprobs) and self.logprobs >= 0):
             raise bad("logprobs", "must be an integer >= 0 (the number of top alternatives) or None")
+        if self.thinking_token_budget is not None and not (is_int(self.thinking_token_budget)
+                                                           and self.thinking_token_budget >= 0):
+            raise bad("thinking_token_budget", "must be an integer >= 0 (the tokens allowed inside <think>) or None")
 
 
 @dataclass
@@ -564,6 +572,7 @@ class Sequence:
     emitted: int = 0  # characters of text already returned
     finish_reason: str | None = None
     stop_string: str | None = None
+    thinking_left: int | None = None  # tokens it may still generate inside its think block; None: outside
     # block_table's mirror for table(): the list it mirrors, and its first `_mirrored` entries
     _table: np.ndarray = field(default_factory=lambda: np.zeros(16, dtype=np.int64), repr=False)
     _table_of: list[int] | None = field(default=None, repr=False)
@@ -635,6 +644,7 @@ class Engine:
         self.model, self.tokenizer, self.chat_template = model, tokenizer, chat_template
         self.config: GLMConfig = model.config
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.think_start, self.think_end = (tokenizer.token_to_id(t) for t in (chat.THINK_START, chat.THINK_END))
         self.vocab_size = self.config.vocab_size
         self.device, self.dtype = model.weights["embed_tokens.weight"].device, model.dtype
         if block_size <= 0 or block_size % self.config.index_kpool:
@@ -819,9 +829,23 @@ class Engine:
                        torch.tensor(prompt_ids, dtype=torch.long, device=self.device))
         if self.speculator is not None:
             seq.draft_stats = dflash.DraftStats.new(self.speculator.max_draft)
+        if p.thinking_token_budget is not None:
+            seq.thinking_left = self._thinking_left(prompt_ids, p.thinking_token_budget)
         self.requests[request_id] = seq
         self.waiting.append(seq)
         return request_id
+
+    def _thinking_left(self, prompt_ids: list[int], budget: int) -> int | None:
+        """The tokens a prompt leaves to its open think block (None if it ends outside one)."""
+        if self.think_start is None or self.think_end is None:
+            raise ValueError(f"thinking_token_budget needs {chat.THINK_START} and {chat.THINK_END} tokens; "
+                             f"this tokenizer has no such token")
+        for i in range(len(prompt_ids) - 1, -1, -1):
+            if prompt_ids[i] == self.think_end:
+                return None
+            if prompt_ids[i] == self.think_start:
+                return max(budget - (len(prompt_ids) - 1 - i), 0)
+        return None
 
     def cancel(self, request_id: str) -> bool:
         """Stop a request and free its cache; the next step() reports it. False if unknown/finished."""
@@ -969,6 +993,8 @@ class Engine:
         if self.speculator is None or seq.num_computed != len(seq.token_ids) - 1:
             return 0
         room = min(budget, self._tokens_left(seq) - 1, self.speculator.max_draft)
+        if seq.thinking_left is not None:  # no draft past the budget: the token after it is forced (_sample)
+            room = min(room, seq.thinking_left - 1)
         seq.k = max(0, min(room, dflash.draft_length(seq.draft_stats, self.draft_row_cost, self.draft_tokens)))
         return seq.k
 
@@ -1168,6 +1194,9 @@ class Engine:
         args = ([seq.params for seq, _ in done], [seq.prompt_tensor for seq, _ in done],
                 [seq.output_ids for seq, _ in done], [seq.generator for seq, _ in done])
         drawn = draw_on_device(rows, *args, kernel=self.use_kernels and rows.is_cuda)
+        spent = [j for j, (seq, _) in enumerate(done) if seq.thinking_left == 0]
+        if spent:  # on the device, before the step launched ahead reads the tokens
+            drawn[fastdecode.to_device(spent, drawn.device)] = self.think_end
         asked = [j for j, (seq, _) in enumerate(done) if seq.params.logprobs is not None]
         queued = [drawn]
         if asked:  # the logprobs too, so that nothing reads these logits after the next step is launched
@@ -1198,6 +1227,8 @@ class Engine:
         seq.token_ids.append(token)
         seq.outputs.append(token)
         self.counters["tokens_generated"] += 1
+        if seq.thinking_left is not None:
+            seq.thinking_left = None if token == self.think_end else seq.thinking_left - 1
         if token in seq.stop_ids:
             self._finish(seq, "stop")
         else:

@@ -25,6 +25,10 @@ UNSUPPORTED_BLOCKS = ("image", "document", "search_result", "container_upload", 
 SHARED_FIELDS = ("max_tokens", "top_p", "top_k", "stream")  # the same name and meaning in both APIs
 
 
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 def error_body(status: int, message: str) -> dict:
     return {"type": "error", "error": {"type": ERROR_TYPES.get(status, "api_error"), "message": message}}
 
@@ -178,20 +182,19 @@ def _tool_choice(body: dict, tools: list[dict] | None) -> str | dict:
                          "tool_choice")
 
 
-def _thinking(body: dict) -> chat.Thinking:
+def _thinking(body: dict) -> tuple[chat.Thinking, int | None]:
+    """The thinking switch, and the enabled form's budget_tokens (the engine's thinking_token_budget)."""
     t = body.get("thinking")
     if t is None:
-        return chat.resolve_thinking(enable_thinking=False)
+        return chat.resolve_thinking(enable_thinking=False), None
     kind = t.get("type") if isinstance(t, dict) else None
     if kind not in ("enabled", "disabled", "adaptive"):
         raise chat.ChatError("thinking must be {'type': 'enabled', 'budget_tokens': N}, {'type': 'adaptive'} or "
                              "{'type': 'disabled'}", "thinking")
-    if kind == "enabled" and not (isinstance(t.get("budget_tokens"), int) and t["budget_tokens"] >= 1):
+    if kind == "enabled" and not (_is_int(t.get("budget_tokens")) and t["budget_tokens"] >= 1):
         raise chat.ChatError("thinking.budget_tokens must be a positive integer", "thinking.budget_tokens")
-    # budget_tokens is not enforced: GLM's template has efforts, not budgets, so the default effort is used
-    # (force-closing </think> after N tokens would override a sampled token the engine's next step, launched
-    # ahead, has already read on the device). README says so.
-    return chat.resolve_thinking(enable_thinking=kind != "disabled")
+    budget = t["budget_tokens"] if kind == "enabled" else None
+    return chat.resolve_thinking(enable_thinking=kind != "disabled"), budget
 
 
 def to_chat(body: dict) -> chat.ChatRequest:
@@ -207,7 +210,12 @@ def to_chat(body: dict) -> chat.ChatRequest:
     tools = _tools(body)
     options = {k: body[k] for k in SHARED_FIELDS if k in body}
     options.update(temperature=t, stop=stop or None)
-    thinking = _thinking(body)
+    thinking, budget = _thinking(body)
+    if budget is not None:
+        if _is_int(body["max_tokens"]) and budget >= body["max_tokens"]:  # as Anthropic requires
+            raise chat.ChatError(f"thinking.budget_tokens ({budget}) must be less than max_tokens "
+                                 f"({body['max_tokens']})", "thinking.budget_tokens")
+        options["thinking_token_budget"] = budget
     messages, prefill = _prefill(_messages(body), thinking)
     return chat.ChatRequest(messages, tools, _tool_choice(body, tools), thinking, options, prefill)
 

@@ -531,6 +531,8 @@ class Server:
                 ignore_eos=field_of(body, "ignore_eos", "bool", False),
                 logprobs=logprobs,
                 skip_special_tokens=skip_special,
+                thinking_token_budget=field_of(body, "thinking_token_budget", "int", self.args.thinking_token_budget,
+                                               lambda v: v >= 0, "must be >= 0"),
             )
         except ValueError as e:
             raise ApiError(400, str(e), None, "invalid_value")
@@ -1019,6 +1021,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--draft-tokens", type=int, default=None, help="fixed draft length (default: adaptive)")
     ap.add_argument("--fp8-core", default=None, choices=["amax", "pow2"],
                     help="run the non-routed projections in FP8 block-128 (BF16 ones quantized at load with this scale rule)")
+    ap.add_argument("--thinking-token-budget", type=int, default=None, metavar="N",
+                    help="at most N tokens of reasoning, then </think> is forced, for requests that set no budget "
+                         "of their own (thinking_token_budget; thinking.budget_tokens on /v1/messages)")
     ap.add_argument("--no-kernels", action="store_true",
                     help="decode through model_glm's reference path (no fast decode step, no CUDA graphs)")
     ap.add_argument("--threads", type=int, default=None,
@@ -1029,6 +1034,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("give --device or --devices, not both")
     if args.split_experts and args.devices is None:
         ap.error("--split-experts needs --devices")
+    if args.thinking_token_budget is not None and args.thinking_token_budget < 0:
+        ap.error(f"--thinking-token-budget must be >= 0; got {args.thinking_token_budget}")
     return args
 
 

@@ -21,7 +21,7 @@ import engine as E
 import tiny
 from cache import CachePool
 from model_glm import GLMConfig, GLMModel, SeqChunk, rms_norm
-from test_engine import make_tokenizer
+from test_engine import THINK_TOKENS, make_tokenizer
 
 BS = 16
 EOS = 1
@@ -434,6 +434,24 @@ def test_mixed_batch_and_stops(target, drafters, plain_greedy):
     assert out[2].token_ids == plain_greedy[2][:1] and out[2].acceptance.verify_steps == 0
     assert [r.token_ids for r in out[3:]] == plain_greedy[3:]
     assert eng.stats().blocks_used == 0
+
+
+def test_no_draft_goes_past_the_thinking_budget(target, drafters):
+    """The token after the thinking budget is forced, so a step drafts no further than the budget:
+    speculative greedy with budgets is token-identical to plain greedy with them."""
+    model, _ = target
+    tok = make_tokenizer(model.config.vocab_size, THINK_TOKENS)
+    budgets = (0, 1, 3, 5, 8, 12)
+    params = [E.SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, thinking_token_budget=b) for b in budgets]
+    prompts = [p + [tok.token_to_id("<think>")] for p in TEST_PROMPTS]
+    opts = {"num_blocks": 96, "block_size": BS, "max_num_seqs": 8, "max_batch_tokens": 256, "eos_token_ids": [EOS],
+            "snapshot_bytes": 0}
+    plain = [r.token_ids for r in E.Engine(model, tok, **opts).generate(prompts, params)]
+    spec = E.Engine(model, tok, speculator="dflash2", drafter=drafters["trained"], **opts).generate(prompts, params)
+    assert [r.token_ids for r in spec] == plain
+    end = tok.token_to_id("</think>")
+    assert all(out[b] == end for out, b in zip(plain, budgets) if end not in out[:b])
+    assert sum(r.acceptance.accepted_tokens for r in spec) > 10
 
 
 def test_pool_exhaustion_preempts_speculating_sequences_without_changing_outputs(target, drafters, plain_greedy):

@@ -24,8 +24,9 @@ BS = 16  # block size: a multiple of index_kpool (4), small so short prompts spa
 EOS = 1  # tiny config's eos_token_id
 
 
-def make_tokenizer(vocab_size: int) -> Tokenizer:
-    """A byte-level BPE with exactly the tiny model's vocabulary: <pad>=0, <eos>=1, then bytes and merges."""
+def make_tokenizer(vocab_size: int, special_tokens: tuple[str, ...] = ("<pad>", "<eos>")) -> Tokenizer:
+    """A byte-level BPE with exactly the tiny model's vocabulary: <pad>=0, <eos>=1 (then any other
+    special tokens), then bytes and merges."""
     rng = random.Random(0)
     words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 7))) for _ in range(400)]
     corpus = [" ".join(rng.choice(words) for _ in range(50)) for _ in range(40)] + ["é ü ñ 中文字 😀 ✓"] * 5
@@ -33,7 +34,7 @@ def make_tokenizer(vocab_size: int) -> Tokenizer:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.train_from_iterator(corpus, trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=["<pad>", "<eos>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        vocab_size=vocab_size, special_tokens=list(special_tokens), initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False))
     assert tok.get_vocab_size() == vocab_size
     return tok
@@ -82,7 +83,8 @@ def solo(engine: E.Engine, ids: list[int], p: E.SamplingParams = GREEDY) -> E.Re
     ("temperature", -0.5), ("temperature", float("nan")), ("top_k", -1), ("top_k", 2.5), ("top_p", 0.0),
     ("top_p", 1.5), ("min_p", -0.1), ("min_p", 2), ("repetition_penalty", 0), ("presence_penalty", 3),
     ("frequency_penalty", -2.5), ("max_tokens", 0), ("max_tokens", 1.0), ("seed", "x"), ("stop", [""]),
-    ("stop", [3]), ("stop_token_ids", [-1]), ("logprobs", -1), ("temperature", True)])
+    ("stop", [3]), ("stop_token_ids", [-1]), ("logprobs", -1), ("temperature", True),
+    ("thinking_token_budget", -1), ("thinking_token_budget", 2.0)])
 def test_bad_sampling_params_name_the_field(field, value):
     with pytest.raises(ValueError, match=f"SamplingParams.{field}"):
         E.SamplingParams(**{field: value})
@@ -616,6 +618,45 @@ def test_stop_token_max_tokens_and_stop_strings(make_engine):
     deltas = list(eng.stream(ids, E.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[stop])))
     assert "".join(d.text for d in deltas) == r.text and deltas[-1].finished
     assert [t for d in deltas for t in d.token_ids] == r.token_ids
+
+
+THINK_TOKENS = ("<pad>", "<eos>", chat.THINK_START, chat.THINK_END)  # <think> = 2, </think> = 3
+
+
+def test_thinking_token_budget_forces_the_end_of_thinking(parts, cold, monkeypatch):
+    model, _ = parts
+    eng = E.Engine(model, make_tokenizer(model.config.vocab_size, THINK_TOKENS), eos_token_ids=[EOS], num_blocks=64,
+                   block_size=BS, max_num_seqs=4, max_batch_tokens=64, snapshot_bytes=0)
+    start, end = eng.think_start, eng.think_end
+    assert (start, end) == (2, 3)
+    ids = [t + 2 if t < 4 else t for t in prompt(70, 10)]  # no think token inside
+    greedy = dict(temperature=0, max_tokens=10, ignore_eos=True)
+    free = eng.generate([ids + [start]], E.SamplingParams(**greedy))[0]
+    assert end not in free.token_ids[:4]  # (the random model would close by itself)
+    r = eng.generate([ids + [start]], E.SamplingParams(**greedy, thinking_token_budget=3))[0]
+    assert r.token_ids[:3] == free.token_ids[:3] and r.token_ids[3] == end
+    # the forced token is decoded like a sampled one: what follows is the model's continuation of it
+    after = eng.generate([ids + [start] + r.token_ids[:4]], E.SamplingParams(**{**greedy, "max_tokens": 6}))[0]
+    assert r.token_ids[4:] == after.token_ids
+    # thinking the prompt already holds counts; a budget of 0 closes at once
+    r = eng.generate([ids + [start] + free.token_ids[:2]], E.SamplingParams(**greedy, thinking_token_budget=3))[0]
+    assert r.token_ids[0] == free.token_ids[2] and r.token_ids[1] == end
+    assert eng.generate([ids + [start]], E.SamplingParams(**greedy, thinking_token_budget=0))[0].token_ids[0] == end
+    # a prompt outside any think block (closed, or none) is not touched
+    for outside in (ids + [start, end], ids):
+        assert eng.generate([outside], E.SamplingParams(**greedy, thinking_token_budget=0))[0].token_ids == \
+            eng.generate([outside], E.SamplingParams(**greedy))[0].token_ids
+    # the budget overrides the sampler's choice, and a block the model closes itself is over
+    script = [7, 8, 9, 10, 11, 12]
+    monkeypatch.setattr(E, "draw_on_device", lambda logits, params, prompts, outs, gens, kernel:
+                        torch.tensor([script[len(o)] for o in outs], device=logits.device))
+    sampled = dict(max_tokens=6, ignore_eos=True)
+    assert eng.generate([ids + [start]], E.SamplingParams(**sampled, thinking_token_budget=2))[0].token_ids == \
+        [7, 8, end, 10, 11, 12]
+    script[1] = end
+    assert eng.generate([ids + [start]], E.SamplingParams(**sampled, thinking_token_budget=2))[0].token_ids == script
+    with pytest.raises(ValueError, match="thinking_token_budget needs <think> and </think> tokens"):
+        cold.add_request(ids, E.SamplingParams(thinking_token_budget=4))
 
 
 def test_admission_errors_are_clear(make_engine):

@@ -1145,6 +1145,30 @@ def test_engine_launching_steps_ahead_changes_no_output():
     assert len(tokens) <= 3 and reason == "stop"  # at its 3rd token at the latest
 
 
+def test_a_forced_end_of_thinking_is_the_token_the_step_launched_ahead_decodes():
+    """thinking_token_budget puts </think> in place of the drawn token on the device, before the step
+    launched ahead reads it: the outputs with steps launched ahead are the outputs without."""
+    import engine as E
+    from test_engine import THINK_TOKENS, make_tokenizer, prompt
+
+    model = _model(torch.float32)
+    tok = make_tokenizer(model.config.vocab_size, THINK_TOKENS)
+    params = [E.SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, thinking_token_budget=2),
+              E.SamplingParams(temperature=0.8, max_tokens=6, ignore_eos=True, seed=3, thinking_token_budget=3)]
+    prompts = [[t + 2 if t < 4 else t for t in prompt(seed, n)] + [2] for seed, n in ((1, 14), (2, 9))]
+
+    def run(ahead: bool) -> tuple[list, int]:
+        eng = E.Engine(model, tok, eos_token_ids=[1], num_blocks=16, block_size=16, max_num_seqs=2)
+        eng.fast = fastdecode.FastDecoder(model, eng.cache, max_context=eng.max_model_len)
+        launch, launched = eng._launch_ahead, []
+        eng._launch_ahead = lambda *a: launched.append(launch(*a) if ahead else None) or launched[-1]
+        return [r.token_ids for r in eng.generate(prompts, params)], sum(a is not None for a in launched)
+
+    (plain, none), (ahead, launched) = run(False), run(True)
+    assert ahead == plain and none == 0 and launched >= 3, launched
+    assert plain[0][2] == 3 and plain[1][3] == 3  # </think> after 2 and 3 tokens of thinking
+
+
 def test_engine_launches_ahead_while_a_request_waits_for_a_seat():
     """With every seat taken a waiting request cannot be admitted at the next step, so that step is
     launched ahead (the request is admitted a step later than without it); with a seat free it is not.

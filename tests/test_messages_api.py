@@ -41,8 +41,10 @@ def test_a_tool_conversation_becomes_the_same_chat():
                                                ({"type": "enabled", "budget_tokens": 2048}, True),
                                                ({"type": "adaptive"}, True)])
 def test_thinking(thinking, enabled):
-    body = {"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}], "thinking": thinking}
-    assert m.to_chat(body).thinking.enabled is enabled
+    body = {"max_tokens": 4096, "messages": [{"role": "user", "content": "hi"}], "thinking": thinking}
+    r = m.to_chat(body)
+    assert r.thinking.enabled is enabled
+    assert r.options.get("thinking_token_budget") == (thinking or {}).get("budget_tokens")  # the engine's budget
 
 
 @pytest.mark.parametrize("choice, chat_choice", [({"type": "auto"}, "auto"), ({"type": "any"}, "required"),
@@ -81,6 +83,10 @@ BAD = [  # (body, param, code)
      "tools[0].type", "unsupported"),
     ({"max_tokens": 5, "messages": U, "tool_choice": "auto"}, "tool_choice", "invalid_value"),
     ({"max_tokens": 5, "messages": U, "thinking": {"type": "enabled"}}, "thinking.budget_tokens", "invalid_value"),
+    ({"max_tokens": 5, "messages": U, "thinking": {"type": "enabled", "budget_tokens": 5}}, "thinking.budget_tokens",
+     "invalid_value"),
+    ({"max_tokens": 5, "messages": U, "thinking": {"type": "enabled", "budget_tokens": True}},
+     "thinking.budget_tokens", "invalid_value"),
     ({"max_tokens": 5, "messages": U, "thinking": True}, "thinking", "invalid_value"),
 ]
 
@@ -136,7 +142,7 @@ def test_a_final_assistant_message_is_the_start_of_the_answer():
     assert r.messages == [{"role": "user", "content": "Name a colour."}] and r.prefill == "The colour is"
     assert m.to_chat({**body, "messages": body["messages"][:1]}).prefill == ""
     with pytest.raises(chat.ChatError) as e:
-        m.to_chat({**body, "thinking": {"type": "enabled", "budget_tokens": 1024}})
+        m.to_chat({**body, "thinking": {"type": "enabled", "budget_tokens": 4}})
     assert e.value.param == "thinking"
     with pytest.raises(chat.ChatError) as e:
         m.to_chat({**body, "messages": [body["messages"][0], {"role": "assistant", "content": [

@@ -238,6 +238,43 @@ def test_tool_call_nonstream_and_stream(server, client, scripted):
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
+REASONING = "First list the options, then weigh each one, then pick the best and say why."
+
+
+def test_thinking_token_budget_closes_reasoning_on_every_api(server, url, client, scripted, monkeypatch):
+    """After the budget's tokens of reasoning the engine forces </think> in place of the sampled token and the
+    rest is the answer: the request's budget (thinking_token_budget; Anthropic's thinking.budget_tokens), or
+    else the server's --thinking-token-budget."""
+    tok = server.engine.tokenizer
+    scripted(REASONING)  # the model never closes its reasoning (content starts after its spaces, as chat.py does)
+    ids = tok.encode(REASONING, add_special_tokens=False).ids
+    q = [{"role": "user", "content": "Which option?"}]
+    r = client.chat.completions.create(model=default_model.NAME, messages=q, max_tokens=100,
+                                       extra_body={"thinking_token_budget": 4})
+    m = r.choices[0].message
+    assert (m.model_extra["reasoning_content"], m.content) == (tok.decode(ids[:4]), tok.decode(ids[5:]).lstrip())
+    assert r.usage.completion_tokens == len(ids) + 1  # 4, </think>, ids[5:], <|observation|>
+    status, msg, _ = post_messages(url, {"max_tokens": 100, "messages": q,
+                                         "thinking": {"type": "enabled", "budget_tokens": 6}})
+    assert status == 200 and [b["type"] for b in msg["content"]] == ["thinking", "text"], msg
+    assert (msg["content"][0]["thinking"], msg["content"][1]["text"]) == (tok.decode(ids[:6]), tok.decode(ids[7:]).lstrip())
+    monkeypatch.setattr(server.args, "thinking_token_budget", 2)
+    r = client.chat.completions.create(model=default_model.NAME, messages=q, max_tokens=100)
+    assert r.choices[0].message.model_extra["reasoning_content"] == tok.decode(ids[:2])
+    resp = client.responses.create(model=default_model.NAME, input=q, max_output_tokens=100)
+    assert resp.output[0].content[0].text == tok.decode(ids[:2]) and resp.output_text == tok.decode(ids[3:]).lstrip()
+    r = client.chat.completions.create(model=default_model.NAME, messages=q, max_tokens=100,
+                                       extra_body={"thinking_token_budget": 5})  # the request's budget wins
+    assert r.choices[0].message.model_extra["reasoning_content"] == tok.decode(ids[:5])
+
+
+def test_the_thinking_token_budget_flag_is_checked(capsys):
+    assert serve.parse_args(["--thinking-token-budget", "0"]).thinking_token_budget == 0
+    with pytest.raises(SystemExit):
+        serve.parse_args(["--thinking-token-budget", "-1"])
+    assert "--thinking-token-budget must be >= 0; got -1" in capsys.readouterr().err
+
+
 def test_tool_choice_none_and_named(server, client, scripted):
     q = [{"role": "user", "content": "What time is it?"}]
     scripted(SCRIPT)
@@ -297,6 +334,10 @@ BAD = [  # (path, body: dict or raw str, status, param, code)
     ("/v1/chat/completions", {"messages": [{"role": "assistant", "content": None, "tool_calls": [
         {"type": "function", "function": {"name": "f", "arguments": "{oops"}}]}, *M]}, 400,
      "messages[0].tool_calls[0].function.arguments", None),
+    ("/v1/chat/completions", {"messages": M, "thinking_token_budget": -1}, 400, "thinking_token_budget",
+     "invalid_value"),
+    ("/v1/chat/completions", {"messages": M, "thinking_token_budget": "4"}, 400, "thinking_token_budget",
+     "invalid_type"),
     ("/v1/chat/completions", {"model": "gpt-9", "messages": M}, 404, "model", "model_not_found"),
     ("/v1/chat/completions", {"model": 5, "messages": M}, 400, "model", "invalid_type"),
     ("/v1/chat/completions", {"messages": M, "temperature": "hot"}, 400, "temperature", "invalid_type"),
@@ -417,7 +458,7 @@ def test_messages_thinking_and_tool_use_nonstream_and_stream(server, url, script
     scripted(SCRIPT)
     q = [{"role": "user", "content": "Weather in Paris for 3 days?"}]
     body = {"max_tokens": 200, "messages": q, "tools": [ANTHROPIC_WEATHER],
-            "thinking": {"type": "enabled", "budget_tokens": 1024}}
+            "thinking": {"type": "enabled", "budget_tokens": 100}}
     status, msg, _ = post_messages(url, body)
     assert status == 200, msg
     thinking, text, tool = msg["content"]
@@ -467,7 +508,7 @@ def test_messages_with_the_anthropic_client(server, url, scripted):
     scripted(SCRIPT)
     q = [{"role": "user", "content": "Weather in Paris for 3 days?"}]
     kw = dict(model=default_model.NAME, max_tokens=200, messages=q, tools=[ANTHROPIC_WEATHER],
-              thinking={"type": "enabled", "budget_tokens": 1024})
+              thinking={"type": "enabled", "budget_tokens": 100})
     r = client.messages.create(**kw)
     with client.messages.stream(**kw) as s:
         streamed = s.get_final_message()
@@ -503,6 +544,8 @@ MESSAGES_BAD = [  # (body, status, words the message must hold)
     ({"max_tokens": 5, "messages": M, "temperature": 2}, 400, "temperature"),
     ({"max_tokens": 0, "messages": M}, 400, "max_tokens"),
     ({"max_tokens": 5, "messages": M, "tool_choice": {"type": "any"}}, 400, "needs 'tools'"),
+    ({"max_tokens": 5, "messages": M, "thinking": {"type": "enabled", "budget_tokens": 5}}, 400,
+     "thinking.budget_tokens (5) must be less than max_tokens (5)"),
     ({"max_tokens": 5, "messages": M, "model": "claude-9"}, 404, "does not exist"),
     ({"max_tokens": 5, "messages": [{"role": "user", "content": LONG}]}, 400, "context"),
 ]
