@@ -450,6 +450,7 @@ class Server:
 
         app.add_url_rule("/health", view_func=self.health)
         app.add_url_rule("/metrics", view_func=self.metrics_text)
+        app.add_url_rule("/reset_prefix_cache", view_func=self.reset_prefix_cache, methods=["POST"])
         app.add_url_rule("/v1/models", view_func=self.models)
         app.add_url_rule("/v1/chat/completions", view_func=self.chat_completions, methods=["POST"])
         app.add_url_rule("/v1/completions", view_func=self.completions, methods=["POST"])
@@ -471,6 +472,13 @@ class Server:
     def metrics_text(self):
         stats = self.loop.call(lambda e: e.stats()) if self.ready.is_set() else None
         return Response(self.metrics.render(stats), mimetype="text/plain; version=0.0.4")
+
+    def reset_prefix_cache(self):
+        """Every following request starts cold (benchmarks); requests in flight keep their cache."""
+        if not self.ready.is_set():
+            raise ApiError(503, "the model is still loading; poll /health", None, "loading", "server_error")
+        self.loop.call(lambda e: e.reset_prefix_cache())
+        return {"status": "ok"}
 
     def models(self):
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,

@@ -308,6 +308,11 @@ def test_prefix_cache_hits_are_reported(url, client):
     hit = again.usage.prompt_tokens_details.cached_tokens
     assert hit >= 64 and hit % 64 == 0  # whole cache blocks
     assert metrics(url)["glm53_prefix_cache_hit_tokens_total"] - before >= hit
+    r = requests.post(url + "/reset_prefix_cache", timeout=30)  # vLLM's path, for cold benchmarks
+    assert r.status_code == 200 and r.json() == {"status": "ok"}
+    cold = client.chat.completions.create(model=default_model.NAME, messages=q, max_tokens=1)
+    assert cold.usage.prompt_tokens_details.cached_tokens == 0
+    assert requests.get(url + "/reset_prefix_cache", timeout=30).status_code == 405
 
 
 # --- bad input ------------------------------------------------------------------------------------
