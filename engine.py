@@ -148,6 +148,7 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int  # prompt tokens served by the prefix cache
+    reasoning_tokens: int = 0  # completion tokens inside the think block (before </think>)
 
 
 @dataclass
@@ -572,7 +573,9 @@ class Sequence:
     emitted: int = 0  # characters of text already returned
     finish_reason: str | None = None
     stop_string: str | None = None
-    thinking_left: int | None = None  # tokens it may still generate inside its think block; None: outside
+    thinking: bool = False  # inside a think block (the prompt's last <think> is open; no </think> generated yet)
+    thought: int = 0  # tokens inside that block so far, the prompt's included
+    reasoning_tokens: int = 0  # generated inside it
     # block_table's mirror for table(): the list it mirrors, and its first `_mirrored` entries
     _table: np.ndarray = field(default_factory=lambda: np.zeros(16, dtype=np.int64), repr=False)
     _table_of: list[int] | None = field(default=None, repr=False)
@@ -829,23 +832,28 @@ class Engine:
                        torch.tensor(prompt_ids, dtype=torch.long, device=self.device))
         if self.speculator is not None:
             seq.draft_stats = dflash.DraftStats.new(self.speculator.max_draft)
-        if p.thinking_token_budget is not None:
-            seq.thinking_left = self._thinking_left(prompt_ids, p.thinking_token_budget)
+        if p.thinking_token_budget is not None and None in (self.think_start, self.think_end):
+            raise ValueError(f"thinking_token_budget needs {chat.THINK_START} and {chat.THINK_END} tokens; "
+                             f"this tokenizer has no such token")
+        seq.thinking, seq.thought = self._open_thought(prompt_ids)
         self.requests[request_id] = seq
         self.waiting.append(seq)
         return request_id
 
-    def _thinking_left(self, prompt_ids: list[int], budget: int) -> int | None:
-        """The tokens a prompt leaves to its open think block (None if it ends outside one)."""
-        if self.think_start is None or self.think_end is None:
-            raise ValueError(f"thinking_token_budget needs {chat.THINK_START} and {chat.THINK_END} tokens; "
-                             f"this tokenizer has no such token")
+    def _open_thought(self, prompt_ids: list[int]) -> tuple[bool, int]:
+        """Whether the prompt ends inside a think block, and the tokens it holds there."""
         for i in range(len(prompt_ids) - 1, -1, -1):
             if prompt_ids[i] == self.think_end:
-                return None
+                return False, 0
             if prompt_ids[i] == self.think_start:
-                return max(budget - (len(prompt_ids) - 1 - i), 0)
-        return None
+                return True, len(prompt_ids) - 1 - i
+        return False, 0
+
+    @staticmethod
+    def _thinking_left(seq: Sequence) -> int | None:
+        """Tokens seq may still generate inside its think block (None: no limit there, or outside it)."""
+        budget = seq.params.thinking_token_budget
+        return max(budget - seq.thought, 0) if seq.thinking and budget is not None else None
 
     def cancel(self, request_id: str) -> bool:
         """Stop a request and free its cache; the next step() reports it. False if unknown/finished."""
@@ -993,8 +1001,9 @@ class Engine:
         if self.speculator is None or seq.num_computed != len(seq.token_ids) - 1:
             return 0
         room = min(budget, self._tokens_left(seq) - 1, self.speculator.max_draft)
-        if seq.thinking_left is not None:  # no draft past the budget: the token after it is forced (_sample)
-            room = min(room, seq.thinking_left - 1)
+        left = self._thinking_left(seq)
+        if left is not None:  # no draft past the budget: the token after it is forced (_sample)
+            room = min(room, left - 1)
         seq.k = max(0, min(room, dflash.draft_length(seq.draft_stats, self.draft_row_cost, self.draft_tokens)))
         return seq.k
 
@@ -1194,7 +1203,7 @@ class Engine:
         args = ([seq.params for seq, _ in done], [seq.prompt_tensor for seq, _ in done],
                 [seq.output_ids for seq, _ in done], [seq.generator for seq, _ in done])
         drawn = draw_on_device(rows, *args, kernel=self.use_kernels and rows.is_cuda)
-        spent = [j for j, (seq, _) in enumerate(done) if seq.thinking_left == 0]
+        spent = [j for j, (seq, _) in enumerate(done) if self._thinking_left(seq) == 0]
         if spent:  # on the device, before the step launched ahead reads the tokens
             drawn[fastdecode.to_device(spent, drawn.device)] = self.think_end
         asked = [j for j, (seq, _) in enumerate(done) if seq.params.logprobs is not None]
@@ -1227,8 +1236,10 @@ class Engine:
         seq.token_ids.append(token)
         seq.outputs.append(token)
         self.counters["tokens_generated"] += 1
-        if seq.thinking_left is not None:
-            seq.thinking_left = None if token == self.think_end else seq.thinking_left - 1
+        if seq.thinking:
+            seq.thinking = token != self.think_end
+            seq.thought += seq.thinking
+            seq.reasoning_tokens += seq.thinking
         if token in seq.stop_ids:
             self._finish(seq, "stop")
         else:
@@ -1263,7 +1274,8 @@ class Engine:
         finished = seq.finish_reason is not None
         end = len(seq.text) if finished else len(seq.text) - chat.held_back(seq.text, seq.params.stop)
         text, seq.emitted = seq.text[seq.emitted:max(end, seq.emitted)], max(end, seq.emitted)
-        usage = Usage(seq.prompt_len, len(seq.output_ids), max(seq.cached_tokens, 0)) if finished else None
+        usage = Usage(seq.prompt_len, len(seq.output_ids), max(seq.cached_tokens, 0),
+                      seq.reasoning_tokens) if finished else None
         st = seq.draft_stats
         acceptance = Acceptance(st.verify_steps, st.draft_tokens, st.accepted_tokens) if finished and st else None
         return RequestOutput(seq.request_id, token_ids, text, finished, seq.finish_reason, usage, logprobs, acceptance,

@@ -158,9 +158,11 @@ def to_chat(body: dict) -> chat.ChatRequest:
 # The answer: chat deltas -> output items, as SSE events (name, data)
 
 
-def usage(prompt_tokens: int, output_tokens: int, cached_tokens: int) -> dict:
-    return {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": cached_tokens},
-            "output_tokens": output_tokens, "total_tokens": prompt_tokens + output_tokens}
+def usage(u: Any) -> dict:
+    """An engine.Usage in the Responses API's terms."""
+    return {"input_tokens": u.prompt_tokens, "input_tokens_details": {"cached_tokens": u.cached_tokens},
+            "output_tokens": u.completion_tokens, "output_tokens_details": {"reasoning_tokens": u.reasoning_tokens},
+            "total_tokens": u.prompt_tokens + u.completion_tokens}
 
 
 class ResponseStream:
@@ -202,7 +204,7 @@ class ResponseStream:
         done, u = last.finish_reason != "length", last.usage
         self.response.update(status="completed" if done else "incomplete",
                              incomplete_details=None if done else {"reason": "max_output_tokens"},
-                             usage=usage(u.prompt_tokens, u.completion_tokens, u.cached_tokens))
+                             usage=usage(u))
         yield self._event("response.completed" if done else "response.incomplete", response=self.response)
 
     def _open(self, kind: str) -> Iterator[tuple[str, dict]]:

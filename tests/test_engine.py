@@ -635,12 +635,13 @@ def test_thinking_token_budget_forces_the_end_of_thinking(parts, cold, monkeypat
     assert end not in free.token_ids[:4]  # (the random model would close by itself)
     r = eng.generate([ids + [start]], E.SamplingParams(**greedy, thinking_token_budget=3))[0]
     assert r.token_ids[:3] == free.token_ids[:3] and r.token_ids[3] == end
+    assert (free.usage.reasoning_tokens, r.usage.reasoning_tokens) == ((free.token_ids + [end]).index(end), 3)
     # the forced token is decoded like a sampled one: what follows is the model's continuation of it
     after = eng.generate([ids + [start] + r.token_ids[:4]], E.SamplingParams(**{**greedy, "max_tokens": 6}))[0]
     assert r.token_ids[4:] == after.token_ids
     # thinking the prompt already holds counts; a budget of 0 closes at once
     r = eng.generate([ids + [start] + free.token_ids[:2]], E.SamplingParams(**greedy, thinking_token_budget=3))[0]
-    assert r.token_ids[0] == free.token_ids[2] and r.token_ids[1] == end
+    assert r.token_ids[0] == free.token_ids[2] and r.token_ids[1] == end and r.usage.reasoning_tokens == 1
     assert eng.generate([ids + [start]], E.SamplingParams(**greedy, thinking_token_budget=0))[0].token_ids[0] == end
     # a prompt outside any think block (closed, or none) is not touched
     for outside in (ids + [start, end], ids):

@@ -73,7 +73,7 @@ def test_bad_requests_name_the_field(body, param, code):
 
 
 def last(finish_reason: str) -> engine.RequestOutput:
-    return engine.RequestOutput("q", [], "", True, finish_reason, engine.Usage(30, 9, 16))
+    return engine.RequestOutput("q", [], "", True, finish_reason, engine.Usage(30, 9, 16, 3))
 
 
 def test_events_build_the_response():
@@ -99,7 +99,8 @@ def test_events_build_the_response():
     assert (fc["name"], fc["arguments"], fc["call_id"]) == ("get_weather", '{"city": "Paris"}', call.id)
     assert [e["output_index"] for n, e in events if n == "response.output_item.added"] == [0, 1, 2]
     assert resp["status"] == "completed" and resp["usage"] == {
-        "input_tokens": 30, "input_tokens_details": {"cached_tokens": 16}, "output_tokens": 9, "total_tokens": 39}
+        "input_tokens": 30, "input_tokens_details": {"cached_tokens": 16}, "output_tokens": 9,
+        "output_tokens_details": {"reasoning_tokens": 3}, "total_tokens": 39}
 
 
 def test_length_is_incomplete():

@@ -254,6 +254,7 @@ def test_thinking_token_budget_closes_reasoning_on_every_api(server, url, client
     m = r.choices[0].message
     assert (m.model_extra["reasoning_content"], m.content) == (tok.decode(ids[:4]), tok.decode(ids[5:]).lstrip())
     assert r.usage.completion_tokens == len(ids) + 1  # 4, </think>, ids[5:], <|observation|>
+    assert r.usage.completion_tokens_details.reasoning_tokens == 4
     status, msg, _ = post_messages(url, {"max_tokens": 100, "messages": q,
                                          "thinking": {"type": "enabled", "budget_tokens": 6}})
     assert status == 200 and [b["type"] for b in msg["content"]] == ["thinking", "text"], msg
@@ -263,6 +264,7 @@ def test_thinking_token_budget_closes_reasoning_on_every_api(server, url, client
     assert r.choices[0].message.model_extra["reasoning_content"] == tok.decode(ids[:2])
     resp = client.responses.create(model=default_model.NAME, input=q, max_output_tokens=100)
     assert resp.output[0].content[0].text == tok.decode(ids[:2]) and resp.output_text == tok.decode(ids[3:]).lstrip()
+    assert resp.usage.output_tokens_details.reasoning_tokens == 2
     r = client.chat.completions.create(model=default_model.NAME, messages=q, max_tokens=100,
                                        extra_body={"thinking_token_budget": 5})  # the request's budget wins
     assert r.choices[0].message.model_extra["reasoning_content"] == tok.decode(ids[:5])
