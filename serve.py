@@ -684,7 +684,7 @@ class Server:
         choice = {"index": 0, "message": message, "finish_reason": "tool_calls" if calls else last.finish_reason,
                   "logprobs": {"content": self._logprob_entries(lps, job.logprobs)} if job.logprobs is not None else None}
         return {"id": rid, "object": "chat.completion", "created": created, "model": self.model_name,
-                "choices": [choice], "usage": _usage(last.usage)}
+                "choices": [choice], "usage": _usage(last)}
 
     def _chat_chunks(self, outputs, parser, head, job: Job, rid: str, created: int) -> Iterator[dict]:
         def chunk(delta: dict, finish: str | None = None, logprobs: list | None = None) -> dict:
@@ -723,7 +723,7 @@ class Server:
         yield chunk({}, "tool_calls" if n_calls else last.finish_reason)
         if job.include_usage:
             yield {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
-                   "choices": [], "usage": _usage(last.usage)}
+                   "choices": [], "usage": _usage(last)}
 
     # --- /v1/messages (Anthropic) -----------------------------------------------------------
 
@@ -848,7 +848,7 @@ class Server:
                            "choices": [choice(o.text, o.finish_reason if o.finished else None, o.logprobs)]}
                 if last is not None and last.finished and job.include_usage:
                     yield {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
-                           "choices": [], "usage": _usage(last.usage)}
+                           "choices": [], "usage": _usage(last)}
             return self._sse(chunks(), outputs)
         texts, lps, last = [], [], None
         for o in outputs:
@@ -858,7 +858,7 @@ class Server:
         if last is None or not last.finished:
             raise ApiError(499, "the client went away", None, "cancelled")
         return {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
-                "choices": [choice("".join(texts), last.finish_reason, lps)], "usage": _usage(last.usage)}
+                "choices": [choice("".join(texts), last.finish_reason, lps)], "usage": _usage(last)}
 
     # --- /v1/score --------------------------------------------------------------------------
 
@@ -961,11 +961,19 @@ def _named_choice(choice: Any) -> bool:
             and isinstance(choice["function"].get("name"), str))
 
 
-def _usage(u: Any) -> dict:
-    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-            "total_tokens": u.prompt_tokens + u.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
-            "completion_tokens_details": {"reasoning_tokens": u.reasoning_tokens}}
+def _usage(last: Any) -> dict:
+    """A finished engine.RequestOutput's usage; with a speculator, its drafts too (serving.md §1.6 asks for
+    acceptance per request)."""
+    u, a = last.usage, last.acceptance
+    usage = {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+             "total_tokens": u.prompt_tokens + u.completion_tokens,
+             "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+             "completion_tokens_details": {"reasoning_tokens": u.reasoning_tokens}}
+    if a is not None:
+        usage["speculative"] = {"verify_steps": a.verify_steps, "draft_tokens": a.draft_tokens,
+                                "accepted_tokens": a.accepted_tokens,
+                                "mean_accepted_length": round(a.mean_accepted_length, 4)}
+    return usage
 
 
 def _client_gone(sock: socket.socket | None) -> bool:

@@ -277,6 +277,16 @@ def test_the_thinking_token_budget_flag_is_checked(capsys):
     assert "--thinking-token-budget must be >= 0; got -1" in capsys.readouterr().err
 
 
+def test_usage_reports_a_requests_drafts_when_the_engine_speculates():
+    out = engine_mod.RequestOutput("r", [], "", True, "stop", engine_mod.Usage(20, 9, 16, 4))
+    assert serve._usage(out) == {"prompt_tokens": 20, "completion_tokens": 9, "total_tokens": 29,
+                                 "prompt_tokens_details": {"cached_tokens": 16},
+                                 "completion_tokens_details": {"reasoning_tokens": 4}}
+    out.acceptance = engine_mod.Acceptance(verify_steps=4, draft_tokens=12, accepted_tokens=5)
+    assert serve._usage(out)["speculative"] == {"verify_steps": 4, "draft_tokens": 12, "accepted_tokens": 5,
+                                                "mean_accepted_length": 2.25}
+
+
 def test_tool_choice_none_and_named(server, client, scripted):
     q = [{"role": "user", "content": "What time is it?"}]
     scripted(SCRIPT)
