@@ -64,7 +64,8 @@ MAX_BATCH_TOKENS = 8192
 class SamplingParams:
     """Per-request sampling. temperature 0 is greedy; top_k 0, top_p 1, min_p 0 switch a filter off.
 
-    Order (as vLLM): penalties, temperature, top_k, top_p, min_p. `stop_token_ids` are extra stop
+    Order: `logit_bias` (added to the model's logits, as OpenAI's field), then as vLLM: penalties,
+    temperature, top_k, top_p, min_p. `stop_token_ids` are extra stop
     ids; the checkpoint's eos ids always stop unless `ignore_eos`. A stop string ends the text
     before it. `logprobs=n` returns the chosen token's log-probability and the n most likely
     tokens, from the model's distribution before any of the processing above.
@@ -89,6 +90,7 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     thinking_token_budget: int | None = None
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
 
     @property
     def penalizes(self) -> bool:
@@ -131,6 +133,9 @@ class SamplingParams:
             raise bad("stop_token_ids", "must be a list of token ids >= 0")
         if self.logprobs is not None and not (is_int(self.logprobs) and self.logprobs >= 0):
             raise bad("logprobs", "must be an integer >= 0 (the number of top alternatives) or None")
+        if not isinstance(self.logit_bias, dict) or not all(
+                is_int(t) and t >= 0 and is_num(b) and -100 <= b <= 100 for t, b in self.logit_bias.items()):
+            raise bad("logit_bias", "must map token ids >= 0 to numbers in [-100, 100]")
         if self.thinking_token_budget is not None and not (is_int(self.thinking_token_budget)
                                                            and self.thinking_token_budget >= 0):
             raise bad("thinking_token_budget", "must be an integer >= 0 (the tokens allowed inside <think>) or None")
@@ -219,11 +224,15 @@ TOP_P_CANDIDATES = 1024  # a top_p row without top_k is cut among this many of i
 
 def penalized_rows(logits: torch.Tensor, params: Seq[SamplingParams], prompt_ids: Seq[torch.Tensor],
                    output_ids: Seq[torch.Tensor | list[int]]) -> torch.Tensor:
-    """fp32 [N, vocab] logits, row i under params[i] -> the rows after its penalties, which see
+    """fp32 [N, vocab] logits, row i under params[i] -> the rows after its logit_bias and penalties, which see
     prompt_ids[i] and output_ids[i] (a tensor or a list, moved to the device only when a penalty reads it)."""
     x = logits.float()
     N, V = x.shape
     for i, p in enumerate(params):
+        if p.logit_bias:
+            x = x.clone() if x is logits else x
+            x[i, fastdecode.to_device(list(p.logit_bias), x.device)] += \
+                fastdecode.to_device(list(p.logit_bias.values()), x.device, torch.float32)
         if p.repetition_penalty == 1.0 and not ((p.presence_penalty or p.frequency_penalty) and len(output_ids[i])):
             continue
         x = x.clone() if x is logits else x
@@ -329,7 +338,7 @@ def draw_on_device(logits: torch.Tensor, params: Seq[SamplingParams], prompt_ids
     (its top_k, or TOP_P_CANDIDATES for top_p alone), and over its whole row where its kept set may reach
     past them. A batch without such rows races over whole rows in torch (the kernel's one program a row
     streams them slower: 337 against ~200 us at batch 1 on the H200)."""
-    if all(p.temperature == 0 and not p.penalizes for p in params):
+    if all(p.temperature == 0 and not p.penalizes and not p.logit_bias for p in params):
         return logits.argmax(-1)  # what the filters would give: none removes the most likely token
     x = penalized_rows(logits, params, prompt_ids, output_ids)
     V = x.shape[1]
@@ -821,6 +830,9 @@ class Engine:
                              f"one position left to generate)")
         if any(t >= self.vocab_size for t in p.stop_token_ids):
             raise ValueError(f"stop_token_ids {p.stop_token_ids} must be below the vocabulary size {self.vocab_size}")
+        if any(t >= self.vocab_size for t in p.logit_bias):
+            raise ValueError(f"logit_bias token ids {sorted(t for t in p.logit_bias if t >= self.vocab_size)[:5]} "
+                             f"must be below the vocabulary size {self.vocab_size}")
         generator = torch.Generator(self.device)
         if p.seed is None:
             generator.seed()

@@ -320,13 +320,22 @@ def _stop_strings(body: dict) -> list[str]:
     return stops
 
 
+def _logit_bias(body: dict, vocab_size: int) -> dict[int, float]:
+    """OpenAI's logit_bias: token ids (JSON keys, so strings) -> a bias in [-100, 100]."""
+    out = {}
+    for k, v in field_of(body, "logit_bias", "dict", {}).items():
+        if not (k.isascii() and k.isdigit() and int(k) < vocab_size and _is_num(v) and -100 <= v <= 100):
+            raise ApiError(400, f"'logit_bias' maps token ids below {vocab_size} to numbers in [-100, 100]; got "
+                                f"{json.dumps({k: v})[:80]}", "logit_bias", "invalid_value")
+        out[int(k)] = float(v)
+    return out
+
+
 def _refuse_unsupported(body: dict) -> None:
     n = field_of(body, "n", "int", 1)
     if n != 1:
         raise ApiError(400, f"'n' = {n} is not supported: this server returns one choice per request", "n",
                        "unsupported")
-    if body.get("logit_bias"):
-        raise ApiError(400, "'logit_bias' is not supported by this engine", "logit_bias", "unsupported")
     fmt = body.get("response_format")
     if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
         raise ApiError(400, "'response_format' other than {'type': 'text'} is not supported", "response_format",
@@ -541,6 +550,7 @@ class Server:
                 skip_special_tokens=skip_special,
                 thinking_token_budget=field_of(body, "thinking_token_budget", "int", self.args.thinking_token_budget,
                                                lambda v: v >= 0, "must be >= 0"),
+                logit_bias=_logit_bias(body, self.engine.vocab_size),
             )
         except ValueError as e:
             raise ApiError(400, str(e), None, "invalid_value")

@@ -84,10 +84,25 @@ def solo(engine: E.Engine, ids: list[int], p: E.SamplingParams = GREEDY) -> E.Re
     ("top_p", 1.5), ("min_p", -0.1), ("min_p", 2), ("repetition_penalty", 0), ("presence_penalty", 3),
     ("frequency_penalty", -2.5), ("max_tokens", 0), ("max_tokens", 1.0), ("seed", "x"), ("stop", [""]),
     ("stop", [3]), ("stop_token_ids", [-1]), ("logprobs", -1), ("temperature", True),
-    ("thinking_token_budget", -1), ("thinking_token_budget", 2.0)])
+    ("thinking_token_budget", -1), ("thinking_token_budget", 2.0), ("logit_bias", {-1: 1.0}),
+    ("logit_bias", {5: 101}), ("logit_bias", {5: float("inf")}), ("logit_bias", [5])])
 def test_bad_sampling_params_name_the_field(field, value):
     with pytest.raises(ValueError, match=f"SamplingParams.{field}"):
         E.SamplingParams(**{field: value})
+
+
+def test_logit_bias_is_added_to_its_rows_logits_before_the_penalties():
+    logits = torch.randn(2, 16, generator=torch.Generator().manual_seed(0))
+    biased = E.SamplingParams(logit_bias={3: 2.5, 9: -1.0}, presence_penalty=0.5)
+    empty = torch.zeros(0, dtype=torch.long)
+    x = E.penalized_rows(logits, [biased, E.SamplingParams()], [empty, empty], [torch.tensor([9]), []])
+    want = logits.clone()
+    want[0, 3] += 2.5
+    want[0, 9] -= 1.0 + 0.5
+    assert torch.equal(x, want) and not torch.equal(x, logits)
+    greedy = E.SamplingParams(temperature=0, logit_bias={int(logits[1].argmin()): 100})
+    assert E.draw_on_device(logits[1:], [greedy], [empty], [[]], [torch.Generator()]).tolist() == \
+        [int(logits[1].argmin())]  # temperature 0 draws the biased argmax
 
 
 def test_stop_string_becomes_a_list():
@@ -662,6 +677,8 @@ def test_thinking_token_budget_forces_the_end_of_thinking(parts, cold, monkeypat
 
 def test_admission_errors_are_clear(make_engine):
     eng = make_engine(num_blocks=4)
+    with pytest.raises(ValueError, match=r"logit_bias token ids \[512\] must be below the vocabulary size 512"):
+        eng.add_request([5], E.SamplingParams(logit_bias={512: 1.0, 3: 1.0}))
     with pytest.raises(ValueError, match="prompt has 64 tokens; the limit is 63"):
         eng.add_request(prompt(0, 4 * BS))
     with pytest.raises(ValueError, match="outside the vocabulary"):

@@ -277,6 +277,19 @@ def test_the_thinking_token_budget_flag_is_checked(capsys):
     assert "--thinking-token-budget must be >= 0; got -1" in capsys.readouterr().err
 
 
+def test_logit_bias(server, client):
+    tok = server.engine.tokenizer
+    t = tok.encode(" the", add_special_tokens=False).ids[0]
+    r = client.completions.create(model=default_model.NAME, prompt="The", max_tokens=3, temperature=0,
+                                  logit_bias={str(t): 100})
+    assert r.choices[0].text == tok.decode([t] * 3)
+    free = client.completions.create(model=default_model.NAME, prompt="The", max_tokens=1, temperature=0)
+    first = tok.encode(free.choices[0].text, add_special_tokens=False).ids[0]
+    banned = client.completions.create(model=default_model.NAME, prompt="The", max_tokens=1, temperature=0,
+                                       logit_bias={str(first): -100})
+    assert tok.encode(banned.choices[0].text, add_special_tokens=False).ids[0] != first
+
+
 def test_usage_reports_a_requests_drafts_when_the_engine_speculates():
     out = engine_mod.RequestOutput("r", [], "", True, "stop", engine_mod.Usage(20, 9, 16, 4))
     assert serve._usage(out) == {"prompt_tokens": 20, "completion_tokens": 9, "total_tokens": 29,
@@ -371,7 +384,10 @@ BAD = [  # (path, body: dict or raw str, status, param, code)
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": LONG}]}, 400, "messages",
      "context_length_exceeded"),
     ("/v1/chat/completions", {"messages": M, "n": 2}, 400, "n", "unsupported"),
-    ("/v1/chat/completions", {"messages": M, "logit_bias": {"1": 5}}, 400, "logit_bias", "unsupported"),
+    ("/v1/chat/completions", {"messages": M, "logit_bias": {"one": 5}}, 400, "logit_bias", "invalid_value"),
+    ("/v1/chat/completions", {"messages": M, "logit_bias": {"1": 101}}, 400, "logit_bias", "invalid_value"),
+    ("/v1/chat/completions", {"messages": M, "logit_bias": {"99999999": 1}}, 400, "logit_bias", "invalid_value"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": [1]}, 400, "logit_bias", "invalid_type"),
     ("/v1/chat/completions", {"messages": M, "response_format": {"type": "json_object"}}, 400, "response_format",
      "unsupported"),
     ("/v1/chat/completions", {"messages": M, "stream": "yes"}, 400, "stream", "invalid_type"),
