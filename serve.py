@@ -449,7 +449,7 @@ class Server:
                 if request.headers.get("Authorization", "") != f"Bearer {key}" and request.headers.get("x-api-key") != key:
                     raise ApiError(401, "missing or wrong API key (send 'Authorization: Bearer KEY' or 'x-api-key: KEY')",
                                    None, "invalid_api_key", "authentication_error")
-            if request.path.startswith("/v1/") and not self.ready.is_set():
+            if request.path not in ("/health", "/metrics") and not self.ready.is_set():
                 raise ApiError(503, "the model is still loading; poll /health", None, "loading", "server_error")
 
         @app.after_request
@@ -460,6 +460,8 @@ class Server:
         app.add_url_rule("/health", view_func=self.health)
         app.add_url_rule("/metrics", view_func=self.metrics_text)
         app.add_url_rule("/reset_prefix_cache", view_func=self.reset_prefix_cache, methods=["POST"])
+        app.add_url_rule("/tokenize", view_func=self.tokenize, methods=["POST"])
+        app.add_url_rule("/detokenize", view_func=self.detokenize, methods=["POST"])
         app.add_url_rule("/v1/models", view_func=self.models)
         app.add_url_rule("/v1/chat/completions", view_func=self.chat_completions, methods=["POST"])
         app.add_url_rule("/v1/completions", view_func=self.completions, methods=["POST"])
@@ -484,8 +486,6 @@ class Server:
 
     def reset_prefix_cache(self):
         """Every following request starts cold (benchmarks); requests in flight keep their cache."""
-        if not self.ready.is_set():
-            raise ApiError(503, "the model is still loading; poll /health", None, "loading", "server_error")
         self.loop.call(lambda e: e.reset_prefix_cache())
         return {"status": "ok"}
 
@@ -612,6 +612,21 @@ class Server:
 
     def chat_completions(self):
         body = self._body()
+        prompt_ids, parser, head = self._openai_chat_prompt(body)
+        logprobs = field_of(body, "logprobs", "bool", False)
+        top = field_of(body, "top_logprobs", "int", 0, lambda v: 0 <= v <= MAX_TOP_LOGPROBS,
+                       f"must be between 0 and {MAX_TOP_LOGPROBS}")
+        if top and not logprobs:
+            raise ApiError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs", "invalid_value")
+        job = self._job(body, prompt_ids, top if logprobs else None, skip_special=False, prompt_param="messages")
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        outputs = self._outputs(job, request.environ.get("werkzeug.socket"))
+        if job.stream:
+            return self._sse(self._chat_chunks(outputs, parser, head, job, rid, created), outputs)
+        return self._chat_response(outputs, parser, head, job, rid, created)
+
+    def _openai_chat_prompt(self, body: dict) -> tuple[list[int], chat.StreamParser, list[chat.Delta]]:
+        """_chat_prompt for a chat completions request (messages, tools, tool_choice and the thinking fields)."""
         if not self.engine.chat_template:
             raise ApiError(400, "this checkpoint has no chat template; use /v1/completions", "messages", "unsupported")
         try:
@@ -627,19 +642,8 @@ class Server:
         except chat.ChatError as e:
             raise ApiError(400, str(e), e.param, e.code)
         tool_choice = body.get("tool_choice") or ("auto" if tools else "none")
-        logprobs = field_of(body, "logprobs", "bool", False)
-        top = field_of(body, "top_logprobs", "int", 0, lambda v: 0 <= v <= MAX_TOP_LOGPROBS,
-                       f"must be between 0 and {MAX_TOP_LOGPROBS}")
-        if top and not logprobs:
-            raise ApiError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs", "invalid_value")
         extra = {"clear_thinking": field_of(kwargs, "clear_thinking", "bool")} if "clear_thinking" in kwargs else {}
-        prompt_ids, parser, head = self._chat_prompt(messages, tools, tool_choice, thinking, **extra)
-        job = self._job(body, prompt_ids, top if logprobs else None, skip_special=False, prompt_param="messages")
-        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        outputs = self._outputs(job, request.environ.get("werkzeug.socket"))
-        if job.stream:
-            return self._sse(self._chat_chunks(outputs, parser, head, job, rid, created), outputs)
-        return self._chat_response(outputs, parser, head, job, rid, created)
+        return self._chat_prompt(messages, tools, tool_choice, thinking, **extra)
 
     def _chat_prompt(self, messages: list[dict], tools: list[dict] | None, tool_choice: Any, thinking: chat.Thinking,
                      prefill: str = "", **extra: Any) -> tuple[list[int], chat.StreamParser, list[chat.Delta]]:
@@ -804,8 +808,8 @@ class Server:
 
     # --- /v1/completions --------------------------------------------------------------------
 
-    def completions(self):
-        body = self._body()
+    def _completion_prompt(self, body: dict) -> list[int]:
+        """The token ids of a completions request's `prompt`: text (encoded without special tokens) or ids."""
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # a batch of one
@@ -825,6 +829,11 @@ class Server:
                            "invalid_value")
         if not prompt_ids:
             raise ApiError(400, "'prompt' encodes to no tokens", "prompt", "invalid_value")
+        return prompt_ids
+
+    def completions(self):
+        body = self._body()
+        prompt_ids = self._completion_prompt(body)
         if field_of(body, "echo", "bool", False):
             raise ApiError(400, "'echo' is not supported", "echo", "unsupported")
         if body.get("suffix") is not None:
@@ -880,14 +889,10 @@ class Server:
         outside them; with "full": true, all rows as little-endian float32 [T, vocab], base64.
         """
         body = self._body()
-        ids = body.get("token_ids")
-        if not isinstance(ids, list) or not ids or not all(_is_int(t) for t in ids):
+        ids = self._token_ids(body, "token_ids")
+        if not ids:
             raise ApiError(400, "'token_ids' must be a non-empty array of integers", "token_ids", "invalid_value")
         vocab = self.engine.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ApiError(400, f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})", "token_ids",
-                           "invalid_value")
         if len(ids) > self.engine.max_model_len:
             raise ApiError(400, f"{len(ids)} tokens exceed the context of {self.engine.max_model_len}", "token_ids",
                            "context_length_exceeded")
@@ -915,6 +920,29 @@ class Server:
             out["full_logprobs"] = {"dtype": "float32", "shape": list(lp.shape),
                                     "data": base64.b64encode(lp.contiguous().numpy().astype("<f4").tobytes()).decode()}
         return out
+
+    def _token_ids(self, body: dict, name: str) -> list[int]:
+        ids = body.get(name)
+        if not isinstance(ids, list) or not all(_is_int(t) for t in ids):
+            raise ApiError(400, f"'{name}' must be an array of integers", name, "invalid_value")
+        bad = [t for t in ids if not 0 <= t < self.engine.vocab_size]
+        if bad:
+            raise ApiError(400, f"token ids {bad[:5]} are outside the vocabulary [0, {self.engine.vocab_size})", name,
+                           "invalid_value")
+        return ids
+
+    # --- /tokenize, /detokenize (vLLM's paths) ----------------------------------------------
+
+    def tokenize(self):
+        """The token ids a request's prompt becomes: a completions `prompt`, or a chat request's `messages`
+        (with its tools and thinking fields) rendered as /v1/chat/completions renders them."""
+        body = self._body()
+        prompt_ids = self._openai_chat_prompt(body)[0] if "messages" in body else self._completion_prompt(body)
+        return {"count": len(prompt_ids), "max_model_len": self.engine.max_model_len, "tokens": prompt_ids}
+
+    def detokenize(self):
+        ids = self._token_ids(self._body(), "tokens")
+        return {"prompt": self.engine.tokenizer.decode(ids, skip_special_tokens=False)}
 
     # --- SSE --------------------------------------------------------------------------------
 

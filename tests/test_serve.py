@@ -290,6 +290,23 @@ def test_logit_bias(server, client):
     assert tok.encode(banned.choices[0].text, add_special_tokens=False).ids[0] != first
 
 
+def test_tokenize_and_detokenize(server, url, client):
+    post = lambda path, body: requests.post(url + path, json=body, timeout=30)
+    ids = server.engine.tokenizer.encode("Hello there, wörld", add_special_tokens=False).ids
+    assert post("/tokenize", {"prompt": "Hello there, wörld"}).json() == \
+        {"count": len(ids), "max_model_len": MAX_MODEL_LEN, "tokens": ids}
+    assert post("/detokenize", {"tokens": ids}).json() == {"prompt": "Hello there, wörld"}
+    q = [{"role": "user", "content": "Weather in Oslo?"}]
+    r = post("/tokenize", {"messages": q, "tools": [WEATHER], "reasoning_effort": "low"}).json()
+    assert r["count"] == prompt_len(server, q, [WEATHER], "low") == client.chat.completions.create(
+        model=default_model.NAME, messages=q, tools=[WEATHER], reasoning_effort="low", max_tokens=1).usage.prompt_tokens
+    assert post("/detokenize", {"tokens": r["tokens"]}).json()["prompt"].endswith("<|assistant|><think>")
+    for path, body, param in (("/tokenize", {}, "prompt"), ("/tokenize", {"messages": []}, "messages"),
+                              ("/detokenize", {"tokens": [10**9]}, "tokens"), ("/detokenize", {"tokens": "x"}, "tokens")):
+        r = post(path, body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, body, r.text)
+
+
 def test_usage_reports_a_requests_drafts_when_the_engine_speculates():
     out = engine_mod.RequestOutput("r", [], "", True, "stop", engine_mod.Usage(20, 9, 16, 4))
     assert serve._usage(out) == {"prompt_tokens": 20, "completion_tokens": 9, "total_tokens": 29,
