@@ -834,8 +834,7 @@ class Server:
     def completions(self):
         body = self._body()
         prompt_ids = self._completion_prompt(body)
-        if field_of(body, "echo", "bool", False):
-            raise ApiError(400, "'echo' is not supported", "echo", "unsupported")
+        echo = field_of(body, "echo", "bool", False)
         if body.get("suffix") is not None:
             raise ApiError(400, "'suffix' is not supported", "suffix", "unsupported")
         if field_of(body, "best_of", "int", 1) != 1:
@@ -844,32 +843,43 @@ class Server:
         logprobs = field_of(body, "logprobs", "int", None, lambda v: 0 <= v <= MAX_TOP_LOGPROBS,
                             f"must be between 0 and {MAX_TOP_LOGPROBS}")
         skip = field_of(body, "skip_special_tokens", "bool", True)
-        job = self._job(body, prompt_ids, logprobs, skip_special=skip, prompt_param="prompt")
+        score_only = echo and body.get("max_tokens") == 0  # the prompt's logprobs only (lm-eval's loglikelihood)
+        # (a request that generates nothing is checked as one that generates a token)
+        job = self._job({**body, "max_tokens": 1} if score_only else body, prompt_ids, logprobs, skip_special=skip,
+                        prompt_param="prompt")
+        head_text, head_lps = self._echo(body, prompt_ids, logprobs, skip) if echo else ("", None)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        outputs = self._outputs(job, request.environ.get("werkzeug.socket"))
+        if score_only:
+            usage = self.engine_mod.Usage(len(prompt_ids), 0, 0)
+            outputs = (o for o in [self.engine_mod.RequestOutput("", [], "", True, "length", usage)])  # (closable)
+        else:
+            outputs = self._outputs(job, request.environ.get("werkzeug.socket"))
 
-        def legacy_logprobs(lps) -> dict | None:
+        def legacy_logprobs(lps, head: list[dict] | None = None) -> dict | None:
             if job.logprobs is None:
                 return None
-            entries = self._logprob_entries(lps, job.logprobs)
+            entries = (head or []) + self._logprob_entries(lps, job.logprobs)
             return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
-                    "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries]}
+                    "top_logprobs": [None if e["top_logprobs"] is None else
+                                     {t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries]}
 
-        def choice(text: str, finish: str | None, lps) -> dict:
-            return {"index": 0, "text": text, "finish_reason": finish, "logprobs": legacy_logprobs(lps)}
+        def choice(text: str, finish: str | None, lps, head: list[dict] | None = None) -> dict:
+            return {"index": 0, "text": text, "finish_reason": finish, "logprobs": legacy_logprobs(lps, head)}
 
         if job.stream:
             def chunks() -> Iterator[dict]:
-                last = None
+                last, text, head = None, head_text, head_lps
                 for o in outputs:
                     last = o
                     yield {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
-                           "choices": [choice(o.text, o.finish_reason if o.finished else None, o.logprobs)]}
+                           "choices": [choice(text + o.text, o.finish_reason if o.finished else None, o.logprobs,
+                                              head)]}
+                    text, head = "", None
                 if last is not None and last.finished and job.include_usage:
                     yield {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
                            "choices": [], "usage": _usage(last)}
             return self._sse(chunks(), outputs)
-        texts, lps, last = [], [], None
+        texts, lps, last = [head_text], [], None
         for o in outputs:
             texts.append(o.text)
             lps += o.logprobs or []
@@ -877,7 +887,31 @@ class Server:
         if last is None or not last.finished:
             raise ApiError(499, "the client went away", None, "cancelled")
         return {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
-                "choices": [choice("".join(texts), last.finish_reason, lps)], "usage": _usage(last)}
+                "choices": [choice("".join(texts), last.finish_reason, lps, head_lps)], "usage": _usage(last)}
+
+    def _echo(self, body: dict, prompt_ids: list[int], logprobs: int | None,
+              skip: bool) -> tuple[str, list[dict] | None]:
+        """What an echoed choice starts with: the prompt's text (as sent, or its ids decoded) and, when logprobs
+        are asked for, its tokens' entries."""
+        p = body["prompt"]
+        text = p if isinstance(p, str) else p[0] if isinstance(p[0], str) else \
+            self.engine.tokenizer.decode(prompt_ids, skip_special_tokens=skip)
+        return text, self._prompt_logprobs(prompt_ids, logprobs) if logprobs is not None else None
+
+    def _prompt_logprobs(self, ids: list[int], n: int) -> list[dict]:
+        """Logprob entries of a prompt's tokens, each given the tokens before it, with the n most likely tokens
+        there; the first token's logprob is null (nothing comes before it), as in OpenAI's echo."""
+        try:
+            logits = self.loop.call(lambda e: e.score(ids))
+        except ValueError as e:
+            raise ApiError(503, f"the prompt cannot be scored now: {e}", "prompt", "server_busy")
+        rows = self.engine_mod.logprob_rows(logits[:-1], torch.tensor(ids[1:], device=logits.device), n)
+        chosen, top_ids, top_values = (r.tolist() for r in rows)
+        lps = [self.engine_mod.TokenLogprob(t, c, list(zip(i, v)))
+               for t, c, i, v in zip(ids[1:], chosen, top_ids, top_values)]
+        b = token_bytes(self.engine.tokenizer, ids[0], self.added_ids)
+        first = {"token": b.decode("utf-8", errors="replace"), "logprob": None, "bytes": list(b), "top_logprobs": None}
+        return [first] + self._logprob_entries(lps, n)
 
     # --- /v1/score --------------------------------------------------------------------------
 

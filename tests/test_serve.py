@@ -307,6 +307,32 @@ def test_tokenize_and_detokenize(server, url, client):
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, body, r.text)
 
 
+def test_completions_echo_scores_the_prompt_as_lm_eval_asks(server, url, client):
+    """lm-eval's loglikelihood request (token ids, echo, logprobs 1, max_tokens 0 or 1, temperature 0) gets every
+    prompt token's logprob (the first null), the same as /v1/score's, then the generated token's."""
+    ids = server.engine.tokenizer.encode("The quick brown fox jumps over", add_special_tokens=False).ids
+    score = requests.post(url + "/v1/score", json={"token_ids": ids, "top_k": 2}, timeout=30).json()["positions"]
+    for max_tokens in (0, 1):
+        r = requests.post(url + "/v1/completions", json={"prompt": [ids], "echo": True, "logprobs": 2, "temperature": 0,
+                                                          "max_tokens": max_tokens}, timeout=30).json()
+        (c,) = r["choices"]
+        lp = c["logprobs"]
+        assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(ids) + max_tokens, r
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        assert lp["token_logprobs"][1:len(ids)] == pytest.approx([p["token_logprob"] for p in score[:-1]], abs=1e-6)
+        assert [v for t in lp["top_logprobs"][1:len(ids)] for v in sorted(t.values(), reverse=True)] == \
+            pytest.approx([v for p in score[:-1] for v in p["top_logprobs"]], abs=1e-6)
+        assert c["text"].startswith("The quick brown fox jumps over") and r["usage"]["completion_tokens"] == max_tokens
+    plain = client.completions.create(model=default_model.NAME, prompt="Once upon", max_tokens=4, temperature=0)
+    echoed = client.completions.create(model=default_model.NAME, prompt="Once upon", max_tokens=4, temperature=0,
+                                       echo=True)
+    assert echoed.choices[0].text == "Once upon" + plain.choices[0].text and echoed.choices[0].logprobs is None
+    streamed = list(client.completions.create(model=default_model.NAME, prompt="Once upon", max_tokens=4,
+                                              temperature=0, echo=True, stream=True))
+    assert "".join(ch.choices[0].text for ch in streamed) == echoed.choices[0].text
+    assert streamed[0].choices[0].text.startswith("Once upon")
+
+
 def test_usage_reports_a_requests_drafts_when_the_engine_speculates():
     out = engine_mod.RequestOutput("r", [], "", True, "stop", engine_mod.Usage(20, 9, 16, 4))
     assert serve._usage(out) == {"prompt_tokens": 20, "completion_tokens": 9, "total_tokens": 29,
@@ -436,7 +462,8 @@ BAD = [  # (path, body: dict or raw str, status, param, code)
     ("/v1/completions", {"prompt": [-1, 2]}, 400, "prompt", None),
     ("/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt", "unsupported"),
     ("/v1/completions", {"prompt": "x", "logprobs": 100}, 400, "logprobs", "invalid_value"),
-    ("/v1/completions", {"prompt": "x", "echo": True}, 400, "echo", "unsupported"),
+    ("/v1/completions", {"prompt": "x", "echo": 1}, 400, "echo", "invalid_type"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens", "invalid_value"),
     ("/v1/completions", {"prompt": "x", "suffix": "y"}, 400, "suffix", "unsupported"),
     ("/v1/completions", {"prompt": "x", "best_of": 2}, 400, "best_of", "unsupported"),
     ("/v1/completions", {"prompt": "x", "best_of": "2"}, 400, "best_of", "invalid_type"),
