@@ -65,8 +65,8 @@ class SamplingParams:
     """Per-request sampling. temperature 0 is greedy; top_k 0, top_p 1, min_p 0 switch a filter off.
 
     Order: `logit_bias` (added to the model's logits, as OpenAI's field), then as vLLM: penalties,
-    temperature, top_k, top_p, min_p. `stop_token_ids` are extra stop
-    ids; the checkpoint's eos ids always stop unless `ignore_eos`. A stop string ends the text
+    temperature, top_k, top_p, min_p. `stop_token_ids` are extra stop ids; the checkpoint's eos ids
+    always stop unless `ignore_eos`. A stop string ends the text
     before it. `logprobs=n` returns the chosen token's log-probability and the n most likely
     tokens, from the model's distribution before any of the processing above.
     `thinking_token_budget=n`: when the prompt ends inside a think block (after `<think>`, with no
@@ -833,6 +833,9 @@ class Engine:
         if any(t >= self.vocab_size for t in p.logit_bias):
             raise ValueError(f"logit_bias token ids {sorted(t for t in p.logit_bias if t >= self.vocab_size)[:5]} "
                              f"must be below the vocabulary size {self.vocab_size}")
+        if p.thinking_token_budget is not None and None in (self.think_start, self.think_end):
+            raise ValueError(f"thinking_token_budget needs {chat.THINK_START} and {chat.THINK_END} tokens; "
+                             f"this tokenizer has no such token")
         generator = torch.Generator(self.device)
         if p.seed is None:
             generator.seed()
@@ -844,9 +847,6 @@ class Engine:
                        torch.tensor(prompt_ids, dtype=torch.long, device=self.device))
         if self.speculator is not None:
             seq.draft_stats = dflash.DraftStats.new(self.speculator.max_draft)
-        if p.thinking_token_budget is not None and None in (self.think_start, self.think_end):
-            raise ValueError(f"thinking_token_budget needs {chat.THINK_START} and {chat.THINK_END} tokens; "
-                             f"this tokenizer has no such token")
         seq.thinking, seq.thought = self._open_thought(prompt_ids)
         self.requests[request_id] = seq
         self.waiting.append(seq)
