@@ -20,6 +20,7 @@ STARTED = time.monotonic()  # before the heavy imports: "ready in" counts from (
 
 import argparse
 import base64
+import copy
 import json
 import math
 import queue
@@ -28,7 +29,7 @@ import sys
 import threading
 import traceback
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -43,6 +44,7 @@ import responses_api
 
 MAX_BODY_BYTES = 32 << 20
 MAX_TOP_LOGPROBS = 20
+MAX_CHOICES = 16  # n: each choice is a sequence of its own in the engine
 POLL_S = 0.2  # how often a waiting handler checks whether its client is still connected
 
 
@@ -169,7 +171,7 @@ class Pending:
     """One in-flight request: the engine thread puts RequestOutputs (or an exception) on `outputs`."""
 
     request_id: str
-    outputs: queue.Queue = field(default_factory=queue.Queue)
+    outputs: queue.Queue
 
 
 class EngineLoop:
@@ -182,8 +184,9 @@ class EngineLoop:
         self.thread = threading.Thread(target=self.run, name="engine", daemon=True)
         self.stopped = False
 
-    def submit(self, prompt_ids: list[int], sampling: Any) -> Pending:
-        p = Pending(f"req-{uuid.uuid4().hex}")
+    def submit(self, prompt_ids: list[int], sampling: Any, outputs: queue.Queue | None = None) -> Pending:
+        """`outputs`: a queue shared with other requests (a request's choices), else one of its own."""
+        p = Pending(f"req-{uuid.uuid4().hex}", outputs or queue.Queue())
         self.inbox.put(("add", p, prompt_ids, sampling))
         return p
 
@@ -332,10 +335,6 @@ def _logit_bias(body: dict, vocab_size: int) -> dict[int, float]:
 
 
 def _refuse_unsupported(body: dict) -> None:
-    n = field_of(body, "n", "int", 1)
-    if n != 1:
-        raise ApiError(400, f"'n' = {n} is not supported: this server returns one choice per request", "n",
-                       "unsupported")
     fmt = body.get("response_format")
     if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
         raise ApiError(400, "'response_format' other than {'type': 'text'} is not supported", "response_format",
@@ -355,6 +354,7 @@ class Job:
     stream: bool
     include_usage: bool
     logprobs: int | None  # top alternatives per token when logprobs were asked for
+    n: int = 1  # choices, each sampled on its own
 
 
 class Server:
@@ -554,21 +554,36 @@ class Server:
             )
         except ValueError as e:
             raise ApiError(400, str(e), None, "invalid_value")
+        n = field_of(body, "n", "int", 1, lambda v: 1 <= v <= MAX_CHOICES, f"must be between 1 and {MAX_CHOICES}")
         return Job(prompt_ids, sampling, field_of(body, "stream", "bool", False),
-                   bool(field_of(stream_options, "include_usage", "bool", False)), logprobs)
+                   bool(field_of(stream_options, "include_usage", "bool", False)), logprobs, n)
 
     # --- running a job ----------------------------------------------------------------------
 
     def _outputs(self, job: Job, sock: socket.socket | None) -> Iterator[Any]:
-        """The engine's outputs for one job; cancels it if the client goes away or stops reading."""
-        p = self.loop.submit(job.prompt_ids, job.sampling)
-        arrived = last = checked = time.monotonic()
-        first = True
-        finished = False
+        """The engine's outputs for a job of one choice."""
+        choices = self._choices(job, sock)
+        try:
+            for _, o in choices:
+                yield o
+        finally:
+            choices.close()
+
+    def _choices(self, job: Job, sock: socket.socket | None) -> Iterator[tuple[int, Any]]:
+        """The engine's outputs for a job's n choices, as (choice index, output) in the order they come; cancels
+        the unfinished ones if the client goes away or stops reading. A seeded job's choice i has seed + i."""
+        shared: queue.Queue = queue.Queue()
+        seeded = job.sampling.seed is not None
+        pending = [self.loop.submit(job.prompt_ids, replace(job.sampling, seed=job.sampling.seed + i) if seeded
+                                    else job.sampling, shared) for i in range(job.n)]
+        index = {p.request_id: i for i, p in enumerate(pending)}
+        arrived = checked = time.monotonic()
+        last: dict[int, float] = {}  # each choice's last token time
+        unfinished = set(range(job.n))
         try:
             while True:
                 try:
-                    o = p.outputs.get(timeout=POLL_S)
+                    o = shared.get(timeout=POLL_S)
                 except queue.Empty:
                     o = None
                 now = time.monotonic()
@@ -583,18 +598,20 @@ class Server:
                     continue
                 if isinstance(o, ApiError):
                     raise o
+                i = index[o.request_id]
                 if o.token_ids:
-                    self.metrics.observe(self.metrics.ttft if first else self.metrics.itl, now - (arrived if first else last))
-                    first, last = False, now
-                finished = o.finished
-                if finished:
+                    self.metrics.observe(self.metrics.itl if i in last else self.metrics.ttft,
+                                         now - last.get(i, arrived))
+                    last[i] = now
+                if o.finished:
                     self.metrics.observe(self.metrics.e2e, now - arrived)
-                yield o
-                if finished:
+                    unfinished.discard(i)
+                yield i, o
+                if not unfinished:
                     return
         finally:
-            if not finished:
-                self.loop.cancel(p.request_id)
+            for i in unfinished:
+                self.loop.cancel(pending[i].request_id)
 
     def _logprob_entries(self, lps: list[Any] | None, n: int | None) -> list[dict]:
         if not lps:
@@ -620,10 +637,12 @@ class Server:
             raise ApiError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs", "invalid_value")
         job = self._job(body, prompt_ids, top if logprobs else None, skip_special=False, prompt_param="messages")
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        outputs = self._outputs(job, request.environ.get("werkzeug.socket"))
+        choices = self._choices(job, request.environ.get("werkzeug.socket"))
+        # each choice parses its own answer; the head (a forced start) is already fed to the parser
+        parsers = [parser] + [copy.deepcopy(parser) for _ in range(job.n - 1)]
         if job.stream:
-            return self._sse(self._chat_chunks(outputs, parser, head, job, rid, created), outputs)
-        return self._chat_response(outputs, parser, head, job, rid, created)
+            return self._sse(self._chat_chunks(choices, parsers, head, job, rid, created), choices)
+        return self._chat_response(choices, parsers, head, job, rid, created)
 
     def _openai_chat_prompt(self, body: dict) -> tuple[list[int], chat.StreamParser, list[chat.Delta]]:
         """_chat_prompt for a chat completions request (messages, tools, tool_choice and the thinking fields)."""
@@ -680,64 +699,69 @@ class Server:
         parser.feed(prefill)
         return prompt_ids, parser, head
 
-    def _chat_response(self, outputs, parser, head, job: Job, rid: str, created: int) -> dict:
-        deltas, lps, last = list(head), [], None
-        for o in outputs:
-            deltas += parser.feed(o.text)
-            lps += o.logprobs or []
-            last = o
-        if last is None or not last.finished:
+    def _chat_response(self, choices, parsers: list[chat.StreamParser], head, job: Job, rid: str,
+                       created: int) -> dict:
+        deltas, lps, lasts = [list(head) for _ in parsers], [[] for _ in parsers], [None] * job.n
+        for i, o in choices:
+            deltas[i] += parsers[i].feed(o.text)
+            lps[i] += o.logprobs or []
+            lasts[i] = o
+        if not all(o is not None and o.finished for o in lasts):
             raise ApiError(499, "the client went away", None, "cancelled")
-        deltas += parser.finish()
-        calls = [d.tool_call.to_openai() for d in deltas if d.kind == "tool_call"]
-        content = "".join(d.text for d in deltas if d.kind == "content").strip() or None
-        reasoning = "".join(d.text for d in deltas if d.kind == "reasoning") or None
-        message = {"role": "assistant", "content": content, "reasoning_content": reasoning}
-        if calls:
-            message["tool_calls"] = calls
-        choice = {"index": 0, "message": message, "finish_reason": "tool_calls" if calls else last.finish_reason,
-                  "logprobs": {"content": self._logprob_entries(lps, job.logprobs)} if job.logprobs is not None else None}
+        out = []
+        for i, (parser, d, last) in enumerate(zip(parsers, deltas, lasts)):
+            d += parser.finish()
+            calls = [x.tool_call.to_openai() for x in d if x.kind == "tool_call"]
+            content = "".join(x.text for x in d if x.kind == "content").strip() or None
+            reasoning = "".join(x.text for x in d if x.kind == "reasoning") or None
+            message = {"role": "assistant", "content": content, "reasoning_content": reasoning}
+            if calls:
+                message["tool_calls"] = calls
+            out.append({"index": i, "message": message, "finish_reason": "tool_calls" if calls else last.finish_reason,
+                        "logprobs": {"content": self._logprob_entries(lps[i], job.logprobs)}
+                        if job.logprobs is not None else None})
         return {"id": rid, "object": "chat.completion", "created": created, "model": self.model_name,
-                "choices": [choice], "usage": _usage(last)}
+                "choices": out, "usage": _usage(lasts)}
 
-    def _chat_chunks(self, outputs, parser, head, job: Job, rid: str, created: int) -> Iterator[dict]:
-        def chunk(delta: dict, finish: str | None = None, logprobs: list | None = None) -> dict:
-            c = {"index": 0, "delta": delta, "finish_reason": finish}
+    def _chat_chunks(self, choices, parsers: list[chat.StreamParser], head, job: Job, rid: str,
+                     created: int) -> Iterator[dict]:
+        def chunk(i: int, delta: dict, finish: str | None = None, logprobs: list | None = None) -> dict:
+            c = {"index": i, "delta": delta, "finish_reason": finish}
             if job.logprobs is not None:
                 c["logprobs"] = {"content": logprobs or []}
             return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
                     "choices": [c]}
 
-        n_calls = 0
+        n_calls = [0] * job.n  # each choice numbers its own tool calls
 
-        def deltas_to_chunks(deltas) -> Iterator[dict]:
-            nonlocal n_calls
+        def deltas_to_chunks(i: int, deltas) -> Iterator[dict]:
             for d in deltas:
                 if d.kind == "tool_call":
-                    call = {"index": n_calls, **d.tool_call.to_openai()}
-                    n_calls += 1
-                    yield chunk({"tool_calls": [call]})
+                    call = {"index": n_calls[i], **d.tool_call.to_openai()}
+                    n_calls[i] += 1
+                    yield chunk(i, {"tool_calls": [call]})
                 else:
-                    yield chunk({"reasoning_content" if d.kind == "reasoning" else "content": d.text})
+                    yield chunk(i, {"reasoning_content" if d.kind == "reasoning" else "content": d.text})
 
-        yield chunk({"role": "assistant", "content": ""})
-        yield from deltas_to_chunks(head)
-        last = None
-        for o in outputs:
-            last = o
-            produced = list(deltas_to_chunks(parser.feed(o.text) + (parser.finish() if o.finished else [])))
+        for i in range(job.n):
+            yield chunk(i, {"role": "assistant", "content": ""})
+            yield from deltas_to_chunks(i, head)
+        lasts = [None] * job.n
+        for i, o in choices:
+            lasts[i] = o
+            parser = parsers[i]
+            produced = list(deltas_to_chunks(i, parser.feed(o.text) + (parser.finish() if o.finished else [])))
             lps = self._logprob_entries(o.logprobs, job.logprobs)
             if lps and produced:
                 produced[0]["choices"][0]["logprobs"] = {"content": lps}
             elif lps:
-                produced = [chunk({}, logprobs=lps)]
+                produced = [chunk(i, {}, logprobs=lps)]
             yield from produced
-        if last is None or not last.finished:
-            return
-        yield chunk({}, "tool_calls" if n_calls else last.finish_reason)
-        if job.include_usage:
+            if o.finished:
+                yield chunk(i, {}, "tool_calls" if n_calls[i] else o.finish_reason)
+        if job.include_usage and all(o is not None and o.finished for o in lasts):
             yield {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
-                   "choices": [], "usage": _usage(last)}
+                   "choices": [], "usage": _usage(lasts)}
 
     # --- /v1/messages (Anthropic) -----------------------------------------------------------
 
@@ -851,11 +875,11 @@ class Server:
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if score_only:
             usage = self.engine_mod.Usage(len(prompt_ids), 0, 0)
-            outputs = (o for o in [self.engine_mod.RequestOutput("", [], "", True, "length", usage)])  # (closable)
+            choices = ((i, self.engine_mod.RequestOutput("", [], "", True, "length", usage)) for i in range(job.n))
         else:
-            outputs = self._outputs(job, request.environ.get("werkzeug.socket"))
+            choices = self._choices(job, request.environ.get("werkzeug.socket"))
 
-        def legacy_logprobs(lps, head: list[dict] | None = None) -> dict | None:
+        def legacy_logprobs(lps, head: list[dict] | None) -> dict | None:
             if job.logprobs is None:
                 return None
             entries = (head or []) + self._logprob_entries(lps, job.logprobs)
@@ -863,31 +887,32 @@ class Server:
                     "top_logprobs": [None if e["top_logprobs"] is None else
                                      {t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries]}
 
-        def choice(text: str, finish: str | None, lps, head: list[dict] | None = None) -> dict:
-            return {"index": 0, "text": text, "finish_reason": finish, "logprobs": legacy_logprobs(lps, head)}
+        def choice(i: int, text: str, finish: str | None, lps, head: list[dict] | None) -> dict:
+            return {"index": i, "text": text, "finish_reason": finish, "logprobs": legacy_logprobs(lps, head)}
 
         if job.stream:
             def chunks() -> Iterator[dict]:
-                last, text, head = None, head_text, head_lps
-                for o in outputs:
-                    last = o
+                lasts = [None] * job.n
+                for i, o in choices:
+                    text, head = (head_text, head_lps) if lasts[i] is None else ("", None)  # echo: a choice's first
+                    lasts[i] = o
                     yield {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
-                           "choices": [choice(text + o.text, o.finish_reason if o.finished else None, o.logprobs,
+                           "choices": [choice(i, text + o.text, o.finish_reason if o.finished else None, o.logprobs,
                                               head)]}
-                    text, head = "", None
-                if last is not None and last.finished and job.include_usage:
+                if job.include_usage and all(o is not None and o.finished for o in lasts):
                     yield {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
-                           "choices": [], "usage": _usage(last)}
-            return self._sse(chunks(), outputs)
-        texts, lps, last = [head_text], [], None
-        for o in outputs:
-            texts.append(o.text)
-            lps += o.logprobs or []
-            last = o
-        if last is None or not last.finished:
+                           "choices": [], "usage": _usage(lasts)}
+            return self._sse(chunks(), choices)
+        texts, lps, lasts = [[head_text] for _ in range(job.n)], [[] for _ in range(job.n)], [None] * job.n
+        for i, o in choices:
+            texts[i].append(o.text)
+            lps[i] += o.logprobs or []
+            lasts[i] = o
+        if not all(o is not None and o.finished for o in lasts):
             raise ApiError(499, "the client went away", None, "cancelled")
         return {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
-                "choices": [choice("".join(texts), last.finish_reason, lps, head_lps)], "usage": _usage(last)}
+                "choices": [choice(i, "".join(texts[i]), lasts[i].finish_reason, lps[i], head_lps)
+                            for i in range(job.n)], "usage": _usage(lasts)}
 
     def _echo(self, body: dict, prompt_ids: list[int], logprobs: int | None,
               skip: bool) -> tuple[str, list[dict] | None]:
@@ -1033,18 +1058,21 @@ def _named_choice(choice: Any) -> bool:
             and isinstance(choice["function"].get("name"), str))
 
 
-def _usage(last: Any) -> dict:
-    """A finished engine.RequestOutput's usage; with a speculator, its drafts too (serving.md §1.6 asks for
-    acceptance per request)."""
-    u, a = last.usage, last.acceptance
-    usage = {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-             "total_tokens": u.prompt_tokens + u.completion_tokens,
-             "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
-             "completion_tokens_details": {"reasoning_tokens": u.reasoning_tokens}}
-    if a is not None:
-        usage["speculative"] = {"verify_steps": a.verify_steps, "draft_tokens": a.draft_tokens,
-                                "accepted_tokens": a.accepted_tokens,
-                                "mean_accepted_length": round(a.mean_accepted_length, 4)}
+def _usage(lasts: list[Any]) -> dict:
+    """The usage of a request's finished choices (their final engine.RequestOutputs): the prompt once (as the
+    first choice saw the prefix cache), the completions summed; with a speculator, their drafts too
+    (serving.md §1.6 asks for acceptance per request)."""
+    us = [o.usage for o in lasts]
+    prompt, completion = us[0].prompt_tokens, sum(u.completion_tokens for u in us)
+    usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+             "prompt_tokens_details": {"cached_tokens": us[0].cached_tokens},
+             "completion_tokens_details": {"reasoning_tokens": sum(u.reasoning_tokens for u in us)}}
+    accs = [o.acceptance for o in lasts if o.acceptance is not None]
+    if accs:
+        steps, accepted = sum(a.verify_steps for a in accs), sum(a.accepted_tokens for a in accs)
+        usage["speculative"] = {"verify_steps": steps, "draft_tokens": sum(a.draft_tokens for a in accs),
+                                "accepted_tokens": accepted,
+                                "mean_accepted_length": round((accepted + steps) / max(steps, 1), 4)}
     return usage
 
 

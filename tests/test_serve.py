@@ -333,14 +333,46 @@ def test_completions_echo_scores_the_prompt_as_lm_eval_asks(server, url, client)
     assert streamed[0].choices[0].text.startswith("Once upon")
 
 
-def test_usage_reports_a_requests_drafts_when_the_engine_speculates():
+def test_usage_counts_the_prompt_once_and_reports_drafts_when_the_engine_speculates():
     out = engine_mod.RequestOutput("r", [], "", True, "stop", engine_mod.Usage(20, 9, 16, 4))
-    assert serve._usage(out) == {"prompt_tokens": 20, "completion_tokens": 9, "total_tokens": 29,
-                                 "prompt_tokens_details": {"cached_tokens": 16},
-                                 "completion_tokens_details": {"reasoning_tokens": 4}}
+    assert serve._usage([out]) == {"prompt_tokens": 20, "completion_tokens": 9, "total_tokens": 29,
+                                   "prompt_tokens_details": {"cached_tokens": 16},
+                                   "completion_tokens_details": {"reasoning_tokens": 4}}
     out.acceptance = engine_mod.Acceptance(verify_steps=4, draft_tokens=12, accepted_tokens=5)
-    assert serve._usage(out)["speculative"] == {"verify_steps": 4, "draft_tokens": 12, "accepted_tokens": 5,
-                                                "mean_accepted_length": 2.25}
+    assert serve._usage([out])["speculative"] == {"verify_steps": 4, "draft_tokens": 12, "accepted_tokens": 5,
+                                                  "mean_accepted_length": 2.25}
+    other = engine_mod.RequestOutput("s", [], "", True, "length", engine_mod.Usage(20, 6, 20, 1),
+                                     acceptance=engine_mod.Acceptance(verify_steps=2, draft_tokens=4, accepted_tokens=3))
+    u = serve._usage([out, other])  # two choices of one request
+    assert (u["prompt_tokens"], u["completion_tokens"], u["total_tokens"]) == (20, 15, 35)
+    assert u["prompt_tokens_details"] == {"cached_tokens": 16} and u["completion_tokens_details"]["reasoning_tokens"] == 5
+    assert u["speculative"] == {"verify_steps": 6, "draft_tokens": 16, "accepted_tokens": 8,
+                                "mean_accepted_length": round(14 / 6, 4)}
+
+
+def test_n_choices_chat_and_completions_whole_and_streamed(server, client):
+    """n samples n sequences: a seeded request's choice i is the same request with seed + i, alone."""
+    q = [{"role": "user", "content": "Name a colour."}]
+    kw = dict(model=default_model.NAME, messages=q, max_tokens=8, temperature=1.0, seed=11, reasoning_effort="none")
+    r = client.chat.completions.create(n=3, **kw)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    alone = [client.chat.completions.create(**{**kw, "seed": 11 + i}) for i in range(3)]
+    assert [c.message.content for c in r.choices] == [a.choices[0].message.content for a in alone]
+    assert r.usage.prompt_tokens == alone[0].usage.prompt_tokens
+    assert r.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+    chunks = list(client.chat.completions.create(n=3, stream=True, stream_options={"include_usage": True}, **kw))
+    for i in range(3):
+        mine = [ch.choices[0] for ch in chunks if ch.choices and ch.choices[0].index == i]
+        assert mine[0].delta.role == "assistant" and mine[-1].finish_reason == r.choices[i].finish_reason
+        assert ("".join(c.delta.content or "" for c in mine).strip() or None) == r.choices[i].message.content
+    assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+    ckw = dict(model=default_model.NAME, prompt="Once upon", max_tokens=5, temperature=1.0, seed=5)
+    c = client.completions.create(n=2, **ckw)
+    assert [x.text for x in c.choices] == [client.completions.create(**{**ckw, "seed": 5 + i}).choices[0].text
+                                           for i in range(2)]
+    streamed = list(client.completions.create(n=2, stream=True, **ckw))
+    assert ["".join(ch.choices[0].text for ch in streamed if ch.choices[0].index == i) for i in range(2)] == \
+        [x.text for x in c.choices]
 
 
 def test_tool_choice_none_and_named(server, client, scripted):
@@ -426,7 +458,8 @@ BAD = [  # (path, body: dict or raw str, status, param, code)
     ("/v1/chat/completions", {"messages": M, "max_tokens": 10 ** 9}, 400, "max_tokens", "context_length_exceeded"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": LONG}]}, 400, "messages",
      "context_length_exceeded"),
-    ("/v1/chat/completions", {"messages": M, "n": 2}, 400, "n", "unsupported"),
+    ("/v1/chat/completions", {"messages": M, "n": 0}, 400, "n", "invalid_value"),
+    ("/v1/completions", {"prompt": "hi", "n": 17}, 400, "n", "invalid_value"),
     ("/v1/chat/completions", {"messages": M, "logit_bias": {"one": 5}}, 400, "logit_bias", "invalid_value"),
     ("/v1/chat/completions", {"messages": M, "logit_bias": {"1": 101}}, 400, "logit_bias", "invalid_value"),
     ("/v1/chat/completions", {"messages": M, "logit_bias": {"99999999": 1}}, 400, "logit_bias", "invalid_value"),
