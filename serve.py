@@ -463,6 +463,7 @@ class Server:
         app.add_url_rule("/tokenize", view_func=self.tokenize, methods=["POST"])
         app.add_url_rule("/detokenize", view_func=self.detokenize, methods=["POST"])
         app.add_url_rule("/v1/models", view_func=self.models)
+        app.add_url_rule("/v1/models/<path:name>", view_func=self.model)
         app.add_url_rule("/v1/chat/completions", view_func=self.chat_completions, methods=["POST"])
         app.add_url_rule("/v1/completions", view_func=self.completions, methods=["POST"])
         app.add_url_rule("/v1/score", view_func=self.score, methods=["POST"])
@@ -490,8 +491,17 @@ class Server:
         return {"status": "ok"}
 
     def models(self):
-        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
-                                            "owned_by": "glm53", "max_model_len": self.engine.max_model_len}]}
+        return {"object": "list", "data": [self._model_card()]}
+
+    def model(self, name: str):
+        if name not in (self.model_name, self.args.model):
+            raise ApiError(404, f"the model '{name}' does not exist; this server serves '{self.model_name}'", "model",
+                           "model_not_found")
+        return self._model_card()
+
+    def _model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "glm53",
+                "max_model_len": self.engine.max_model_len}
 
     # --- request parsing --------------------------------------------------------------------
 

@@ -116,6 +116,10 @@ def test_health_loading_then_ready_and_models(server, url, client):
     assert server.loading_health.status_code == 503 and server.loading_health.json()["status"] == "loading"
     assert requests.get(url + "/health", timeout=10).json()["status"] == "ok"
     assert [m.id for m in client.models.list().data] == [default_model.NAME]
+    card = client.models.retrieve(default_model.NAME)
+    assert (card.id, card.model_extra["max_model_len"]) == (default_model.NAME, MAX_MODEL_LEN)
+    r = requests.get(url + "/v1/models/org/other-model", timeout=10)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
 
 
 def test_chat_thinking_on_greedy_stream_matches_nonstream(server, client):
