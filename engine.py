@@ -44,6 +44,7 @@ import chat
 import dflash
 import fastdecode
 import fastprefill
+import jsonmode
 import kernels
 import placement
 from cache import CachePool
@@ -73,6 +74,8 @@ class SamplingParams:
     `</think>` since), at most n tokens are generated inside it, counting those the prompt already has
     there; the next one is `</think>`, forced whatever was sampled (serving.md §1.2: a reasoning budget
     that answers instead of spending max_tokens on thinking).
+    `json_object`: the answer (after the think block, if any) is one JSON object; each token is drawn among
+    those that keep it one (jsonmode.py), and the request stops, "stop", when the object is complete.
     """
 
     max_tokens: int | None = None  # None: until a stop or the context limit
@@ -91,6 +94,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     thinking_token_budget: int | None = None
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    json_object: bool = False
 
     @property
     def penalizes(self) -> bool:
@@ -317,12 +321,17 @@ def race_noise(params: Seq[SamplingParams], generators: Seq[torch.Generator], vo
     return noise
 
 
+def race_scores(x: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """x - log noise: each token's time in the race (the largest wins). (Noise 0, possible in fp32, would let
+    any token win, a removed one included: it counts as the smallest float.)"""
+    return x - noise.clamp(min=torch.finfo(torch.float32).tiny).log()
+
+
 def race(x: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     """argmax(x - log noise) of each row: a draw from softmax(x) (the Gumbel-max trick, as exponential
     races), the argmax for noise 1. The noise belongs to the token, not to a position in some list of
-    candidates, so any way of cutting a row that keeps the same tokens draws the same one. (Noise 0,
-    possible in fp32, would let any token win, a removed one included: it counts as the smallest float.)"""
-    return (x - noise.clamp(min=torch.finfo(torch.float32).tiny).log()).argmax(-1)
+    candidates, so any way of cutting a row that keeps the same tokens draws the same one."""
+    return race_scores(x, noise).argmax(-1)
 
 
 def draw_on_device(logits: torch.Tensor, params: Seq[SamplingParams], prompt_ids: Seq[torch.Tensor],
@@ -407,6 +416,33 @@ class Detokenizer:
             return ""
         self.prefix, self.read = self.read, len(self.ids)
         return after[len(before):]
+
+
+def _byte_decoder() -> dict[str, int]:
+    """Inverse of the GPT-2 byte-to-unicode map that byte-level BPE vocabularies are written in."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+BYTE_DECODER = _byte_decoder()
+
+
+def token_bytes(tokenizer: Tokenizer, token_id: int, added: set[int] | frozenset[int] = frozenset()) -> bytes:
+    """The raw bytes one token stands for (OpenAI logprobs' `bytes`); `added` are the added-token ids,
+    whose text is stored as is rather than byte-mapped."""
+    piece = tokenizer.id_to_token(token_id)
+    if piece is None:
+        return b""
+    if token_id not in added and all(ch in BYTE_DECODER for ch in piece):
+        return bytes(BYTE_DECODER[ch] for ch in piece)
+    return piece.encode("utf-8")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -585,6 +621,7 @@ class Sequence:
     thinking: bool = False  # inside a think block (the prompt's last <think> is open; no </think> generated yet)
     thought: int = 0  # tokens inside that block so far, the prompt's included
     reasoning_tokens: int = 0  # generated inside it
+    json: jsonmode.JsonPrefix | None = None  # the answer so far, when it must be a JSON object
     # block_table's mirror for table(): the list it mirrors, and its first `_mirrored` entries
     _table: np.ndarray = field(default_factory=lambda: np.zeros(16, dtype=np.int64), repr=False)
     _table_of: list[int] | None = field(default=None, repr=False)
@@ -657,6 +694,7 @@ class Engine:
         self.config: GLMConfig = model.config
         self.eos_token_ids = frozenset(eos_token_ids)
         self.think_start, self.think_end = (tokenizer.token_to_id(t) for t in (chat.THINK_START, chat.THINK_END))
+        self._vocab_bytes: list[bytes | None] | None = None
         self.vocab_size = self.config.vocab_size
         self.device, self.dtype = model.weights["embed_tokens.weight"].device, model.dtype
         if block_size <= 0 or block_size % self.config.index_kpool:
@@ -848,6 +886,7 @@ class Engine:
         if self.speculator is not None:
             seq.draft_stats = dflash.DraftStats.new(self.speculator.max_draft)
         seq.thinking, seq.thought = self._open_thought(prompt_ids)
+        seq.json = jsonmode.JsonPrefix() if p.json_object else None
         self.requests[request_id] = seq
         self.waiting.append(seq)
         return request_id
@@ -1010,8 +1049,8 @@ class Engine:
         the token budget left after its next token, max_tokens or the context can take (a step emits
         up to k + 1 tokens)."""
         seq.k = 0
-        if self.speculator is None or seq.num_computed != len(seq.token_ids) - 1:
-            return 0
+        if self.speculator is None or seq.num_computed != len(seq.token_ids) - 1 or seq.json is not None:
+            return 0  # (a JSON answer's tokens are each picked by _sample)
         room = min(budget, self._tokens_left(seq) - 1, self.speculator.max_draft)
         left = self._thinking_left(seq)
         if left is not None:  # no draft past the budget: the token after it is forced (_sample)
@@ -1218,6 +1257,9 @@ class Engine:
         spent = [j for j, (seq, _) in enumerate(done) if self._thinking_left(seq) == 0]
         if spent:  # on the device, before the step launched ahead reads the tokens
             drawn[fastdecode.to_device(spent, drawn.device)] = self.think_end
+        for j, (seq, _) in enumerate(done):
+            if seq.json is not None and not seq.thinking and j not in spent:
+                drawn[j] = self._json_token(seq, rows[j])
         asked = [j for j, (seq, _) in enumerate(done) if seq.params.logprobs is not None]
         queued = [drawn]
         if asked:  # the logprobs too, so that nothing reads these logits after the next step is launched
@@ -1242,12 +1284,37 @@ class Engine:
             self.ahead = None  # every sequence it decodes has stopped
         return outputs
 
+    def _json_token(self, seq: Sequence, logits: torch.Tensor) -> int:
+        """The token of a JSON answer: the race of draw_on_device (its own noise draw from the row's generator)
+        run down the row's tokens in order until one keeps the answer a JSON object's prefix; if the filters
+        (top_k, top_p, min_p) left none that does, the model's most likely one that does."""
+        p = seq.params
+        x = process_rows(logits[None], [p], [seq.prompt_tensor], [seq.output_ids])
+        scores = race_scores(x, race_noise([p], [seq.generator], x.shape[1], x.device))[0]
+        kept = scores.argsort(descending=True)[:int(torch.isfinite(scores).sum())].tolist()
+        token = jsonmode.pick(kept, seq.json, self.vocab_bytes)
+        if token is None:
+            token = jsonmode.pick(logits.argsort(descending=True).tolist(), seq.json, self.vocab_bytes)
+        if token is None:
+            raise RuntimeError(f"request {seq.request_id}: no token continues its JSON answer")
+        return token
+
+    @property
+    def vocab_bytes(self) -> list[bytes | None]:
+        """Each token id's bytes (None for added tokens, which are markup, not text), built on first use."""
+        if self._vocab_bytes is None:
+            added = set(self.tokenizer.get_added_tokens_decoder())
+            self._vocab_bytes = [None if i in added else token_bytes(self.tokenizer, i) for i in range(self.vocab_size)]
+        return self._vocab_bytes
+
     def _append(self, seq: Sequence, token: int) -> None:
         """Add one generated token: detokenize, check stops and limits."""
         p = seq.params
         seq.token_ids.append(token)
         seq.outputs.append(token)
         self.counters["tokens_generated"] += 1
+        if seq.json is not None and not seq.thinking:
+            seq.json.feed(self.vocab_bytes[token])
         if seq.thinking:
             seq.thinking = token != self.think_end
             seq.thought += seq.thinking
@@ -1262,6 +1329,8 @@ class Engine:
             if hit:
                 at, seq.stop_string = min(hit, key=lambda h: h[0])
                 seq.text = seq.text[:at]
+                self._finish(seq, "stop")
+            elif seq.json is not None and seq.json.done:
                 self._finish(seq, "stop")
             elif self._tokens_left(seq) <= 0:
                 self._finish(seq, "length")

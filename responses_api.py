@@ -138,10 +138,17 @@ def to_chat(body: dict) -> chat.ChatRequest:
                                  name, "unsupported")
     text = body.get("text")
     fmt = text.get("format") if isinstance(text, dict) else text
-    if fmt is not None and fmt != {"type": "text"}:
-        raise chat.ChatError("text.format other than {'type': 'text'} is not supported", "text.format", "unsupported")
+    if fmt is not None and fmt not in ({"type": "text"}, {"type": "json_object"}):
+        raise chat.ChatError("text.format must be {'type': 'text'} or {'type': 'json_object'} (json_schema is not "
+                             "supported)", "text.format", "unsupported")
     tools = _tools(body)
+    tool_choice = _tool_choice(body, tools)
     options = {k: body[k] for k in ("temperature", "top_p", "stream") if k in body}
+    if fmt == {"type": "json_object"}:  # JSON mode, as chat completions' response_format
+        if tool_choice not in ("auto", "none"):
+            raise chat.ChatError("text.format json_object cannot go with a tool_choice that forces a tool call",
+                                 "text.format")
+        options["response_format"] = fmt
     limit = body.get("max_output_tokens")
     if limit is not None:  # checked here: the chat path would name its own field, max_tokens
         if not (isinstance(limit, int) and not isinstance(limit, bool) and limit >= 1):
@@ -149,7 +156,7 @@ def to_chat(body: dict) -> chat.ChatRequest:
                                  "max_output_tokens")
         options["max_tokens"] = limit
     echo = {k: body.get(k) for k in ("instructions", "temperature", "top_p", "max_output_tokens", "metadata")}
-    return chat.ChatRequest(_messages(body), tools, _tool_choice(body, tools), _thinking(body), options,
+    return chat.ChatRequest(_messages(body), tools, tool_choice, _thinking(body), options,
                             echo={**echo, "tools": body.get("tools") or [],
                                   "tool_choice": body.get("tool_choice", "auto")})
 

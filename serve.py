@@ -334,11 +334,13 @@ def _logit_bias(body: dict, vocab_size: int) -> dict[int, float]:
     return out
 
 
-def _refuse_unsupported(body: dict) -> None:
+def _json_object(body: dict) -> bool:
+    """response_format: {"type": "text"} or {"type": "json_object"} (JSON mode); json_schema is refused."""
     fmt = body.get("response_format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        raise ApiError(400, "'response_format' other than {'type': 'text'} is not supported", "response_format",
-                       "unsupported")
+    if fmt is None or (isinstance(fmt, dict) and fmt.get("type") in ("text", "json_object")):
+        return fmt is not None and fmt["type"] == "json_object"
+    raise ApiError(400, "'response_format' must be {'type': 'text'} or {'type': 'json_object'} (json_schema is not "
+                        "supported)", "response_format", "unsupported")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -524,7 +526,6 @@ class Server:
     def _job(self, body: dict, prompt_ids: list[int], logprobs: int | None, skip_special: bool,
              prompt_param: str) -> Job:
         """`prompt_param`: the request field the prompt came from, named when the prompt is too long."""
-        _refuse_unsupported(body)
         limit = self.engine.max_model_len
         if len(prompt_ids) >= limit:
             raise ApiError(400, f"the prompt has {len(prompt_ids)} tokens; this model's context is {limit} tokens "
@@ -561,6 +562,7 @@ class Server:
                 thinking_token_budget=field_of(body, "thinking_token_budget", "int", self.args.thinking_token_budget,
                                                lambda v: v >= 0, "must be >= 0"),
                 logit_bias=_logit_bias(body, self.engine.vocab_size),
+                json_object=_json_object(body),
             )
         except ValueError as e:
             raise ApiError(400, str(e), None, "invalid_value")
@@ -629,7 +631,7 @@ class Server:
         tok = self.engine.tokenizer
 
         def entry(tid: int, lp: float) -> dict:
-            b = token_bytes(tok, tid, self.added_ids)
+            b = self.engine_mod.token_bytes(tok, tid, self.added_ids)
             return {"token": b.decode("utf-8", errors="replace"), "logprob": lp, "bytes": list(b)}
 
         return [{**entry(t.token_id, t.logprob), "top_logprobs": [entry(i, v) for i, v in t.top[:n or 0]]}
@@ -671,6 +673,9 @@ class Server:
         except chat.ChatError as e:
             raise ApiError(400, str(e), e.param, e.code)
         tool_choice = body.get("tool_choice") or ("auto" if tools else "none")
+        if (tool_choice == "required" or _named_choice(tool_choice)) and _json_object(body):
+            raise ApiError(400, "response_format json_object cannot go with a tool_choice that forces a tool call: "
+                                "the answer would have to be both", "response_format", "invalid_value")
         extra = {"clear_thinking": field_of(kwargs, "clear_thinking", "bool")} if "clear_thinking" in kwargs else {}
         return self._chat_prompt(messages, tools, tool_choice, thinking, **extra)
 
@@ -944,7 +949,7 @@ class Server:
         chosen, top_ids, top_values = (r.tolist() for r in rows)
         lps = [self.engine_mod.TokenLogprob(t, c, list(zip(i, v)))
                for t, c, i, v in zip(ids[1:], chosen, top_ids, top_values)]
-        b = token_bytes(self.engine.tokenizer, ids[0], self.added_ids)
+        b = self.engine_mod.token_bytes(self.engine.tokenizer, ids[0], self.added_ids)
         first = {"token": b.decode("utf-8", errors="replace"), "logprob": None, "bytes": list(b), "top_logprobs": None}
         return [first] + self._logprob_entries(lps, n)
 
@@ -1096,33 +1101,6 @@ def _client_gone(sock: socket.socket | None) -> bool:
         return False
     except OSError:
         return True
-
-
-def _byte_decoder() -> dict[str, int]:
-    """Inverse of the GPT-2 byte-to-unicode map that byte-level BPE vocabularies are written in."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {chr(c): b for b, c in zip(bs, cs)}
-
-
-BYTE_DECODER = _byte_decoder()
-
-
-def token_bytes(tokenizer: Any, token_id: int, added: set[int]) -> bytes:
-    """The raw bytes one token stands for (OpenAI logprobs' `bytes`); `added` are the added-token ids,
-    whose text is stored as is rather than byte-mapped."""
-    piece = tokenizer.id_to_token(token_id)
-    if piece is None:
-        return b""
-    if token_id not in added and all(ch in BYTE_DECODER for ch in piece):
-        return bytes(BYTE_DECODER[ch] for ch in piece)
-    return piece.encode("utf-8")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -14,6 +14,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 import chat
 import engine as E
+import jsonmode
 import kernels
 import tiny
 from model_glm import GLMConfig, GLMModel
@@ -673,6 +674,28 @@ def test_thinking_token_budget_forces_the_end_of_thinking(parts, cold, monkeypat
     assert eng.generate([ids + [start]], E.SamplingParams(**sampled, thinking_token_budget=2))[0].token_ids == script
     with pytest.raises(ValueError, match="thinking_token_budget needs <think> and </think> tokens"):
         cold.add_request(ids, E.SamplingParams(thinking_token_budget=4))
+
+
+def test_json_object_answers_are_json_objects(parts):
+    model, _ = parts
+    eng = E.Engine(model, make_tokenizer(model.config.vocab_size, THINK_TOKENS), eos_token_ids=[EOS], num_blocks=64,
+                   block_size=BS, max_num_seqs=4, max_batch_tokens=64, snapshot_bytes=0)
+    tok, ids = eng.tokenizer, [t + 2 if t < 4 else t for t in prompt(90, 10)]
+    braces = {tok.token_to_id("{"): 100.0, tok.token_to_id("}"): 100.0}
+    # greedy with only the braces pushed up: "{" is the one that can start, then "}" the one that can follow
+    r = eng.generate([ids], E.SamplingParams(temperature=0, max_tokens=10, json_object=True, logit_bias=braces))[0]
+    assert (r.text, r.finish_reason) == ("{}", "stop")
+    # sampled freely: every answer is a JSON object's prefix, and one that stopped is a JSON object
+    outs = eng.generate([ids] * 4, [E.SamplingParams(temperature=1.0, seed=s, max_tokens=24, json_object=True)
+                                   for s in range(4)])
+    for r in outs:
+        assert jsonmode.JsonPrefix().feed(r.text.encode()), r.text
+        assert r.finish_reason == "length" or isinstance(json.loads(r.text), dict)
+    assert len({r.text for r in outs}) > 1
+    # after a think block: reasoning is free, the answer after </think> is held
+    r = eng.generate([ids + [eng.think_start]], E.SamplingParams(temperature=0, max_tokens=10, json_object=True,
+                                                                  logit_bias=braces, thinking_token_budget=2))[0]
+    assert r.token_ids[2] == eng.think_end and tok.decode(r.token_ids[3:]) == "{}" and r.finish_reason == "stop"
 
 
 def test_admission_errors_are_clear(make_engine):

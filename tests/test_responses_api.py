@@ -57,7 +57,10 @@ BAD = [  # (body, param, code)
     ({"input": "x", "tools": [{"type": "function"}]}, "tools[0].name", "invalid_value"),
     ({"input": "x", "tool_choice": "sometimes"}, "tool_choice", "invalid_value"),
     ({"input": "x", "reasoning": {"effort": "medium"}}, "reasoning.effort", "invalid_value"),
-    ({"input": "x", "text": {"format": {"type": "json_object"}}}, "text.format", "unsupported"),
+    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}}, "text.format",
+     "unsupported"),
+    ({"input": "x", "text": {"format": {"type": "json_object"}}, "tools": [TOOL], "tool_choice": "required"},
+     "text.format", "invalid_value"),
     ({"input": "x", "max_output_tokens": "10"}, "max_output_tokens", "invalid_value"),
     ({"input": "x", "text": "json"}, "text.format", "unsupported"),
     ({"input": [{"type": "reasoning", "summary": [{"type": "summary_text", "text": 1}]}]}, "input[0].summary[0].text",
@@ -108,3 +111,9 @@ def test_length_is_incomplete():
     events = [*s.start(), *s.feed([chat.Delta("content", "x")]), *s.finish(last("length"))]
     assert events[-1][0] == "response.incomplete"
     assert events[-1][1]["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
+
+
+def test_json_object_format_is_chat_completions_json_mode():
+    req = r.to_chat({"input": "x", "text": {"format": {"type": "json_object"}}})
+    assert req.options["response_format"] == {"type": "json_object"}
+    assert "response_format" not in r.to_chat({"input": "x", "text": {"format": {"type": "text"}}}).options

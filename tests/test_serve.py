@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import openai
 import pytest
 import requests
 import torch
@@ -19,6 +20,7 @@ import torch
 import chat
 import default_model
 import engine as engine_mod
+import jsonmode
 import serve
 
 MAX_MODEL_LEN = 1024
@@ -337,6 +339,25 @@ def test_completions_echo_scores_the_prompt_as_lm_eval_asks(server, url, client)
     assert streamed[0].choices[0].text.startswith("Once upon")
 
 
+def test_json_mode(server, client):
+    """response_format json_object: the answer is a JSON object, and the request stops when it is complete."""
+    tok = server.engine.tokenizer
+    braces = {str(tok.token_to_id("{")): 100, str(tok.token_to_id("}")): 100}
+    kw = dict(model=default_model.NAME, messages=[{"role": "user", "content": "Reply in JSON."}],
+              response_format={"type": "json_object"}, reasoning_effort="none")
+    r = client.chat.completions.create(max_tokens=20, temperature=0, logit_bias=braces, **kw)
+    assert (r.choices[0].message.content, r.choices[0].finish_reason) == ("{}", "stop")
+    for seed in range(3):
+        c = client.chat.completions.create(max_tokens=30, temperature=1.0, seed=seed, **kw).choices[0]
+        assert jsonmode.JsonPrefix().feed((c.message.content or "").encode()), c.message.content
+        assert c.finish_reason == "length" or isinstance(json.loads(c.message.content), dict)
+    for extra in ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+                  {"tools": [CLOCK], "tool_choice": "required"}):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(max_tokens=5, **{**kw, **extra})
+        assert e.value.body["param"] == "response_format", e.value.body
+
+
 def test_usage_counts_the_prompt_once_and_reports_drafts_when_the_engine_speculates():
     out = engine_mod.RequestOutput("r", [], "", True, "stop", engine_mod.Usage(20, 9, 16, 4))
     assert serve._usage([out]) == {"prompt_tokens": 20, "completion_tokens": 9, "total_tokens": 29,
@@ -468,7 +489,7 @@ BAD = [  # (path, body: dict or raw str, status, param, code)
     ("/v1/chat/completions", {"messages": M, "logit_bias": {"1": 101}}, 400, "logit_bias", "invalid_value"),
     ("/v1/chat/completions", {"messages": M, "logit_bias": {"99999999": 1}}, 400, "logit_bias", "invalid_value"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": [1]}, 400, "logit_bias", "invalid_type"),
-    ("/v1/chat/completions", {"messages": M, "response_format": {"type": "json_object"}}, 400, "response_format",
+    ("/v1/chat/completions", {"messages": M, "response_format": {"type": "grammar"}}, 400, "response_format",
      "unsupported"),
     ("/v1/chat/completions", {"messages": M, "stream": "yes"}, 400, "stream", "invalid_type"),
     ("/v1/chat/completions", {"messages": M, "stream": True, "stream_options": "x"}, 400, "stream_options",
