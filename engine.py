@@ -223,6 +223,7 @@ class EngineStats:
 # Sampling
 
 
+JSON_CANDIDATES = 64  # a JSON answer's token is first sought among this many of its row's race leaders
 TOP_P_CANDIDATES = 1024  # a top_p row without top_k is cut among this many of its most likely tokens when it can be
 
 
@@ -1291,8 +1292,11 @@ class Engine:
         p = seq.params
         x = process_rows(logits[None], [p], [seq.prompt_tensor], [seq.output_ids])
         scores = race_scores(x, race_noise([p], [seq.generator], x.shape[1], x.device))[0]
-        kept = scores.argsort(descending=True)[:int(torch.isfinite(scores).sum())].tolist()
-        token = jsonmode.pick(kept, seq.json, self.vocab_bytes)
+        kept = int(torch.isfinite(scores).sum())
+        head = scores.topk(min(kept, JSON_CANDIDATES)).indices.tolist()  # one of them usually fits: no full sort
+        token = jsonmode.pick(head, seq.json, self.vocab_bytes)
+        if token is None and kept > len(head):
+            token = jsonmode.pick(scores.argsort(descending=True)[len(head):kept].tolist(), seq.json, self.vocab_bytes)
         if token is None:
             token = jsonmode.pick(logits.argsort(descending=True).tolist(), seq.json, self.vocab_bytes)
         if token is None:

@@ -1146,16 +1146,18 @@ def test_engine_launching_steps_ahead_changes_no_output():
 
 
 def test_a_forced_end_of_thinking_is_the_token_the_step_launched_ahead_decodes():
-    """thinking_token_budget puts </think> in place of the drawn token on the device, before the step
-    launched ahead reads it: the outputs with steps launched ahead are the outputs without."""
+    """thinking_token_budget puts </think> in place of the drawn token on the device (and JSON mode its pick),
+    before the step launched ahead reads it: the outputs with steps launched ahead are the outputs without."""
     import engine as E
+    import jsonmode
     from test_engine import THINK_TOKENS, make_tokenizer, prompt
 
     model = _model(torch.float32)
     tok = make_tokenizer(model.config.vocab_size, THINK_TOKENS)
     params = [E.SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, thinking_token_budget=2),
-              E.SamplingParams(temperature=0.8, max_tokens=6, ignore_eos=True, seed=3, thinking_token_budget=3)]
-    prompts = [[t + 2 if t < 4 else t for t in prompt(seed, n)] + [2] for seed, n in ((1, 14), (2, 9))]
+              E.SamplingParams(temperature=0.8, max_tokens=6, ignore_eos=True, seed=3, thinking_token_budget=3),
+              E.SamplingParams(temperature=0.8, max_tokens=8, seed=4, thinking_token_budget=1, json_object=True)]
+    prompts = [[t + 2 if t < 4 else t for t in prompt(seed, n)] + [2] for seed, n in ((1, 14), (2, 9), (3, 11))]
 
     def run(ahead: bool) -> tuple[list, int]:
         eng = E.Engine(model, tok, eos_token_ids=[1], num_blocks=16, block_size=16, max_num_seqs=2)
@@ -1166,7 +1168,8 @@ def test_a_forced_end_of_thinking_is_the_token_the_step_launched_ahead_decodes()
 
     (plain, none), (ahead, launched) = run(False), run(True)
     assert ahead == plain and none == 0 and launched >= 3, launched
-    assert plain[0][2] == 3 and plain[1][3] == 3  # </think> after 2 and 3 tokens of thinking
+    assert plain[0][2] == 3 and plain[1][3] == 3 and plain[2][1] == 3  # </think> after 2, 3 and 1 tokens
+    assert jsonmode.JsonPrefix().feed(tok.decode(plain[2][2:]).encode())  # and the JSON answer picked before the launch
 
 
 def test_engine_launches_ahead_while_a_request_waits_for_a_seat():
