@@ -791,16 +791,17 @@ def wait_idle(url, timeout=60.0) -> dict:
     raise AssertionError(f"engine not idle after {timeout} s: {m}")
 
 
-def test_nonstream_client_disconnect_cancels(url):
+@pytest.mark.parametrize("n, stream", [(1, False), (3, False), (3, True)])
+def test_client_disconnect_cancels_every_choice(url, n, stream):
     before = metrics(url).get('glm53_requests_finished_total{reason="cancelled"}', 0)
-    body = json.dumps({"messages": M, "max_tokens": 800, "ignore_eos": True}).encode()
+    body = json.dumps({"messages": M, "max_tokens": 800, "ignore_eos": True, "n": n, "stream": stream}).encode()
     s = socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])))
     s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
               b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
     time.sleep(1.0)
     s.close()
     m = wait_idle(url)
-    assert m['glm53_requests_finished_total{reason="cancelled"}'] == before + 1
+    assert m['glm53_requests_finished_total{reason="cancelled"}'] == before + n
 
 
 def test_load_32_streaming_clients_a_third_disconnect(url):
