@@ -76,6 +76,7 @@ class SamplingParams:
     that answers instead of spending max_tokens on thinking).
     `json_object`: the answer (after the think block, if any) is one JSON object; each token is drawn among
     those that keep it one (jsonmode.py), and the request stops, "stop", when the object is complete.
+    `json_schema`: the same, an object of this JSON Schema (the subset jsonmode.compile_schema enforces).
     """
 
     max_tokens: int | None = None  # None: until a stop or the context limit
@@ -95,6 +96,7 @@ class SamplingParams:
     thinking_token_budget: int | None = None
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     json_object: bool = False
+    json_schema: dict | None = None
 
     @property
     def penalizes(self) -> bool:
@@ -140,6 +142,11 @@ class SamplingParams:
         if not isinstance(self.logit_bias, dict) or not all(
                 is_int(t) and t >= 0 and is_num(b) and -100 <= b <= 100 for t, b in self.logit_bias.items()):
             raise bad("logit_bias", "must map token ids >= 0 to numbers in [-100, 100]")
+        if self.json_schema is not None:
+            try:
+                jsonmode.object_schema(self.json_schema)
+            except jsonmode.SchemaError as e:
+                raise bad("json_schema", str(e)) from None
         if self.thinking_token_budget is not None and not (is_int(self.thinking_token_budget)
                                                            and self.thinking_token_budget >= 0):
             raise bad("thinking_token_budget", "must be an integer >= 0 (the tokens allowed inside <think>) or None")
@@ -887,7 +894,10 @@ class Engine:
         if self.speculator is not None:
             seq.draft_stats = dflash.DraftStats.new(self.speculator.max_draft)
         seq.thinking, seq.thought = self._open_thought(prompt_ids)
-        seq.json = jsonmode.JsonPrefix() if p.json_object else None
+        if p.json_schema is not None:
+            seq.json = jsonmode.JsonPrefix(jsonmode.object_schema(p.json_schema))
+        elif p.json_object:
+            seq.json = jsonmode.JsonPrefix()
         self.requests[request_id] = seq
         self.waiting.append(seq)
         return request_id

@@ -1,9 +1,12 @@
-"""JSON mode (OpenAI's `response_format: {"type": "json_object"}`): the answer is one JSON object.
+"""JSON mode and structured output (OpenAI's `response_format` json_object and json_schema): the answer is
+one JSON object, of a given schema or of any.
 
+`compile_schema` turns a JSON Schema into a `Node` tree, refusing (SchemaError) what it cannot enforce.
 `JsonPrefix` is a pushdown automaton over bytes that accepts exactly the prefixes of a JSON text (RFC 8259)
-whose value is an object, and says when that object is complete. Strings are checked for escapes and
-control characters; bytes >= 0x80 inside a string pass unchecked (a token may end inside a UTF-8 character,
-and the model writes whole characters).
+whose value is an object matching the root node, and says when that object is complete. Strings are checked
+for escapes and control characters; bytes >= 0x80 inside a string pass unchecked (a token may end inside a
+UTF-8 character, and the model writes whole characters). An object's keys are unique, and are matched as
+written: a property name is accepted in its JSON form without escapes of characters that need none.
 
 `pick` is the sampler's side: given the row's tokens in the order of its race (Engine: the logits after
 penalties, temperature and filters, minus the log of the row's exponential noise), the first one whose bytes
@@ -12,33 +15,132 @@ distribution restricted to them, so constraining changes which tokens can be dra
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Any, Iterable
 
 WS = frozenset(b" \t\n\r")
 DIGITS = frozenset(b"0123456789")
-LITERALS = {ord("t"): b"rue", ord("f"): b"alse", ord("n"): b"ull"}
+LITERALS = {ord("t"): b"true", ord("f"): b"false", ord("n"): b"null"}
 ESCAPES = frozenset(b'"\\/bfnrtu')
 HEX = frozenset(b"0123456789abcdefABCDEF")
+TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
+FIRST = {"object": b"{", "array": b"[", "string": b'"', "number": b"-0123456789", "integer": b"-0123456789",
+         "boolean": b"tf", "null": b"n"}  # the bytes a value of each type can start with
+ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$schema", "$comment"})
+
+
+class SchemaError(ValueError):
+    """A schema this module cannot enforce: `path` names where (e.g. "properties.tags.items")."""
+
+    def __init__(self, path: str, message: str):
+        super().__init__(f"{path or 'the schema'}: {message}")
+        self.path = path
+
+
+@dataclass(frozen=True, eq=False)
+class Node:
+    """What a value may be. `types`: its JSON types. For an object: `props` (a property's name as written
+    between the quotes -> its node), `required`, and `extra`, the node of any other property (None: no other
+    property). For an array: `items`. `options`: the JSON texts of an enum's values (then only those)."""
+
+    types: frozenset[str]
+    props: dict[bytes, Node] = field(default_factory=dict)
+    required: frozenset[bytes] = frozenset()
+    extra: Node | None = None
+    items: Node | None = None
+    options: tuple[bytes, ...] = ()
+
+
+ANY = Node(frozenset(TYPES))
+object.__setattr__(ANY, "extra", ANY)  # any value: any property, any items
+object.__setattr__(ANY, "items", ANY)
+OBJECT = Node(frozenset({"object"}), extra=ANY)  # json_object: an object of anything
+
+
+def compile_schema(schema: Any, path: str = "") -> Node:
+    """The Node of a JSON Schema: type (one or a list), properties, required, additionalProperties (a boolean or
+    a schema; absent means allowed, as JSON Schema says), items, enum and const (of strings, booleans or null);
+    title, description, default, examples are annotations. Anything else is a SchemaError, not ignored."""
+    if schema is True or schema == {}:
+        return ANY
+    if not isinstance(schema, dict):
+        raise SchemaError(path, f"a schema is an object; got {json.dumps(schema)[:60]}")
+    unknown = sorted(set(schema) - ANNOTATIONS - {"type", "properties", "required", "additionalProperties", "items",
+                                                  "enum", "const"})
+    if unknown:
+        raise SchemaError(path, f"{unknown} not supported (type, properties, required, additionalProperties, items, "
+                                f"enum, const are)")
+    if "enum" in schema or "const" in schema:
+        values = schema["enum"] if "enum" in schema else [schema["const"]]
+        if not isinstance(values, list) or not values or not all(isinstance(v, str) or v in (True, False, None)
+                                                                   for v in values):
+            raise SchemaError(path, "enum and const take strings, booleans and null")
+        texts = tuple(json.dumps(v, ensure_ascii=False).encode() for v in values)
+        return Node(frozenset(json_type(v) for v in values), options=texts)
+    kinds = schema.get("type", list(TYPES))
+    kinds = [kinds] if isinstance(kinds, str) else kinds
+    if not isinstance(kinds, list) or not kinds or not all(k in TYPES for k in kinds):
+        raise SchemaError(path, f"type must be one of {list(TYPES)} or a list of them")
+    props = schema.get("properties", {})
+    if not isinstance(props, dict):
+        raise SchemaError(path, "properties must be an object")
+    required = schema.get("required", [])
+    if not isinstance(required, list) or not all(r in props for r in required):
+        raise SchemaError(path, "required must list names in properties")
+    extra = schema.get("additionalProperties", True)
+    return Node(frozenset(kinds),
+                {_key(name): compile_schema(s, f"{path}.properties.{name}".lstrip(".")) for name, s in props.items()},
+                frozenset(_key(r) for r in required),
+                None if extra is False else compile_schema(extra, f"{path}.additionalProperties".lstrip(".")),
+                compile_schema(schema.get("items", True), f"{path}.items".lstrip(".")))
+
+
+def object_schema(schema: dict) -> Node:
+    """compile_schema for an answer's schema, whose root must be an object (as OpenAI's structured outputs)."""
+    node = compile_schema(schema)
+    if node.types != frozenset({"object"}) or node.options:
+        raise SchemaError("type", "the answer's schema must be {'type': 'object', ...}")
+    return node
+
+
+def json_type(v: Any) -> str:
+    return "string" if isinstance(v, str) else "boolean" if isinstance(v, bool) else "null"
+
+
+def _key(name: str) -> bytes:
+    return json.dumps(name, ensure_ascii=False).encode()[1:-1]
+
+
+@dataclass
+class Frame:
+    """An open container: its opening byte, its node, the keys it has had, the key being read."""
+    open: int
+    node: Node
+    used: set[bytes] = field(default_factory=set)
+    key: bytes = b""
 
 
 @dataclass
 class JsonPrefix:
-    """The state after some bytes of a JSON object text. `feed` returns False (and leaves the state
-    unusable) at the first byte that no JSON object text can have there."""
+    """The state after some bytes of a JSON object text matching `root`. `feed` returns False (and leaves the
+    state unusable) at the first byte that no such text can have there."""
 
-    stack: list[int] = field(default_factory=list)  # open containers: ord("{") or ord("[")
-    # "start" (before the object), "value" (a value must come), "value_or_end" (after "["), "key" (after
-    # ","), "key_or_end" (after "{"), "colon", "after" (after a value), "string", "escape", "unicode",
-    # "number", "literal", "done"
+    root: Node = OBJECT
+    stack: list[Frame] = field(default_factory=list)
+    # "start" (before the object), "value" (a value must come), "value_or_end" (after "["), "key" (after ","),
+    # "key_or_end" (after "{"), "colon", "after" (after a value), "string", "escape", "unicode", "number",
+    # "literal", "done"
     mode: str = "start"
+    node: Node | None = None  # the value being read (or about to be)
     key: bool = False  # the string being read is an object key
-    left: bytes = b""  # the rest of a literal
+    left: tuple[bytes, ...] = ()  # the literal or enum texts the value can still be, less what was read
     hex_left: int = 0  # hex digits left in a \\u escape
     number: str = ""  # "-", "0", "int", ".", "frac", "e", "e+", "exp": what the number's text ends in
 
     def copy(self) -> JsonPrefix:
-        return JsonPrefix(list(self.stack), self.mode, self.key, self.left, self.hex_left, self.number)
+        return JsonPrefix(self.root, [Frame(f.open, f.node, set(f.used), f.key) for f in self.stack], self.mode,
+                          self.node, self.key, self.left, self.hex_left, self.number)
 
     @property
     def done(self) -> bool:
@@ -49,30 +151,29 @@ class JsonPrefix:
 
     def _byte(self, b: int) -> bool:
         m = self.mode
-        if m == "string":
-            if b == ord('"'):
-                self.mode = "colon" if self.key else "after"
-                if not self.key:
-                    return self._value_done()
-                return True
-            if b == ord("\\"):
-                self.mode = "escape"
-            return b >= 0x20
-        if m == "escape":
-            if b not in ESCAPES:
+        if m in ("string", "escape", "unicode"):
+            if self.key and not (m == "string" and b == ord('"')) and not self._key_byte(b):
                 return False
-            self.mode, self.hex_left = ("unicode", 4) if b == ord("u") else ("string", 0)
-            return True
-        if m == "unicode":
+            if m == "string":
+                if b == ord('"'):
+                    return self._key_done() if self.key else self._value_done()
+                if b == ord("\\"):
+                    self.mode = "escape"
+                return b >= 0x20
+            if m == "escape":
+                if b not in ESCAPES:
+                    return False
+                self.mode, self.hex_left = ("unicode", 4) if b == ord("u") else ("string", 0)
+                return True
             self.hex_left -= 1
             if self.hex_left == 0:
                 self.mode = "string"
             return b in HEX
         if m == "literal":
-            if b != self.left[0]:
+            self.left = tuple(t[1:] for t in self.left if t[0] == b)
+            if not self.left:
                 return False
-            self.left = self.left[1:]
-            return self._value_done() if not self.left else True
+            return self._value_done() if b"" in self.left else True
         if m == "number":
             if self._number(b):
                 return True
@@ -83,7 +184,8 @@ class JsonPrefix:
         if b in WS:
             return m != "done"
         if m == "start":
-            return self._open(b) if b == ord("{") else False
+            self.node = self.root
+            return self._value_start(b)
         if m in ("key", "key_or_end"):
             if b == ord("}") and m == "key_or_end":
                 return self._close(b)
@@ -98,35 +200,62 @@ class JsonPrefix:
             return self._value_start(b)
         if m == "after":
             if b == ord(","):
-                self.mode = "key" if self.stack[-1] == ord("{") else "value"
+                top = self.stack[-1]
+                self.mode, self.node = ("key", None) if top.open == ord("{") else ("value", top.node.items)
                 return True
             return self._close(b)
         return False  # "done": nothing may follow the object
 
+    def _key_byte(self, b: int) -> bool:
+        """A byte of an object key, as written: the key must stay a prefix of a property the object can still
+        have (any key, where other properties are allowed)."""
+        top = self.stack[-1]
+        top.key += bytes([b])
+        return top.node.extra is not None or any(k.startswith(top.key) and k not in top.used for k in top.node.props)
+
+    def _key_done(self) -> bool:
+        top = self.stack[-1]
+        key, top.key = top.key, b""
+        node = top.node.props.get(key, top.node.extra)
+        if node is None or key in top.used:  # not a property it can have, or one it has had
+            return False
+        top.used.add(key)
+        self.mode, self.key, self.node = "colon", False, node
+        return True
+
     def _value_start(self, b: int) -> bool:
+        node = self.node
+        if node.options:
+            self.mode, self.left = "literal", node.options
+            return self._byte(b)
+        kinds = [k for k in node.types if b in FIRST[k]]
+        if not kinds:
+            return False
         if b in (ord("{"), ord("[")):
-            return self._open(b)
+            self.stack.append(Frame(b, node))
+            self.mode = "key_or_end" if b == ord("{") else "value_or_end"
+            self.node = node.items if b == ord("[") else None
+            return True
         if b == ord('"'):
             self.mode, self.key = "string", False
             return True
         if b in LITERALS:
-            self.mode, self.left = "literal", LITERALS[b]
-            return True
-        if b == ord("-") or b in DIGITS:
-            self.mode, self.number = "number", "-" if b == ord("-") else "0" if b == ord("0") else "int"
-            return True
-        return False
+            self.mode, self.left = "literal", (LITERALS[b],)
+            return self._byte(b)
+        self.mode, self.number = "number", "-" if b == ord("-") else "0" if b == ord("0") else "int"
+        return True
 
     def _number(self, b: int) -> bool:
-        """Extend the number by b if the grammar -?(0|[1-9][0-9]*)(.[0-9]+)?([eE][+-]?[0-9]+)? allows it."""
-        n = self.number
+        """Extend the number by b if the grammar -?(0|[1-9][0-9]*)(.[0-9]+)?([eE][+-]?[0-9]+)? allows it (an
+        integer-only value: without the fraction and exponent)."""
+        n, whole = self.number, "number" not in self.node.types
         if b in DIGITS:
             nxt = {"-": "0" if b == ord("0") else "int", "int": "int", ".": "frac", "frac": "frac", "e": "exp",
                    "e+": "exp", "exp": "exp"}.get(n)
         elif b == ord("."):
-            nxt = "." if n in ("0", "int") else None
+            nxt = "." if n in ("0", "int") and not whole else None
         elif b in (ord("e"), ord("E")):
-            nxt = "e" if n in ("0", "int", "frac") else None
+            nxt = "e" if n in ("0", "int", "frac") and not whole else None
         elif b in (ord("+"), ord("-")):
             nxt = "e+" if n == "e" else None
         else:
@@ -136,14 +265,12 @@ class JsonPrefix:
         self.number = nxt
         return True
 
-    def _open(self, b: int) -> bool:
-        self.stack.append(b)
-        self.mode = "key_or_end" if b == ord("{") else "value_or_end"
-        return True
-
     def _close(self, b: int) -> bool:
-        if not self.stack or b != self.stack[-1] + 2:  # "{" + 2 = "}", "[" + 2 = "]"
+        top = self.stack[-1] if self.stack else None
+        if top is None or b != top.open + 2:  # "{" + 2 = "}", "[" + 2 = "]"
             return False
+        if b == ord("}") and not top.node.required <= top.used:
+            return False  # a required property is missing
         self.stack.pop()
         return self._value_done()
 

@@ -16,6 +16,7 @@ import uuid
 from typing import Any, Iterator
 
 import chat
+import jsonmode
 
 UNSUPPORTED_PARTS = ("input_image", "input_file", "input_audio")
 STATEFUL_FIELDS = ("previous_response_id", "conversation")
@@ -138,17 +139,24 @@ def to_chat(body: dict) -> chat.ChatRequest:
                                  name, "unsupported")
     text = body.get("text")
     fmt = text.get("format") if isinstance(text, dict) else text
-    if fmt is not None and fmt not in ({"type": "text"}, {"type": "json_object"}):
-        raise chat.ChatError("text.format must be {'type': 'text'} or {'type': 'json_object'} (json_schema is not "
-                             "supported)", "text.format", "unsupported")
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if fmt is not None and kind not in ("text", "json_object", "json_schema"):
+        raise chat.ChatError("text.format must be {'type': 'text'}, {'type': 'json_object'} or {'type': "
+                             "'json_schema', 'name': ..., 'schema': {...}}", "text.format", "unsupported")
     tools = _tools(body)
     tool_choice = _tool_choice(body, tools)
     options = {k: body[k] for k in ("temperature", "top_p", "stream") if k in body}
-    if fmt == {"type": "json_object"}:  # JSON mode, as chat completions' response_format
+    if kind == "json_schema":
+        try:
+            jsonmode.object_schema(fmt.get("schema"))
+        except jsonmode.SchemaError as e:
+            raise chat.ChatError(f"text.format.schema: {e}", "text.format.schema", "unsupported")
+    if kind in ("json_object", "json_schema"):  # as chat completions' response_format
         if tool_choice not in ("auto", "none"):
-            raise chat.ChatError("text.format json_object cannot go with a tool_choice that forces a tool call",
+            raise chat.ChatError(f"text.format {kind} cannot go with a tool_choice that forces a tool call",
                                  "text.format")
-        options["response_format"] = fmt
+        options["response_format"] = {"type": kind} if kind == "json_object" else \
+            {"type": kind, "json_schema": {"name": fmt.get("name"), "schema": fmt.get("schema")}}
     limit = body.get("max_output_tokens")
     if limit is not None:  # checked here: the chat path would name its own field, max_tokens
         if not (isinstance(limit, int) and not isinstance(limit, bool) and limit >= 1):

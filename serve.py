@@ -39,6 +39,7 @@ from werkzeug.exceptions import HTTPException
 from werkzeug.serving import make_server
 
 import chat
+import jsonmode
 import messages_api
 import responses_api
 
@@ -334,13 +335,25 @@ def _logit_bias(body: dict, vocab_size: int) -> dict[int, float]:
     return out
 
 
-def _json_object(body: dict) -> bool:
-    """response_format: {"type": "text"} or {"type": "json_object"} (JSON mode); json_schema is refused."""
+def _json_format(body: dict) -> tuple[bool, dict | None]:
+    """response_format -> (the answer is a JSON object, its schema): {"type": "text"}, {"type": "json_object"}
+    or {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}."""
     fmt = body.get("response_format")
-    if fmt is None or (isinstance(fmt, dict) and fmt.get("type") in ("text", "json_object")):
-        return fmt is not None and fmt["type"] == "json_object"
-    raise ApiError(400, "'response_format' must be {'type': 'text'} or {'type': 'json_object'} (json_schema is not "
-                        "supported)", "response_format", "unsupported")
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if fmt is None or kind in ("text", "json_object"):
+        return kind == "json_object", None
+    if kind != "json_schema":
+        raise ApiError(400, "'response_format' must be {'type': 'text'}, {'type': 'json_object'} or {'type': "
+                            "'json_schema', 'json_schema': {...}}", "response_format", "invalid_value")
+    schema = fmt.get("json_schema", {}).get("schema") if isinstance(fmt.get("json_schema"), dict) else None
+    param = "response_format.json_schema.schema"
+    if not isinstance(schema, dict):
+        raise ApiError(400, f"'{param}' must be a JSON Schema object", param, "invalid_value")
+    try:
+        jsonmode.object_schema(schema)
+    except jsonmode.SchemaError as e:
+        raise ApiError(400, f"'{param}': {e}", param, "unsupported")
+    return True, schema
 
 
 # ---------------------------------------------------------------------------------------------
@@ -539,6 +552,7 @@ class Server:
         top_k = field_of(body, "top_k", "int", self.defaults.get("top_k", 0), lambda v: v >= -1,
                          "must be >= 0 (-1 or 0 is off)")
         stream_options = field_of(body, "stream_options", "dict", {})
+        json_object, json_schema = _json_format(body)
         try:
             sampling = self.engine_mod.SamplingParams(
                 max_tokens=max_tokens,
@@ -562,7 +576,8 @@ class Server:
                 thinking_token_budget=field_of(body, "thinking_token_budget", "int", self.args.thinking_token_budget,
                                                lambda v: v >= 0, "must be >= 0"),
                 logit_bias=_logit_bias(body, self.engine.vocab_size),
-                json_object=_json_object(body),
+                json_object=json_object,
+                json_schema=json_schema,
             )
         except ValueError as e:
             raise ApiError(400, str(e), None, "invalid_value")
@@ -673,9 +688,9 @@ class Server:
         except chat.ChatError as e:
             raise ApiError(400, str(e), e.param, e.code)
         tool_choice = body.get("tool_choice") or ("auto" if tools else "none")
-        if (tool_choice == "required" or _named_choice(tool_choice)) and _json_object(body):
-            raise ApiError(400, "response_format json_object cannot go with a tool_choice that forces a tool call: "
-                                "the answer would have to be both", "response_format", "invalid_value")
+        if (tool_choice == "required" or _named_choice(tool_choice)) and _json_format(body)[0]:
+            raise ApiError(400, "a JSON response_format cannot go with a tool_choice that forces a tool call: the "
+                                "answer would have to be both", "response_format", "invalid_value")
         extra = {"clear_thinking": field_of(kwargs, "clear_thinking", "bool")} if "clear_thinking" in kwargs else {}
         return self._chat_prompt(messages, tools, tool_choice, thinking, **extra)
 

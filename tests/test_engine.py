@@ -692,6 +692,19 @@ def test_json_object_answers_are_json_objects(parts):
         assert jsonmode.JsonPrefix().feed(r.text.encode()), r.text
         assert r.finish_reason == "length" or isinstance(json.loads(r.text), dict)
     assert len({r.text for r in outs}) > 1
+    # with a schema: a boolean "a" is required, nothing else allowed
+    schema = {"type": "object", "properties": {"a": {"type": "boolean"}, "n": {"type": "integer"}}, "required": ["a"],
+              "additionalProperties": False}
+    outs = eng.generate([ids] * 4, [E.SamplingParams(temperature=1.0, seed=s, max_tokens=40, json_schema=schema,
+                                                     logit_bias=braces) for s in range(4)])
+    for r in outs:
+        assert jsonmode.JsonPrefix(jsonmode.object_schema(schema)).feed(r.text.encode()), r.text
+        if r.finish_reason == "stop":
+            v = json.loads(r.text)
+            assert isinstance(v["a"], bool) and set(v) <= {"a", "n"} and isinstance(v.get("n", 0), int), r.text
+    assert any(r.finish_reason == "stop" for r in outs), [r.text for r in outs]
+    with pytest.raises(ValueError, match="SamplingParams.json_schema .*pattern"):
+        E.SamplingParams(json_schema={"type": "object", "properties": {"a": {"type": "string", "pattern": "x"}}})
     # after a think block: reasoning is free, the answer after </think> is held
     r = eng.generate([ids + [eng.think_start]], E.SamplingParams(temperature=0, max_tokens=10, json_object=True,
                                                                   logit_bias=braces, thinking_token_budget=2))[0]

@@ -20,9 +20,15 @@ def texts():
     yield '{"u": "\\u00E9\\uabcd"}'
 
 
+def _unique(pairs: list) -> dict:
+    if len({k for k, _ in pairs}) < len(pairs):
+        raise ValueError("a key twice")  # the automaton refuses a key an object already has
+    return dict(pairs)
+
+
 def _is_object(text: str) -> bool:
     try:
-        return isinstance(json.loads(text), dict)
+        return isinstance(json.loads(text, object_pairs_hook=_unique), dict)
     except ValueError:
         return False
 
@@ -80,3 +86,101 @@ def test_pick_takes_the_first_token_in_race_order_that_keeps_a_prefix():
     assert s.feed(b"{") and jsonmode.pick([0, 4, 2, 1], s, vocab) == 2
     assert jsonmode.pick([4, 3], s, vocab) is None
     assert jsonmode.pick([8], jsonmode.JsonPrefix(), vocab) == 8  # a token may hold a whole object
+
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age"], "properties": {
+    "name": {"type": "string", "description": "who"}, "age": {"type": "integer"}, "score": {"type": "number"},
+    "ok": {"type": "boolean"}, "tags": {"type": "array", "items": {"type": "string"}},
+    "kind": {"enum": ["cat", "dog", None]},
+    "owner": {"type": ["object", "null"], "properties": {"id": {"type": "integer"}}, "required": ["id"],
+              "additionalProperties": False},
+    "meta": {"type": "object"}}}
+VALID = [{"name": "Rex", "age": 3}, {"age": -1, "name": "", "score": 2.5e-3, "ok": False, "tags": [], "kind": None},
+         {"name": "a\"b", "age": 0, "tags": ["x", "y z"], "kind": "cat", "owner": {"id": 7}, "meta": {"any": [1, {}]}},
+         {"name": "Tom", "age": 12, "owner": None, "score": -4, "kind": "dog", "ok": True}]
+
+
+def _valid(v, s) -> bool:
+    """The schema subset's meaning, stated plainly (Python's bool is an int: types are told apart first)."""
+    if s is True or s == {}:
+        return True
+    if "enum" in s:
+        return any(type(v) is type(e) and v == e for e in s["enum"])
+    kind = {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null", int: "integer",
+            float: "number"}[type(v)]
+    types = s.get("type", list(jsonmode.TYPES))
+    types = [types] if isinstance(types, str) else types
+    if not (kind in types or kind == "integer" and "number" in types):
+        return False
+    if kind == "object":
+        props, extra = s.get("properties", {}), s.get("additionalProperties", True)
+        return set(s.get("required", [])) <= set(v) and all(
+            _valid(x, props[k]) if k in props else extra is not False and _valid(x, extra) for k, x in v.items())
+    if kind == "array":
+        return all(_valid(x, s.get("items", True)) for x in v)
+    return True
+
+
+def schema_texts():
+    for v in VALID:
+        yield json.dumps(v)
+        yield json.dumps(v, separators=(",", ":"))
+        yield json.dumps(v, indent=1)
+
+
+@pytest.mark.parametrize("text", list(schema_texts()))
+def test_a_schemas_instances_are_accepted_prefix_by_prefix(text):
+    s = jsonmode.JsonPrefix(jsonmode.compile_schema(SCHEMA))
+    for i, b in enumerate(text.encode()):
+        assert s.feed(bytes([b])), (text, text[:i + 1])
+        assert s.done == (i == len(text) - 1)
+
+
+@pytest.mark.parametrize("text, refused_at", [
+    ('{"nam":', '{"nam"'), ('{"nickname"', '{"ni'), ('{"name": 3', '{"name": 3'), ('{"name": "x"}', '{"name": "x"}'),
+    ('{"name": "x", "age": 1.5', '{"name": "x", "age": 1.'), ('{"age": 1, "kind": "cow"', '{"age": 1, "kind": "co'),
+    ('{"age": 1, "age": 2', '{"age": 1, "a'), ('{"age": 1, "owner": {}', '{"age": 1, "owner": {}'),
+    ('{"age": 1, "tags": [1', '{"age": 1, "tags": [1'), ('{"age": 1, "ok": null', '{"age": 1, "ok": n'),
+    ('{"age": 1, "owner": {"id": 1, "x"', '{"age": 1, "owner": {"id": 1, "x')])
+def test_what_a_schema_forbids_is_refused_at_its_first_byte(text, refused_at):
+    s = jsonmode.JsonPrefix(jsonmode.compile_schema(SCHEMA))
+    ok = [s.copy().feed(text[:i].encode()) for i in range(len(text) + 1)]
+    assert ok.index(False) == len(refused_at), (text, ok)
+
+
+def test_a_schema_agrees_with_its_plain_statement_on_mutated_instances():
+    rng = random.Random(1)
+    node = jsonmode.compile_schema(SCHEMA)
+    alphabet = '{}[]",:.-+eE0123456789 \\tuabfnrlsx\nacdegimnorty'
+    seen = [0, 0]
+    for _ in range(20000):
+        chars = list(rng.choice(list(schema_texts())))
+        for _ in range(rng.randint(1, 3)):
+            at = rng.randrange(len(chars) + 1)
+            op = rng.random()
+            if op < 0.4 and chars:
+                del chars[min(at, len(chars) - 1)]
+            elif op < 0.8:
+                chars.insert(at, rng.choice(alphabet))
+            elif chars:
+                chars[min(at, len(chars) - 1)] = rng.choice(alphabet)
+        text = "".join(chars).rstrip()
+        try:
+            ok = _valid(json.loads(text, object_pairs_hook=_unique), SCHEMA)
+        except ValueError:
+            ok = False
+        s = jsonmode.JsonPrefix(node)
+        assert (s.feed(text.encode()) and s.done) == ok, text
+        seen[ok] += 1
+    assert min(seen) > 1000, seen
+
+
+@pytest.mark.parametrize("schema, path, words", [
+    ({"type": "object", "properties": {"x": {"type": "string", "pattern": "a+"}}}, "properties.x", "pattern"),
+    ({"anyOf": [{"type": "string"}]}, "", "anyOf"), ({"type": "object", "required": ["y"]}, "", "required"),
+    ({"type": "array", "items": {"enum": [1, 2]}}, "items", "enum"), ({"type": "date"}, "", "type"),
+    ({"properties": {"a": {"$ref": "#/$defs/x"}}}, "properties.a", "$ref")])
+def test_what_cannot_be_enforced_is_refused_by_name(schema, path, words):
+    with pytest.raises(jsonmode.SchemaError) as e:
+        jsonmode.compile_schema(schema)
+    assert e.value.path == path and words in str(e.value)

@@ -57,8 +57,9 @@ BAD = [  # (body, param, code)
     ({"input": "x", "tools": [{"type": "function"}]}, "tools[0].name", "invalid_value"),
     ({"input": "x", "tool_choice": "sometimes"}, "tool_choice", "invalid_value"),
     ({"input": "x", "reasoning": {"effort": "medium"}}, "reasoning.effort", "invalid_value"),
-    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}}, "text.format",
-     "unsupported"),
+    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "string"}}}},
+     "text.format.schema", "unsupported"),
+    ({"input": "x", "text": {"format": {"type": "xml"}}}, "text.format", "unsupported"),
     ({"input": "x", "text": {"format": {"type": "json_object"}}, "tools": [TOOL], "tool_choice": "required"},
      "text.format", "invalid_value"),
     ({"input": "x", "max_output_tokens": "10"}, "max_output_tokens", "invalid_value"),
@@ -117,3 +118,6 @@ def test_json_object_format_is_chat_completions_json_mode():
     req = r.to_chat({"input": "x", "text": {"format": {"type": "json_object"}}})
     assert req.options["response_format"] == {"type": "json_object"}
     assert "response_format" not in r.to_chat({"input": "x", "text": {"format": {"type": "text"}}}).options
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    req = r.to_chat({"input": "x", "text": {"format": {"type": "json_schema", "name": "n", "schema": schema}}})
+    assert req.options["response_format"] == {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}
