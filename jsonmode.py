@@ -73,7 +73,7 @@ def compile_schema(schema: Any, path: str = "") -> Node:
                                 f"enum, const are)")
     if "enum" in schema or "const" in schema:
         values = schema["enum"] if "enum" in schema else [schema["const"]]
-        if not isinstance(values, list) or not values or not all(isinstance(v, str) or v in (True, False, None)
+        if not isinstance(values, list) or not values or not all(isinstance(v, (str, bool)) or v is None
                                                                    for v in values):
             raise SchemaError(path, "enum and const take strings, booleans and null")
         texts = tuple(json.dumps(v, ensure_ascii=False).encode() for v in values)

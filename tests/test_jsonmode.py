@@ -178,7 +178,8 @@ def test_a_schema_agrees_with_its_plain_statement_on_mutated_instances():
 @pytest.mark.parametrize("schema, path, words", [
     ({"type": "object", "properties": {"x": {"type": "string", "pattern": "a+"}}}, "properties.x", "pattern"),
     ({"anyOf": [{"type": "string"}]}, "", "anyOf"), ({"type": "object", "required": ["y"]}, "", "required"),
-    ({"type": "array", "items": {"enum": [1, 2]}}, "items", "enum"), ({"type": "date"}, "", "type"),
+    ({"type": "array", "items": {"enum": [1, 2]}}, "items", "enum"), ({"const": 1}, "", "enum"),
+    ({"type": "date"}, "", "type"),
     ({"properties": {"a": {"$ref": "#/$defs/x"}}}, "properties.a", "$ref")])
 def test_what_cannot_be_enforced_is_refused_by_name(schema, path, words):
     with pytest.raises(jsonmode.SchemaError) as e:
