@@ -42,7 +42,8 @@ class SchemaError(ValueError):
 class Node:
     """What a value may be. `types`: its JSON types. For an object: `props` (a property's name as written
     between the quotes -> its node), `required`, and `extra`, the node of any other property (None: no other
-    property). For an array: `items`. `options`: the JSON texts of an enum's values (then only those)."""
+    property). For an array: `items`. `options`: the JSON texts of an enum's values (then only those).
+    `alternatives`: anyOf's nodes, which no two can start with the same byte (the first byte picks one)."""
 
     types: frozenset[str]
     props: dict[bytes, Node] = field(default_factory=dict)
@@ -50,50 +51,108 @@ class Node:
     extra: Node | None = None
     items: Node | None = None
     options: tuple[bytes, ...] = ()
+    alternatives: tuple[Node, ...] = ()
+
+    @property
+    def first(self) -> frozenset[int]:
+        """The bytes a value of this node can start with."""
+        if self.options:
+            return frozenset(t[0] for t in self.options)
+        return frozenset(b for k in self.types for b in FIRST[k])
 
 
 ANY = Node(frozenset(TYPES))
 object.__setattr__(ANY, "extra", ANY)  # any value: any property, any items
 object.__setattr__(ANY, "items", ANY)
 OBJECT = Node(frozenset({"object"}), extra=ANY)  # json_object: an object of anything
+KEYWORDS = frozenset({"type", "properties", "required", "additionalProperties", "items", "enum", "const", "anyOf",
+                      "$ref", "$defs", "definitions"})
 
 
-def compile_schema(schema: Any, path: str = "") -> Node:
+def compile_schema(schema: Any) -> Node:
     """The Node of a JSON Schema: type (one or a list), properties, required, additionalProperties (a boolean or
-    a schema; absent means allowed, as JSON Schema says), items, enum and const (of strings, booleans or null);
-    title, description, default, examples are annotations. Anything else is a SchemaError, not ignored."""
-    if schema is True or schema == {}:
-        return ANY
-    if not isinstance(schema, dict):
-        raise SchemaError(path, f"a schema is an object; got {json.dumps(schema)[:60]}")
-    unknown = sorted(set(schema) - ANNOTATIONS - {"type", "properties", "required", "additionalProperties", "items",
-                                                  "enum", "const"})
-    if unknown:
-        raise SchemaError(path, f"{unknown} not supported (type, properties, required, additionalProperties, items, "
-                                f"enum, const are)")
-    if "enum" in schema or "const" in schema:
-        values = schema["enum"] if "enum" in schema else [schema["const"]]
-        if not isinstance(values, list) or not values or not all(isinstance(v, (str, bool)) or v is None
-                                                                   for v in values):
-            raise SchemaError(path, "enum and const take strings, booleans and null")
-        texts = tuple(json.dumps(v, ensure_ascii=False).encode() for v in values)
-        return Node(frozenset(json_type(v) for v in values), options=texts)
-    kinds = schema.get("type", list(TYPES))
-    kinds = [kinds] if isinstance(kinds, str) else kinds
-    if not isinstance(kinds, list) or not kinds or not all(k in TYPES for k in kinds):
-        raise SchemaError(path, f"type must be one of {list(TYPES)} or a list of them")
-    props = schema.get("properties", {})
-    if not isinstance(props, dict):
-        raise SchemaError(path, "properties must be an object")
-    required = schema.get("required", [])
-    if not isinstance(required, list) or not all(r in props for r in required):
-        raise SchemaError(path, "required must list names in properties")
-    extra = schema.get("additionalProperties", True)
-    return Node(frozenset(kinds),
-                {_key(name): compile_schema(s, f"{path}.properties.{name}".lstrip(".")) for name, s in props.items()},
-                frozenset(_key(r) for r in required),
-                None if extra is False else compile_schema(extra, f"{path}.additionalProperties".lstrip(".")),
-                compile_schema(schema.get("items", True), f"{path}.items".lstrip(".")))
+    a schema; absent means allowed, as JSON Schema says), items, enum and const (of strings, booleans or null),
+    anyOf (of alternatives that start differently: a type or null, as pydantic writes Optional), and $ref to
+    the root's $defs / definitions (what the openai client sends for pydantic models; not recursive). Title,
+    description, default, examples are annotations. Anything else is a SchemaError, not ignored."""
+    defs = schema.get("$defs", schema.get("definitions", {})) if isinstance(schema, dict) else {}
+    return _Compiler(defs if isinstance(defs, dict) else {}).node(schema, "")
+
+
+@dataclass
+class _Compiler:
+    defs: dict
+    done: dict[str, Node] = field(default_factory=dict)  # compiled $defs, shared by every $ref to them
+    open: set[str] = field(default_factory=set)  # $defs being compiled (a $ref back to one is recursion)
+
+    def node(self, schema: Any, path: str) -> Node:
+        if schema is True or schema == {}:
+            return ANY
+        if not isinstance(schema, dict):
+            raise SchemaError(path, f"a schema is an object; got {json.dumps(schema)[:60]}")
+        unknown = sorted(set(schema) - ANNOTATIONS - KEYWORDS)
+        if unknown:
+            raise SchemaError(path, f"{unknown} not supported ({', '.join(sorted(KEYWORDS))} are)")
+        if "$ref" in schema:
+            return self._ref(schema, path)
+        if "anyOf" in schema:
+            return self._any_of(schema, path)
+        if "enum" in schema or "const" in schema:
+            values = schema["enum"] if "enum" in schema else [schema["const"]]
+            if not isinstance(values, list) or not values or not all(isinstance(v, (str, bool)) or v is None
+                                                                       for v in values):
+                raise SchemaError(path, "enum and const take strings, booleans and null")
+            texts = tuple(json.dumps(v, ensure_ascii=False).encode() for v in values)
+            return Node(frozenset(json_type(v) for v in values), options=texts)
+        kinds = schema.get("type", list(TYPES))
+        kinds = [kinds] if isinstance(kinds, str) else kinds
+        if not isinstance(kinds, list) or not kinds or not all(k in TYPES for k in kinds):
+            raise SchemaError(path, f"type must be one of {list(TYPES)} or a list of them")
+        props = schema.get("properties", {})
+        if not isinstance(props, dict):
+            raise SchemaError(path, "properties must be an object")
+        required = schema.get("required", [])
+        if not isinstance(required, list) or not all(r in props for r in required):
+            raise SchemaError(path, "required must list names in properties")
+        extra = schema.get("additionalProperties", True)
+        return Node(frozenset(kinds),
+                    {_key(name): self.node(s, _join(path, "properties", name)) for name, s in props.items()},
+                    frozenset(_key(r) for r in required),
+                    None if extra is False else self.node(extra, _join(path, "additionalProperties")),
+                    self.node(schema.get("items", True), _join(path, "items")))
+
+    def _ref(self, schema: dict, path: str) -> Node:
+        ref = schema["$ref"]
+        others = sorted(set(schema) - ANNOTATIONS - {"$ref"})
+        prefix = next((p for p in ("#/$defs/", "#/definitions/") if isinstance(ref, str) and ref.startswith(p)), None)
+        name = ref[len(prefix):] if prefix else None
+        if others or name not in self.defs:
+            raise SchemaError(_join(path, "$ref"), f"{json.dumps(ref)} must name one of the root's $defs "
+                                                   f"{sorted(self.defs)}, with no other keyword beside it")
+        if name in self.open:
+            raise SchemaError(_join(path, "$ref"), f"{json.dumps(ref)} is recursive: not supported")
+        if name not in self.done:
+            self.open.add(name)
+            self.done[name] = self.node(self.defs[name], _join("$defs", name))
+            self.open.discard(name)
+        return self.done[name]
+
+    def _any_of(self, schema: dict, path: str) -> Node:
+        alts, others = schema["anyOf"], sorted(set(schema) - ANNOTATIONS - {"anyOf"})
+        if others or not isinstance(alts, list) or not alts:
+            raise SchemaError(_join(path, "anyOf"), "anyOf takes a list of schemas, with no other keyword beside it")
+        nodes = tuple(self.node(a, _join(path, "anyOf", str(i))) for i, a in enumerate(alts))
+        seen: set[int] = set()
+        for n in nodes:
+            if seen & n.first:
+                raise SchemaError(_join(path, "anyOf"), "alternatives that can start with the same byte (two "
+                                                        "objects, a number and an integer...) are not supported")
+            seen |= n.first
+        return Node(frozenset(k for n in nodes for k in n.types), alternatives=nodes)
+
+
+def _join(*parts: str) -> str:
+    return ".".join(p for p in parts if p)
 
 
 def object_schema(schema: dict) -> Node:
@@ -225,6 +284,10 @@ class JsonPrefix:
 
     def _value_start(self, b: int) -> bool:
         node = self.node
+        if node.alternatives:  # the one that can start with b (at most one can)
+            node = self.node = next((a for a in node.alternatives if b in a.first), None)
+            if node is None:
+                return False
         if node.options:
             self.mode, self.left = "literal", node.options
             return self._byte(b)

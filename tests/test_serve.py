@@ -362,6 +362,10 @@ def test_json_mode(server, client):
                                    temperature=0, reasoning={"effort": "none"},
                                    text={"format": {"type": "json_schema", "name": "answer", "schema": shape}})
     assert jsonmode.JsonPrefix(jsonmode.object_schema(shape)).feed(resp.output_text.encode()), resp.output_text
+    from test_jsonmode import PET  # what the openai client's parse() sends for a pydantic model
+    pet = {"type": "json_schema", "json_schema": {"name": "Pet", "schema": PET, "strict": True}}
+    c = client.chat.completions.create(max_tokens=40, temperature=1.0, seed=0, **{**kw, "response_format": pet})
+    assert jsonmode.JsonPrefix(jsonmode.object_schema(PET)).feed((c.choices[0].message.content or "").encode())
     schema = "response_format.json_schema.schema"
     for extra, param in (({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, schema),
                          ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
