@@ -11,7 +11,8 @@ written: a property name is accepted in its JSON form without escapes of charact
 `pick` is the sampler's side: given the row's tokens in the order of its race (Engine: the logits after
 penalties, temperature and filters, minus the log of the row's exponential noise), the first one whose bytes
 keep the text a prefix wins. The race's winner among the allowed tokens is a draw from the model's
-distribution restricted to them, so constraining changes which tokens can be drawn, not their odds.
+distribution restricted to them: constraining changes which tokens can be drawn, not the odds of one
+allowed token against another.
 """
 from __future__ import annotations
 
