@@ -3,10 +3,13 @@ one JSON object, of a given schema or of any.
 
 `compile_schema` turns a JSON Schema into a `Node` tree, refusing (SchemaError) what it cannot enforce.
 `JsonPrefix` is a pushdown automaton over bytes that accepts exactly the prefixes of a JSON text (RFC 8259)
-whose value is an object matching the root node, and says when that object is complete. Strings are checked
+whose value is an object matching the root node, and says when that object is complete. Every prefix it
+accepts can be completed (no dead end: a sampler steered by it never runs out of tokens). Strings are checked
 for escapes and control characters; bytes >= 0x80 inside a string pass unchecked (a token may end inside a
 UTF-8 character, and the model writes whole characters). An object's keys are unique, and are matched as
-written: a property name is accepted in its JSON form without escapes of characters that need none.
+written: a property name is accepted in its JSON form without escapes of characters that need none. Outside
+strings at most MAX_WS whitespace bytes come in a row: JSON puts no limit, but a model that likes newlines
+would otherwise never have to write the object.
 
 `pick` is the sampler's side: given the row's tokens in the order of its race (Engine: the logits after
 penalties, temperature and filters, minus the log of the row's exponential noise), the first one whose bytes
@@ -25,6 +28,7 @@ DIGITS = frozenset(b"0123456789")
 LITERALS = {ord("t"): b"true", ord("f"): b"false", ord("n"): b"null"}
 ESCAPES = frozenset(b'"\\/bfnrtu')
 HEX = frozenset(b"0123456789abcdefABCDEF")
+MAX_WS = 32  # a newline and 31 spaces: indentation eight levels deep at four spaces
 TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
 FIRST = {"object": b"{", "array": b"[", "string": b'"', "number": b"-0123456789", "integer": b"-0123456789",
          "boolean": b"tf", "null": b"n"}  # the bytes a value of each type can start with
@@ -197,10 +201,11 @@ class JsonPrefix:
     left: tuple[bytes, ...] = ()  # the literal or enum texts the value can still be, less what was read
     hex_left: int = 0  # hex digits left in a \\u escape
     number: str = ""  # "-", "0", "int", ".", "frac", "e", "e+", "exp": what the number's text ends in
+    ws: int = 0  # whitespace bytes in a row, outside strings
 
     def copy(self) -> JsonPrefix:
         return JsonPrefix(self.root, [Frame(f.open, f.node, set(f.used), f.key) for f in self.stack], self.mode,
-                          self.node, self.key, self.left, self.hex_left, self.number)
+                          self.node, self.key, self.left, self.hex_left, self.number, self.ws)
 
     @property
     def done(self) -> bool:
@@ -242,7 +247,9 @@ class JsonPrefix:
             self.mode = "after"
             return self._byte(b)  # the byte that ended the number
         if b in WS:
-            return m != "done"
+            self.ws += 1
+            return m != "done" and self.ws <= MAX_WS
+        self.ws = 0
         if m == "start":
             self.node = self.root
             return self._value_start(b)
@@ -261,6 +268,8 @@ class JsonPrefix:
         if m == "after":
             if b == ord(","):
                 top = self.stack[-1]
+                if top.open == ord("{") and top.node.extra is None and top.node.props.keys() <= top.used:
+                    return False  # no key could follow: a dead end
                 self.mode, self.node = ("key", None) if top.open == ord("{") else ("value", top.node.items)
                 return True
             return self._close(b)

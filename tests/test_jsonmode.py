@@ -146,7 +146,7 @@ def test_a_schemas_instances_are_accepted_prefix_by_prefix(text):
     ('{"name": "x", "age": 1.5', '{"name": "x", "age": 1.'), ('{"age": 1, "kind": "cow"', '{"age": 1, "kind": "co'),
     ('{"age": 1, "age": 2', '{"age": 1, "a'), ('{"age": 1, "owner": {}', '{"age": 1, "owner": {}'),
     ('{"age": 1, "tags": [1', '{"age": 1, "tags": [1'), ('{"age": 1, "ok": null', '{"age": 1, "ok": n'),
-    ('{"age": 1, "owner": {"id": 1, "x"', '{"age": 1, "owner": {"id": 1, "x')])
+    ('{"age": 1, "owner": {"id": 1, "x"', '{"age": 1, "owner": {"id": 1,')])
 def test_what_a_schema_forbids_is_refused_at_its_first_byte(text, refused_at):
     s = jsonmode.JsonPrefix(jsonmode.compile_schema(SCHEMA))
     ok = [s.copy().feed(text[:i].encode()) for i in range(len(text) + 1)]
@@ -234,3 +234,31 @@ def _valid_pet(v) -> bool:
     return (set(v) == {"name", "kind", "owner", "friends"} and isinstance(v["name"], str)
             and (v["kind"] is None or isinstance(v["kind"], str)) and (v["owner"] is None or owner(v["owner"]))
             and all(owner(f) for f in v["friends"]))
+
+
+def test_whitespace_outside_strings_comes_at_most_max_ws_in_a_row():
+    run = b" " * jsonmode.MAX_WS
+    assert jsonmode.JsonPrefix().feed(run + b'{"a":' + run + b'"' + run * 3 + b'"' + run + b"}")
+    assert not jsonmode.JsonPrefix().feed(run + b" ")
+    assert not jsonmode.JsonPrefix().feed(b'{"a":' + run + b"\n")
+
+
+@pytest.mark.parametrize("which", ["OBJECT", "SCHEMA", "PET"])
+def test_no_accepted_prefix_is_a_dead_end(which):
+    """Random walks, each step a byte the automaton accepts there (structural bytes favoured so that objects
+    get written and closed): until the object is done, some byte always continues."""
+    root = jsonmode.OBJECT if which == "OBJECT" else jsonmode.object_schema({"SCHEMA": SCHEMA, "PET": PET}[which])
+    rng = random.Random(2)
+    alphabet = [bytes([b]) for b in range(0x20, 0x7f)] + [b"\n", b"\xc3"]
+    weight = {c: 25 if c in b'{}[],:"tfn0123456789' else 1 for c in range(256)}
+    finished = 0
+    for _ in range(40):
+        s = jsonmode.JsonPrefix(root)
+        for _ in range(400):
+            nxt = [a for a in alphabet if s.copy().feed(a)]
+            assert nxt, "a dead end"
+            s.feed(rng.choices(nxt, [weight[a[0]] for a in nxt])[0])
+            if s.done:
+                finished += 1
+                break
+    assert finished > 5, finished

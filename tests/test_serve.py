@@ -264,7 +264,8 @@ def test_thinking_token_budget_closes_reasoning_on_every_api(server, url, client
     status, msg, _ = post_messages(url, {"max_tokens": 100, "messages": q,
                                          "thinking": {"type": "enabled", "budget_tokens": 6}})
     assert status == 200 and [b["type"] for b in msg["content"]] == ["thinking", "text"], msg
-    assert (msg["content"][0]["thinking"], msg["content"][1]["text"]) == (tok.decode(ids[:6]), tok.decode(ids[7:]).lstrip())
+    assert (msg["content"][0]["thinking"], msg["content"][1]["text"]) == \
+        (tok.decode(ids[:6]), tok.decode(ids[7:]).lstrip())
     monkeypatch.setattr(server.args, "thinking_token_budget", 2)
     r = client.chat.completions.create(model=default_model.NAME, messages=q, max_tokens=100)
     assert r.choices[0].message.model_extra["reasoning_content"] == tok.decode(ids[:2])
@@ -308,7 +309,8 @@ def test_tokenize_and_detokenize(server, url, client):
         model=default_model.NAME, messages=q, tools=[WEATHER], reasoning_effort="low", max_tokens=1).usage.prompt_tokens
     assert post("/detokenize", {"tokens": r["tokens"]}).json()["prompt"].endswith("<|assistant|><think>")
     for path, body, param in (("/tokenize", {}, "prompt"), ("/tokenize", {"messages": []}, "messages"),
-                              ("/detokenize", {"tokens": [10**9]}, "tokens"), ("/detokenize", {"tokens": "x"}, "tokens")):
+                              ("/detokenize", {"tokens": [10**9]}, "tokens"),
+                              ("/detokenize", {"tokens": "x"}, "tokens")):
         r = post(path, body)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, body, r.text)
 
@@ -362,10 +364,21 @@ def test_json_mode(server, client):
                                    temperature=0, reasoning={"effort": "none"},
                                    text={"format": {"type": "json_schema", "name": "answer", "schema": shape}})
     assert jsonmode.JsonPrefix(jsonmode.object_schema(shape)).feed(resp.output_text.encode()), resp.output_text
-    from test_jsonmode import PET  # what the openai client's parse() sends for a pydantic model
-    pet = {"type": "json_schema", "json_schema": {"name": "Pet", "schema": PET, "strict": True}}
-    c = client.chat.completions.create(max_tokens=40, temperature=1.0, seed=0, **{**kw, "response_format": pet})
-    assert jsonmode.JsonPrefix(jsonmode.object_schema(PET)).feed((c.choices[0].message.content or "").encode())
+    # the openai client's parse() with a pydantic model ($defs, $ref, anyOf for Optional), read back by the client
+    import pydantic
+
+    class Owner(pydantic.BaseModel):
+        id: int
+
+    class Pet(pydantic.BaseModel):
+        name: str
+        owner: Owner | None
+
+    for seed in range(3):
+        r = client.chat.completions.parse(model=default_model.NAME, response_format=Pet, reasoning_effort="none",
+                                          messages=[{"role": "user", "content": "A pet as JSON."}], max_tokens=300,
+                                          temperature=0.7, seed=seed)
+        assert r.choices[0].finish_reason == "stop" and isinstance(r.choices[0].message.parsed, Pet)
     schema = "response_format.json_schema.schema"
     for extra, param in (({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, schema),
                          ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
@@ -385,10 +398,11 @@ def test_usage_counts_the_prompt_once_and_reports_drafts_when_the_engine_specula
     assert serve._usage([out])["speculative"] == {"verify_steps": 4, "draft_tokens": 12, "accepted_tokens": 5,
                                                   "mean_accepted_length": 2.25}
     other = engine_mod.RequestOutput("s", [], "", True, "length", engine_mod.Usage(20, 6, 20, 1),
-                                     acceptance=engine_mod.Acceptance(verify_steps=2, draft_tokens=4, accepted_tokens=3))
+                                     acceptance=engine_mod.Acceptance(2, draft_tokens=4, accepted_tokens=3))
     u = serve._usage([out, other])  # two choices of one request
     assert (u["prompt_tokens"], u["completion_tokens"], u["total_tokens"]) == (20, 15, 35)
-    assert u["prompt_tokens_details"] == {"cached_tokens": 16} and u["completion_tokens_details"]["reasoning_tokens"] == 5
+    assert u["prompt_tokens_details"] == {"cached_tokens": 16}
+    assert u["completion_tokens_details"]["reasoning_tokens"] == 5
     assert u["speculative"] == {"verify_steps": 6, "draft_tokens": 16, "accepted_tokens": 8,
                                 "mean_accepted_length": round(14 / 6, 4)}
 
