@@ -256,6 +256,9 @@ class JsonPrefix:
         if m in ("key", "key_or_end"):
             if b == ord("}") and m == "key_or_end":
                 return self._close(b)
+            top = self.stack[-1]
+            if top.node.extra is None and top.node.props.keys() <= top.used:
+                return False  # no key could follow (an object that takes none: only "}")
             self.mode, self.key = "string", True
             return b == ord('"')
         if m == "colon":

@@ -243,11 +243,18 @@ def test_whitespace_outside_strings_comes_at_most_max_ws_in_a_row():
     assert not jsonmode.JsonPrefix().feed(b'{"a":' + run + b"\n")
 
 
-@pytest.mark.parametrize("which", ["OBJECT", "SCHEMA", "PET"])
+CLOSED = {"type": "object", "properties": {"e": {"type": "object", "additionalProperties": False},
+                                          "k": {"type": "object", "properties": {"x": {"enum": [True]}},
+                                                "additionalProperties": False}},
+          "required": ["e"], "additionalProperties": False}  # objects that take no key, or one
+
+
+@pytest.mark.parametrize("which", ["OBJECT", "SCHEMA", "PET", "CLOSED"])
 def test_no_accepted_prefix_is_a_dead_end(which):
     """Random walks, each step a byte the automaton accepts there (structural bytes favoured so that objects
     get written and closed): until the object is done, some byte always continues."""
-    root = jsonmode.OBJECT if which == "OBJECT" else jsonmode.object_schema({"SCHEMA": SCHEMA, "PET": PET}[which])
+    root = jsonmode.OBJECT if which == "OBJECT" else \
+        jsonmode.object_schema({"SCHEMA": SCHEMA, "PET": PET, "CLOSED": CLOSED}[which])
     rng = random.Random(2)
     alphabet = [bytes([b]) for b in range(0x20, 0x7f)] + [b"\n", b"\xc3"]
     weight = {c: 25 if c in b'{}[],:"tfn0123456789' else 1 for c in range(256)}
