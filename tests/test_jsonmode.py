@@ -53,6 +53,21 @@ def test_what_no_json_object_starts_with_is_refused(text):
     assert not _is_object(text)
 
 
+def _mutated(rng: random.Random, text: str, alphabet: str) -> str:
+    """text after 1 to 3 random deletions, insertions or replacements from alphabet (no trailing whitespace)."""
+    chars = list(text)
+    for _ in range(rng.randint(1, 3)):
+        at = rng.randrange(len(chars) + 1)
+        op = rng.random()
+        if op < 0.4 and chars:
+            del chars[min(at, len(chars) - 1)]
+        elif op < 0.8:
+            chars.insert(at, rng.choice(alphabet))
+        elif chars:
+            chars[min(at, len(chars) - 1)] = rng.choice(alphabet)
+    return "".join(chars).rstrip()
+
+
 def test_agrees_with_the_json_module_on_mutated_texts():
     """A text is accepted whole and done exactly when json.loads reads it as an object (no trailing
     whitespace: the automaton stops at the object's end)."""
@@ -60,18 +75,7 @@ def test_agrees_with_the_json_module_on_mutated_texts():
     alphabet = '{}[]",:.-+eE0123456789 \\tuabfnrlsx\n'
     seen = [0, 0]
     for _ in range(20000):
-        base = rng.choice(list(texts())).strip()
-        chars = list(base)
-        for _ in range(rng.randint(1, 3)):
-            at = rng.randrange(len(chars) + 1)
-            op = rng.random()
-            if op < 0.4 and chars:
-                del chars[min(at, len(chars) - 1)]
-            elif op < 0.8:
-                chars.insert(at, rng.choice(alphabet))
-            elif chars:
-                chars[min(at, len(chars) - 1)] = rng.choice(alphabet)
-        text = "".join(chars).rstrip()
+        text = _mutated(rng, rng.choice(list(texts())).strip(), alphabet)
         ok = _is_object(text)
         s = jsonmode.JsonPrefix()
         assert (s.feed(text.encode()) and s.done) == ok, text
@@ -126,14 +130,12 @@ def _valid(v, s, defs: dict | None = None) -> bool:
     return True
 
 
-def schema_texts():
-    for v in VALID:
-        yield json.dumps(v)
-        yield json.dumps(v, separators=(",", ":"))
-        yield json.dumps(v, indent=1)
+def dumped(values: list) -> list[str]:
+    """Each value as JSON three ways: spaced, compact, indented."""
+    return [t for v in values for t in (json.dumps(v), json.dumps(v, separators=(",", ":")), json.dumps(v, indent=1))]
 
 
-@pytest.mark.parametrize("text", list(schema_texts()))
+@pytest.mark.parametrize("text", dumped(VALID))
 def test_a_schemas_instances_are_accepted_prefix_by_prefix(text):
     s = jsonmode.JsonPrefix(jsonmode.compile_schema(SCHEMA))
     for i, b in enumerate(text.encode()):
@@ -158,22 +160,11 @@ def test_a_schema_agrees_with_its_plain_statement_on_mutated_instances(which):
     schema, instances = {"SCHEMA": (SCHEMA, VALID), "PET": (PET, PETS)}[which]
     rng = random.Random(1)
     node = jsonmode.compile_schema(schema)
-    texts = [t for v in instances
-             for t in (json.dumps(v), json.dumps(v, separators=(",", ":")), json.dumps(v, indent=1))]
+    texts = dumped(instances)
     alphabet = '{}[]",:.-+eE0123456789 \\tuabfnrlsx\nacdegimnorty'
     seen = [0, 0]
     for _ in range(20000):
-        chars = list(rng.choice(texts))
-        for _ in range(rng.randint(1, 3)):
-            at = rng.randrange(len(chars) + 1)
-            op = rng.random()
-            if op < 0.4 and chars:
-                del chars[min(at, len(chars) - 1)]
-            elif op < 0.8:
-                chars.insert(at, rng.choice(alphabet))
-            elif chars:
-                chars[min(at, len(chars) - 1)] = rng.choice(alphabet)
-        text = "".join(chars).rstrip()
+        text = _mutated(rng, rng.choice(texts), alphabet)
         try:
             ok = _valid(json.loads(text, object_pairs_hook=_unique), schema, schema.get("$defs"))
         except ValueError:
