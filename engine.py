@@ -1269,7 +1269,7 @@ class Engine:
         if spent:  # on the device, before the step launched ahead reads the tokens
             drawn[fastdecode.to_device(spent, drawn.device)] = self.think_end
         for j, (seq, _) in enumerate(done):
-            if seq.json is not None and not seq.thinking and j not in spent:
+            if seq.json is not None and not seq.thinking:  # (a row forced to </think> is still thinking)
                 drawn[j] = self._json_token(seq, rows[j])
         asked = [j for j, (seq, _) in enumerate(done) if seq.params.logprobs is not None]
         queued = [drawn]

@@ -20,7 +20,7 @@ allowed token against another.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterable
 
 WS = frozenset(b" \t\n\r")
@@ -184,6 +184,11 @@ class Frame:
     used: set[bytes] = field(default_factory=set)
     key: bytes = b""
 
+    @property
+    def full(self) -> bool:
+        """An object that can take no other key (after a comma or a quote it would be a dead end)."""
+        return self.node.extra is None and self.node.props.keys() <= self.used
+
 
 @dataclass
 class JsonPrefix:
@@ -204,8 +209,7 @@ class JsonPrefix:
     ws: int = 0  # whitespace bytes in a row, outside strings
 
     def copy(self) -> JsonPrefix:
-        return JsonPrefix(self.root, [Frame(f.open, f.node, set(f.used), f.key) for f in self.stack], self.mode,
-                          self.node, self.key, self.left, self.hex_left, self.number, self.ws)
+        return replace(self, stack=[replace(f, used=set(f.used)) for f in self.stack])
 
     @property
     def done(self) -> bool:
@@ -256,9 +260,8 @@ class JsonPrefix:
         if m in ("key", "key_or_end"):
             if b == ord("}") and m == "key_or_end":
                 return self._close(b)
-            top = self.stack[-1]
-            if top.node.extra is None and top.node.props.keys() <= top.used:
-                return False  # no key could follow (an object that takes none: only "}")
+            if self.stack[-1].full:
+                return False  # (only "}")
             self.mode, self.key = "string", True
             return b == ord('"')
         if m == "colon":
@@ -271,8 +274,8 @@ class JsonPrefix:
         if m == "after":
             if b == ord(","):
                 top = self.stack[-1]
-                if top.open == ord("{") and top.node.extra is None and top.node.props.keys() <= top.used:
-                    return False  # no key could follow: a dead end
+                if top.open == ord("{") and top.full:
+                    return False
                 self.mode, self.node = ("key", None) if top.open == ord("{") else ("value", top.node.items)
                 return True
             return self._close(b)
