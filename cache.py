@@ -2,7 +2,7 @@
 
 DSA layers keep per-token rows in blocks of `block_size` positions (a sequence's block_table says
 which blocks it owns); KDA layers keep a fixed-size recurrent state per sequence slot. Which block
-or slot belongs to whom is the engine's business (engine.py), not this file's. Each layer's rows
+or slot belongs to whom is prefix_cache.py's and engine.py's business, not this file's. Each layer's rows
 live on that layer's device (placement.py); a pool on one device holds plain tensors.
 """
 from __future__ import annotations

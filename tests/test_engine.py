@@ -16,6 +16,7 @@ import chat
 import engine as E
 import jsonmode
 import kernels
+import prefix_cache
 import tiny
 from model_glm import GLMConfig, GLMModel
 
@@ -308,15 +309,15 @@ def test_sequence_table_follows_its_block_list():
 
 
 def test_block_hash_is_chained():
-    a = E.block_hash(b"", [1, 2, 3])
-    assert a == E.block_hash(b"", [1, 2, 3]) and a != E.block_hash(b"", [1, 2, 4])
-    assert E.block_hash(a, [5]) != E.block_hash(E.block_hash(b"", [9]), [5])
+    a = prefix_cache.block_hash(b"", [1, 2, 3])
+    assert a == prefix_cache.block_hash(b"", [1, 2, 3]) and a != prefix_cache.block_hash(b"", [1, 2, 4])
+    assert prefix_cache.block_hash(a, [5]) != prefix_cache.block_hash(prefix_cache.block_hash(b"", [9]), [5])
 
 
 def test_block_manager_refcounts_lru_and_eviction():
-    snaps = E.SnapshotStore(1 << 20, torch.device("cpu"))
-    bm = E.BlockManager(4, snaps)
-    h = [E.block_hash(b"", [i]) for i in range(4)]
+    snaps = prefix_cache.SnapshotStore(1 << 20, torch.device("cpu"))
+    bm = prefix_cache.BlockManager(4, snaps)
+    h = [prefix_cache.block_hash(b"", [i]) for i in range(4)]
     b0, b1 = bm.allocate(), bm.allocate()
     bm.register(b0, h[0])
     bm.register(b1, h[1])
@@ -335,7 +336,7 @@ def test_block_manager_refcounts_lru_and_eviction():
 
 
 def test_snapshot_store_is_lru_within_budget():
-    s = E.SnapshotStore(3 * 40, torch.device("cpu"))  # room for three 40-byte snapshots
+    s = prefix_cache.SnapshotStore(3 * 40, torch.device("cpu"))  # room for three 40-byte snapshots
     for i in range(4):
         s.put(bytes([i]), torch.zeros(8), torch.zeros(2))
     assert list(s.items) == [b"\x01", b"\x02", b"\x03"] and s.nbytes == 120
@@ -352,7 +353,7 @@ def test_snapshot_store_is_lru_within_budget():
 def test_snapshot_store_copies_gpu_slots_to_pinned_memory_before_the_slot_changes():
     kda, conv = torch.randn(4, 8, 256, 256, device="cuda"), torch.randn(4, 3, 3, 512, device="cuda")
     size = (kda.numel() + conv.numel()) * 4
-    s = E.SnapshotStore(2 * size, torch.device("cpu"))
+    s = prefix_cache.SnapshotStore(2 * size, torch.device("cpu"))
     s.pin(kda, conv)  # room for two
     want = []
     for i in range(3):  # the third put evicts the first and reuses its slot
