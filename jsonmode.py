@@ -5,8 +5,9 @@ one JSON object, of a given schema or of any.
 `JsonPrefix` is a pushdown automaton over bytes that accepts exactly the prefixes of a JSON text (RFC 8259)
 whose value is an object matching the root node, and says when that object is complete. Every prefix it
 accepts can be completed (no dead end: a sampler steered by it never runs out of tokens). Strings are checked
-for escapes and control characters; bytes >= 0x80 inside a string pass unchecked (a token may end inside a
-UTF-8 character, and the model writes whole characters). An object's keys are unique, and are matched as
+for escapes, control characters and well-formed UTF-8 (RFC 3629: no stray continuation byte, overlong form,
+surrogate or code point past U+10FFFF; a token may end inside a character, the next must finish it), so the
+answer always decodes. An object's keys are unique, and are matched as
 written: a property name is accepted in its JSON form without escapes of characters that need none. Outside
 strings at most MAX_WS whitespace bytes come in a row: JSON puts no limit, but a model that likes newlines
 would otherwise never have to write the object.
@@ -28,6 +29,11 @@ DIGITS = frozenset(b"0123456789")
 LITERALS = {ord("t"): b"true", ord("f"): b"false", ord("n"): b"null"}
 ESCAPES = frozenset(b'"\\/bfnrtu')
 HEX = frozenset(b"0123456789abcdefABCDEF")
+# A UTF-8 lead byte -> (continuation bytes after it, the range of the first of them); the others are 80..BF.
+# E0, ED, F0 and F4 narrow the first one: no overlong forms, no surrogates, nothing past U+10FFFF.
+UTF8_LEADS = ({b: (1, 0x80, 0xBF) for b in range(0xC2, 0xE0)} | {b: (2, 0x80, 0xBF) for b in range(0xE1, 0xF0)}
+              | {b: (3, 0x80, 0xBF) for b in range(0xF1, 0xF4)}
+              | {0xE0: (2, 0xA0, 0xBF), 0xED: (2, 0x80, 0x9F), 0xF0: (3, 0x90, 0xBF), 0xF4: (3, 0x80, 0x8F)})
 MAX_WS = 32  # a newline and 31 spaces: indentation eight levels deep at four spaces
 TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
 FIRST = {"object": b"{", "array": b"[", "string": b'"', "number": b"-0123456789", "integer": b"-0123456789",
@@ -205,6 +211,8 @@ class JsonPrefix:
     key: bool = False  # the string being read is an object key
     left: tuple[bytes, ...] = ()  # the literal or enum texts the value can still be, less what was read
     hex_left: int = 0  # hex digits left in a \\u escape
+    utf8_left: int = 0  # continuation bytes left in a string's UTF-8 character
+    utf8_next: tuple[int, int] = (0x80, 0xBF)  # the range the next of them must be in
     number: str = ""  # "-", "0", "int", ".", "frac", "e", "e+", "exp": what the number's text ends in
     ws: int = 0  # whitespace bytes in a row, outside strings
 
@@ -224,6 +232,8 @@ class JsonPrefix:
             if self.key and not (m == "string" and b == ord('"')) and not self._key_byte(b):
                 return False
             if m == "string":
+                if self.utf8_left or b >= 0x80:
+                    return self._utf8_byte(b)
                 if b == ord('"'):
                     return self._key_done() if self.key else self._value_done()
                 if b == ord("\\"):
@@ -280,6 +290,17 @@ class JsonPrefix:
                 return True
             return self._close(b)
         return False  # "done": nothing may follow the object
+
+    def _utf8_byte(self, b: int) -> bool:
+        if self.utf8_left:
+            lo, hi = self.utf8_next
+            self.utf8_left, self.utf8_next = self.utf8_left - 1, (0x80, 0xBF)
+            return lo <= b <= hi
+        if b not in UTF8_LEADS:
+            return False
+        self.utf8_left, lo, hi = UTF8_LEADS[b]
+        self.utf8_next = (lo, hi)
+        return True
 
     def _key_byte(self, b: int) -> bool:
         """A byte of an object key, as written: the key must stay a prefix of a property the object can still

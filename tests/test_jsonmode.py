@@ -83,6 +83,49 @@ def test_agrees_with_the_json_module_on_mutated_texts():
     assert min(seen) > 1000, seen  # both outcomes were exercised
 
 
+@pytest.mark.parametrize("data, at", [(b'{"a":"\x80"}', 6), (b'{"a":"\xc3"}', 7), (b'{"a":"\xc0\xaf"}', 6),
+                                      (b'{"a":"\xe0\x9f\xbf"}', 7), (b'{"a":"\xed\xa0\x80"}', 7),
+                                      (b'{"a":"\xf0\x8f\xbf\xbf"}', 7), (b'{"a":"\xf4\x90\x80\x80"}', 7),
+                                      (b'{"a":"\xf5\x80\x80\x80"}', 6), (b'{"a":"\xff"}', 6), (b'{"\xe2\x82":1}', 4),
+                                      (b'{"a":"\xc3\xa9\xa9"}', 8)])
+def test_strings_are_well_formed_utf8(data, at):
+    """A stray continuation byte, a character cut short, overlong forms, surrogates, code points past U+10FFFF
+    and bytes no UTF-8 has are refused, in values and keys, at their first byte that cannot be UTF-8."""
+    with pytest.raises(UnicodeDecodeError):
+        data.decode("utf-8")
+    assert jsonmode.JsonPrefix().feed(data[:at])
+    assert not jsonmode.JsonPrefix().feed(data[:at + 1])
+
+
+def test_agrees_with_strict_utf8_and_the_json_module_on_mutated_bytes():
+    """Texts with 2-, 3- and 4-byte characters, mutated byte by byte with lead, continuation and invalid bytes:
+    accepted whole and done exactly when they decode as UTF-8 and json.loads reads an object."""
+    rng = random.Random(1)
+    sources = [json.dumps(o, ensure_ascii=False).encode() for o in
+               ({"é": "\u20ac 漢字 😀 ß", "k": ["ü", "\U0010ffff"]}, {"a": "\ud7ff\ue000\U00010000 ÿ"})]
+    alphabet = [bytes([b]) for b in (0x80, 0x8F, 0x90, 0x9F, 0xA0, 0xBF, 0xC0, 0xC2, 0xDF, 0xE0, 0xE2, 0xED, 0xEF,
+                                     0xF0, 0xF4, 0xF5, 0xFF)] + [b'"', b"a", b"}"]
+    seen = [0, 0]
+    for _ in range(20000):
+        data = bytearray(rng.choice(sources))
+        for _ in range(rng.randint(1, 2)):
+            at, op = rng.randrange(len(data)), rng.random()
+            if op < 0.3:
+                del data[at]
+            elif op < 0.7:
+                data[at:at] = rng.choice(alphabet)
+            else:
+                data[at:at + 1] = rng.choice(alphabet)
+        try:
+            ok = _is_object(bytes(data).decode("utf-8"))
+        except UnicodeDecodeError:
+            ok = False
+        s = jsonmode.JsonPrefix()
+        assert (s.feed(bytes(data)) and s.done) == ok, bytes(data)
+        seen[ok] += 1
+    assert min(seen) > 1000, seen
+
+
 def test_pick_takes_the_first_token_in_race_order_that_keeps_a_prefix():
     vocab = [b"{", b"}", b'"a"', b":", b"1", None, b"", b"]", b' {"b": 2}']
     s = jsonmode.JsonPrefix()
@@ -247,7 +290,7 @@ def test_no_accepted_prefix_is_a_dead_end(which):
     root = jsonmode.OBJECT if which == "OBJECT" else \
         jsonmode.object_schema({"SCHEMA": SCHEMA, "PET": PET, "CLOSED": CLOSED}[which])
     rng = random.Random(2)
-    alphabet = [bytes([b]) for b in range(0x20, 0x7f)] + [b"\n", b"\xc3"]
+    alphabet = [bytes([b]) for b in range(0x20, 0x7f)] + [b"\n", b"\xc3", b"\xa9", b"\xe2", b"\x82", b"\xf0", b"\x9f"]
     weight = {c: 25 if c in b'{}[],:"tfn0123456789' else 1 for c in range(256)}
     finished = 0
     for _ in range(40):
