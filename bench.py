@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
+from tokenizers import Tokenizer, models
 
 if not torch.cuda.is_available():  # the Triton kernels then run in the interpreter (set before they load)
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -1160,16 +1161,27 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 # ================================================================ the engine on the synthetic model
 
-ENGINE_SAMPLING = (("greedy", dict(temperature=0)), ("top_p 0.95", dict(temperature=1.0, top_p=0.95, seed=1)))
+ENGINE_SAMPLING = (("greedy", dict(temperature=0)), ("top_p 0.95", dict(temperature=1.0, top_p=0.95, seed=1)),
+                   ("top_p 0.95 json_object", dict(temperature=1.0, top_p=0.95, seed=1, json_object=True)))
+
+
+def stand_in_tokenizer(vocab_size: int) -> Tokenizer:
+    """A word-level tokenizer for the synthetic model: ids 2..257 are the 256 single bytes (byte-level
+    pieces), every other id i the word "t{i}". The bytes let a JSON answer open its object and a key; random
+    logits then keep it inside that key's string, where every "t{i}" fits: the common case of a JSON row,
+    whose first few race leaders continue the answer."""
+    import engine
+    byte_piece = {b: ch for ch, b in engine.BYTE_DECODER.items()}
+    vocab = {f"t{i}": i for i in range(vocab_size) if not 2 <= i < 258} | {byte_piece[b]: 2 + b for b in range(256)}
+    return Tokenizer(models.WordLevel(vocab, unk_token="t0"))
 
 
 def run_engine(args) -> None:
-    """Engine.step() in steady decode on the synthetic model, with a stand-in word-level tokenizer (one
-    word a token id): the scheduler, the sampler (greedy; the generation config's top_p 0.95) and the
-    detokenizer on top of the step, at each --batch; beside it the bare fast step with the argmax read
+    """Engine.step() in steady decode on the synthetic model, with a stand-in word-level tokenizer
+    (stand_in_tokenizer): the scheduler, the sampler (greedy; the generation config's top_p 0.95; the same
+    for a JSON answer) and the detokenizer on top of the step, at each --batch; beside it the bare fast step with the argmax read
     back (decode_rate over the engine's own graphs). The median step after every prompt is in."""
     import engine
-    from tokenizers import Tokenizer, models
     (device,) = placement.parse_devices([args.device])
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     cfg = synthetic.model_config(args.layers, args.tiny)
@@ -1178,9 +1190,8 @@ def run_engine(args) -> None:
     budget = [torch.cuda.mem_get_info(device)[0] - int(args.reserve_gb * 1e9) if device.type == "cuda" else None]
     plan = synthetic.plan_model(cfg, bits, args.core, dtype, [device], budget, B * per_seq, B + 1)
     model = GLMModel(cfg, synthetic.build_weights(cfg, bits, args.core, dtype, plan.device_of, args.seed), plan)
-    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(cfg.vocab_size)}, unk_token="t0"))
-    e = engine.Engine(model, tok, eos_token_ids=[], max_num_seqs=B, num_blocks=B * per_seq,
-                      max_model_len=per_seq * synthetic.BLOCK_SIZE)
+    e = engine.Engine(model, stand_in_tokenizer(cfg.vocab_size), eos_token_ids=[], max_num_seqs=B,
+                      num_blocks=B * per_seq, max_model_len=per_seq * synthetic.BLOCK_SIZE)
     gen = torch.Generator().manual_seed(args.seed)
     for b in args.batch:
         for label, kw in ENGINE_SAMPLING:
