@@ -485,18 +485,25 @@ def _dsa_prefill_scores_kernel(q_ptr, q_stride, w_ptr, pool_ptr, table_ptr, out_
 
 
 def dsa_prefill_index_scores(q_idx: torch.Tensor, w_idx: torch.Tensor, pooled: torch.Tensor, table: torch.Tensor,
-                             start: int, kpool: int) -> torch.Tensor:
+                             start: int, kpool: int, scratch: torch.Tensor | None = None) -> torch.Tensor:
     """dsa_index_scores for the n rows of one sequence's chunk at positions start..start+n-1 over one
     block table [width]: q_idx [n, heads, d] (packed heads, rows may be strided), w_idx [n, heads]
     fp32, pooled the cache row. Returns fp32 [n, width · bs / kpool], -inf for pools that are not
-    complete at a row's position."""
+    complete at a row's position: a view of `scratch` (a flat fp32 buffer of at least that many
+    elements) when given."""
     n = q_idx.shape[0]
     Hi, d, ppb = _check_index_operands("dsa_prefill_index_scores", q_idx, w_idx, pooled, n)
     if table.dim() != 1 or table.stride(0) != 1:
         raise ValueError(f"dsa_prefill_index_scores: table must be one sequence's [width] block ids with unit "
                          f"stride, got {tuple(table.shape)} {table.stride()}")
     P = table.shape[0] * ppb
-    out = torch.empty(n, P, dtype=torch.float32, device=q_idx.device)
+    if scratch is None:
+        out = torch.empty(n, P, dtype=torch.float32, device=q_idx.device)
+    elif scratch.dtype != torch.float32 or scratch.dim() != 1 or scratch.numel() < n * P:
+        raise ValueError(f"dsa_prefill_index_scores: scratch must be a flat fp32 buffer of at least {n} x {P} "
+                         f"elements, got {scratch.dtype} {tuple(scratch.shape)}")
+    else:
+        out = scratch[:n * P].view(n, P)
     grid = (triton.cdiv(n, DSA_PREFILL_SCORE_ROWS), triton.cdiv(P, DSA_PREFILL_SCORE_BLOCK))
     _dsa_prefill_scores_kernel[grid](q_idx, q_idx.stride(0), w_idx.float().contiguous(), pooled, table, out, n, start,
                                      P, ppb, d ** 0.5, Hi ** 0.5, HI=Hi, DI=d, KPOOL=kpool, BR=DSA_PREFILL_SCORE_ROWS,

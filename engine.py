@@ -577,7 +577,9 @@ class Engine:
         block_bytes, slot_bytes = sum(b for b, _ in per_device), sum(s for _, s in per_device)
         self.chunk_peak = [0] * len(plan.devices)
         if num_blocks is None and max_cache_tokens is None and any(d.type == "cuda" for d in plan.devices):
-            self.chunk_peak = self._chunk_peak(use_kernels)
+            # the longest context this engine could serve: the pool sized as if the chunk took nothing
+            longest = self._size_pool(None, None, memory_fraction, per_device, num_slots) * block_size
+            self.chunk_peak = self._chunk_peak(use_kernels, min(longest, max_model_len or longest))
         num_blocks = self._size_pool(num_blocks, max_cache_tokens, memory_fraction, per_device, num_slots)
         self.cache = CachePool(self.config, num_blocks, num_slots, block_size=block_size, dtype=self.dtype,
                                device=list(plan.devices), layer_device=dict(enumerate(plan.layer_device)))
@@ -593,6 +595,8 @@ class Engine:
         self.use_kernels = use_kernels  # the sampler's kernel too
         self.fast = self._fast_decoder(max_num_seqs) if use_kernels and speculator == "none" else None
         self.prefill = self._fast_prefill(self.cache, self.max_model_len, self.fast) if use_kernels else None
+        if self.prefill is not None:
+            self.prefill.reserve(self.max_model_len)
         if speculator != "none" and self.device.type == "cuda":
             print(f"engine: speculator {speculator!r}: verify passes run without CUDA graphs and the drafter and "
                   "rollback in torch; on an H200 this decodes 7-14x slower than speculator='none' (BENCHMARKS.md)")
@@ -627,12 +631,13 @@ class Engine:
             return drafter
         raise ValueError(f"speculator={name!r}: expected 'none', 'dflash2' or 'mtp'")
 
-    def _chunk_peak(self, use_kernels: bool) -> list[int]:
+    def _chunk_peak(self, use_kernels: bool, context: int) -> list[int]:
         """Bytes that one prefill chunk of max_batch_tokens tokens takes on each device of the plan
         above what is allocated before it (activations, scratch, and the fast path's prepared weights,
         which live beside the cache as well), as vLLM's profile run measures them: one such chunk of
         random tokens over a cache of just enough blocks, on the path the engine takes (fast or
-        reference). Its kernels are compiled on the way, and those of a short chunk after it (short
+        reference), with the fast path's indexer scratch reserved for `context` (FastPrefill.reserve:
+        the one buffer that grows with a chunk's context, up to 256 MiB). Its kernels are compiled on the way, and those of a short chunk after it (short
         prompts, and the rest of a long one, take other launch settings), so the first request does
         not wait for them (H200, full-size model, while the prefix cache still cut prompts before their
         last block: the first 8K prompt took 7.1 s without the short chunk, 2.6 s with it)."""
@@ -655,6 +660,8 @@ class Engine:
         start = time.perf_counter()
         try:
             prefill = self._fast_prefill(cache, blocks * bs) if use_kernels else None
+            if prefill is not None:
+                prefill.reserve(context)
             with torch.no_grad():
                 for chunk in chunks:
                     out = self.model.forward([chunk], cache) if prefill is None else prefill.forward([chunk])

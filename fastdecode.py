@@ -571,13 +571,13 @@ class FastDecoder:
 
     def sparse_attention(self, layer: Layer, x: torch.Tensor, q: torch.Tensor, q_idx: torch.Tensor,
                          positions: torch.Tensor, tables: torch.Tensor, out: torch.Tensor,
-                         chunk_start: int | None = None) -> None:
+                         chunk_start: int | None = None, scratch: torch.Tensor | None = None) -> None:
         """§4.4 after the cache rows are written, for B query rows (x their layer input, q and q_idx
         their projections) at `positions` over `tables` [B, width]: the indexer's selection, then the
         absorbed NoPE MLA over it into out [B, H, d_v]. fastprefill.py passes a chunk's rows of one
-        sequence (positions chunk_start.., one table): they go to the chunk kernels, whose indexer reads
-        each pooled key once for several rows and whose attention gives each row all its heads' work
-        instead of splitting rows over head groups and position ranges."""
+        sequence (positions chunk_start.., one table, the pool scores' `scratch`): they go to the chunk
+        kernels, whose indexer reads each pooled key once for several rows and whose attention gives each
+        row all its heads' work instead of splitting rows over head groups and position ranges."""
         cfg, cache, a = self.cfg, self.cache, layer.attn
         kpool, row = cfg.index_kpool, layer.row
         B, H, dn = x.shape[0], cfg.num_attention_heads, cfg.qk_nope_head_dim
@@ -593,7 +593,7 @@ class FastDecoder:
                 score = dsa_kernels.dsa_index_scores(q_idx, w_idx, cache.pooled[row], tables, positions, kpool)
             else:
                 score = dsa_kernels.dsa_prefill_index_scores(q_idx, w_idx, cache.pooled[row], tables[0], chunk_start,
-                                                             kpool)
+                                                             kpool, scratch)
             if score.shape[1] <= dsa_kernels.TOP_POOLS_MAX:
                 top = dsa_kernels.top_pools(score, n_top)
             else:

@@ -52,10 +52,14 @@ class FastPrefill:
     for chunks of any length >= 1 (each a sequence's next positions, as model_glm.forward takes
     them), one chunk after another; no CUDA graphs (the shapes vary)."""
 
-    DSA_ROWS = 2048  # queries per indexer launch: their fp32 pool scores take 256 MiB at 128K context
+    DSA_ROWS = 2048  # queries per indexer launch at most
+    # The fp32 pool scores of one indexer launch at most: DSA_ROWS rows up to 128K of context, fewer past it.
+    # Without a bound they would grow with the context (2 GiB at 1M), outside the cache pool.
+    DSA_SCORE_BYTES = 256 << 20
 
     def __init__(self, decoder: FastDecoder):
         self.decoder, self.model, self.cache, self.cfg = decoder, decoder.model, decoder.cache, decoder.cfg
+        self.scores: dict[torch.device, torch.Tensor] = {}  # the indexer's score scratch, a flat buffer a device
         bs = self.cache.block_size
         # kda_chunk_prefill chunks from its first row; model_glm cuts at multiples of KDA_CHUNK and of
         # the block size, which is one stride when one divides the other.
@@ -66,6 +70,22 @@ class FastPrefill:
         if self.cfg.linear_lower_bound <= kda_kernels.GATE_FLOOR:
             raise Unsupported(f"gate_lower_bound {self.cfg.linear_lower_bound}: the KDA prefill kernel needs "
                               f"gates above {kda_kernels.GATE_FLOOR} (kda_kernels.GATE_FLOOR)")
+
+    def reserve(self, context: int) -> None:
+        """Allocates now, on each device with a DSA layer, the indexer's score scratch that chunks ending at
+        up to `context` use, so that it is taken before the engine measures a chunk's memory and sizes the
+        cache (Engine._chunk_peak), and a long prompt later needs no more."""
+        plan = self.model.placement
+        for d in {plan.devices[plan.layer_device[L]] for L in self.cfg.dsa_layers}:
+            self._score_scratch(d, context)
+
+    def _score_scratch(self, device: torch.device, end: int) -> torch.Tensor:
+        """The device's score scratch, grown (up to DSA_SCORE_BYTES) if a chunk ending at `end` needs more."""
+        pools = -(-end // self.cache.block_size) * (self.cache.block_size // self.cfg.index_kpool)
+        want = min(self.DSA_SCORE_BYTES // 4, self.DSA_ROWS * pools)
+        if device not in self.scores or self.scores[device].numel() < want:
+            self.scores[device] = torch.empty(want, dtype=torch.float32, device=device)
+        return self.scores[device]
 
     def forward(self, batch: list[SeqChunk], *, logit_rows: list[int] | None = None, taps: tuple[int, ...] = (),
                 kda_input_rows: list[int] = ()) -> ForwardOutput:
@@ -199,14 +219,17 @@ class FastPrefill:
                        cfg.index_kpool)
         table = c.block_table[:-(-(c.start + n) // cache.block_size)].to(x.device)
         out = torch.empty(n, cfg.num_attention_heads, cfg.v_head_dim, dtype=x.dtype, device=x.device)
-        for r0 in range(0, n, self.DSA_ROWS):
-            r1 = min(r0 + self.DSA_ROWS, n)
+        scratch = self._score_scratch(x.device, c.start + n)
+        rows = min(self.DSA_ROWS, scratch.numel() // (table.shape[0] * (cache.block_size // cfg.index_kpool)))
+        for r0 in range(0, n, rows):
+            r1 = min(r0 + rows, n)
             # each piece's table reaches only its last row's block: the indexer then scores (and top-k
             # sorts) no pool past the piece, and a piece with no more pools than the top-k needs no indexer
             width = -(-(c.start + r1) // cache.block_size)
             positions = torch.arange(c.start + r0, c.start + r1, device=x.device)
             self.decoder.sparse_attention(layer, x[r0:r1], q[r0:r1], q_idx[r0:r1], positions,
-                                          table[:width].expand(r1 - r0, width), out[r0:r1], chunk_start=c.start + r0)
+                                          table[:width].expand(r1 - r0, width), out[r0:r1], chunk_start=c.start + r0,
+                                          scratch=scratch)
         return linear(out.flatten(1), layer.o_proj)
 
     # -- §4.5 routed experts ------------------------------------------------------------------------

@@ -401,7 +401,7 @@ def test_the_measured_prefill_chunk_is_as_long_and_snapshots_as_much_as_a_real_p
         eng.generate([p], E.SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
     real, sent[:] = list(sent), []
     assert max(n for _, n in real) == 2, real
-    eng._chunk_peak(use_kernels=False)
+    eng._chunk_peak(use_kernels=False, context=4 * BS)
     assert sent[0] == (4 * BS, 2), sent
 
 

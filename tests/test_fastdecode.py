@@ -1272,21 +1272,29 @@ def test_engine_queues_the_sampler_behind_the_decode_graph(monkeypatch):
 def test_engine_keeps_one_measured_prefill_chunk_out_of_the_cache():
     """With the pool sized from CUDA memory, the engine first runs one chunk of max_batch_tokens
     tokens and keeps what it took out of the pool: a real prompt of that length needs no more, also
-    when the prefix cache takes two KDA snapshots inside it (the second prompt shares 512 tokens)."""
+    when the prefix cache takes two KDA snapshots inside it (the second prompt shares 512 tokens), and
+    neither does a prompt as long as the context, whose last chunks' indexer scores 2048 rows over 16K
+    pools (128 MiB: the scratch reserved before the chunk was measured, which is not grown)."""
     import engine as E
-    eng = E.load(max_batch_tokens=1024, memory_fraction=0.05, max_model_len=2048, max_num_seqs=2)
+    context = 65536 + 64
+    eng = E.load(max_batch_tokens=1024, memory_fraction=0.05, max_model_len=context, max_num_seqs=2)
     peak = eng.chunk_peak[0]
+    (scratch,) = eng.prefill.scores.values()
+    assert scratch.numel() == 2048 * (context // 4)
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(2, eng.vocab_size, (1024,), generator=gen).tolist()
     shared = prompt[:512] + torch.randint(2, eng.vocab_size, (512,), generator=gen).tolist()
-    for p in (prompt, shared):
+    longest = torch.randint(2, eng.vocab_size, (context - 2,), generator=gen).tolist()
+    for i, p in enumerate((prompt, shared, longest)):
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
         eng.generate([p], E.SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
         used = torch.cuda.max_memory_allocated() - before
-        assert 0 < used <= peak, (used, peak)
-    assert eng.stats().snapshots == 2 + 3  # (960, 1024), then (512, 960, 1024)
+        assert 0 < used <= peak, (len(p), used, peak)
+        if i == 1:
+            assert eng.stats().snapshots == 2 + 3  # (960, 1024), then (512, 960, 1024)
+    assert eng.prefill.scores[scratch.device] is scratch
 
 
 def test_stacking_reuses_a_stack_the_experts_already_live_in():

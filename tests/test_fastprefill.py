@@ -111,6 +111,36 @@ def test_prefill_in_pieces_of_dsa_rows_matches_forward(monkeypatch):
     assert calls == [2, 2, 3] * len(model.config.dsa_layers), calls  # the table widths of the pieces that score
 
 
+def test_the_indexer_scratch_is_reserved_once_and_bounds_the_rows_a_launch(monkeypatch):
+    """The pool scores of an indexer launch go into one scratch buffer a device, reserved for a context up
+    front (what the engine measures before it sizes the cache): a chunk up to that context allocates no
+    other, and once the scratch is at DSA_SCORE_BYTES a chunk at a longer context scores fewer rows a
+    launch instead of growing it. The logits and caches stay the forward's."""
+    model = _two_layers(torch.float32)
+    caches, fast = _both(model)
+    pools_per_block = 16 // model.config.index_kpool
+    monkeypatch.setattr(fast, "DSA_ROWS", 8)
+    monkeypatch.setattr(fast, "DSA_SCORE_BYTES", 4 * 8 * 3 * pools_per_block)  # 8 rows over 3 blocks of pools
+    calls = []
+    scores = fastdecode.dsa_kernels.dsa_prefill_index_scores
+    monkeypatch.setattr(fastdecode.dsa_kernels, "dsa_prefill_index_scores",
+                        lambda *a, **k: calls.append((a[0].shape[0], a[3].shape[0])) or scores(*a, **k))
+    fast.reserve(2 * 16)
+    (scratch,) = fast.scores.values()
+    assert scratch.numel() == 8 * 2 * pools_per_block
+    fast.reserve(5 * 16)  # past 8 rows over 3 blocks: the bound
+    (scratch,) = fast.scores.values()
+    assert scratch.numel() == 8 * 3 * pools_per_block
+    worst, kl = _steps(model, caches, fast, _chunks(model, [[30, 36]]))
+    assert worst < (1e-3 if EXACT else 1e-2) and kl < (1e-7 if EXACT else 1e-6), (worst, kl)
+    _same_caches(caches, tight=EXACT)
+    assert fast.scores[scratch.device] is scratch  # never grown
+    # (rows, table width) of the launches that score (a one-block table holds no more pools than the top-k):
+    # 30 rows in 8s, then 36 rows ending in block 5 in 4s (4 rows over 5 blocks of pools fit the bound, 8 do not)
+    per_layer = [(8, 2), (6, 2)] + [(4, 3)] * 4 + [(4, 4)] * 4 + [(4, 5)]
+    assert calls == per_layer * len(model.config.dsa_layers), calls
+
+
 def test_prefill_with_exl3_experts_runs_the_moe_kernels(monkeypatch):
     """A step of up to MOE_DECODE_ROWS rows takes the decode kernel, a longer one the grouped GEMMs."""
     model = _two_layers(torch.float32, experts="exl3")
