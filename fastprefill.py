@@ -75,8 +75,7 @@ class FastPrefill:
         """Allocates now, on each device with a DSA layer, the indexer's score scratch that chunks ending at
         up to `context` use, so that it is taken before the engine measures a chunk's memory and sizes the
         cache (Engine._chunk_peak), and a long prompt later needs no more."""
-        plan = self.model.placement
-        for d in {plan.devices[plan.layer_device[L]] for L in self.cfg.dsa_layers}:
+        for d in {self.model.placement.device(L) for L in self.cfg.dsa_layers}:
             self._score_scratch(d, context)
 
     def _score_scratch(self, device: torch.device, end: int) -> torch.Tensor:
