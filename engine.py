@@ -55,6 +55,7 @@ CPU_CACHE_TOKENS = 65536  # the cache pool's size when neither the caller nor CU
 # chunks (H200, full-size synthetic model, one process, BENCHMARKS.md session 17); a decode step
 # waits for the chunk beside it.
 MAX_BATCH_TOKENS = 8192
+SCORE_ROWS = 256  # logit rows scored a block (Engine.score_blocks): 151 MiB of fp32 at the real vocabulary
 
 
 # ---------------------------------------------------------------------------------------------
@@ -157,6 +158,16 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # (token id, logprob), most likely first
+
+
+@dataclass
+class PromptLogprobs:
+    """Teacher-forced log-probabilities of T tokens, on the host (Engine.score_logprobs); row t is the
+    model's distribution for position t+1 given tokens 0..t."""
+    token_logprobs: torch.Tensor  # [T - 1]: log p(token t+1 | tokens 0..t)
+    top_ids: torch.Tensor  # [T, n]: the n most likely tokens of each row, most likely first
+    top_logprobs: torch.Tensor  # [T, n]
+    full: torch.Tensor | None  # [T, vocab]: every log-probability, when asked for
 
 
 @dataclass
@@ -1297,7 +1308,27 @@ class Engine:
 
     @torch.no_grad()
     def score(self, token_ids: list[int], chunk_tokens: int | None = None) -> torch.Tensor:
-        """Teacher-forced fp32 logits [T, vocab]: row t predicts token t+1 (no template, no BOS)."""
+        """Teacher-forced fp32 logits [T, vocab] on the host: row t predicts token t+1 (no template, no BOS)."""
+        return torch.cat([rows.cpu() for _, rows in self.score_blocks(token_ids, chunk_tokens)])
+
+    def score_logprobs(self, token_ids: list[int], n: int, full: bool = False) -> PromptLogprobs:
+        """Teacher-forced log-probabilities on the host (what /v1/score and echo read): each next token's, the
+        n most likely at each row, and every one only when `full` asks, reduced on the device block by block."""
+        nxt = torch.tensor(token_ids[1:] + [0])
+        parts = []
+        for s, rows in self.score_blocks(token_ids):
+            lp = torch.log_softmax(rows, -1)
+            top = torch.topk(lp, min(n, lp.shape[-1]), -1)
+            chosen = lp.gather(1, fastdecode.to_device(nxt[s:s + len(lp)], lp.device)[:, None])[:, 0]
+            parts.append([t.cpu() for t in (chosen, top.indices, top.values)] + ([lp.cpu()] if full else []))
+        out = [torch.cat(p) for p in zip(*parts)]
+        return PromptLogprobs(out[0][:-1], out[1], out[2], out[3] if full else None)
+
+    def score_blocks(self, token_ids: list[int], chunk_tokens: int | None = None) -> Iterator[tuple[int, torch.Tensor]]:
+        """score()'s rows as (first row, fp32 logits [<= SCORE_ROWS, vocab] on the device), one prefill chunk of
+        chunk_tokens (default max_batch_tokens) a forward and the head a block of rows after it: the device holds
+        one block's logits beside the chunk (an 8K chunk's rows would take 5 GB at full size, a prompt's 620 KB a
+        token), the memory Engine._chunk_peak measured."""
         T, bs = len(token_ids), self.block_size
         if T == 0 or -(-T // bs) > self.blocks.num_free():
             raise ValueError(f"score() needs {-(-T // bs)} free cache blocks for {T} tokens; "
@@ -1305,18 +1336,18 @@ class Engine:
         chunk = chunk_tokens or self.max_batch_tokens
         table = [self.blocks.allocate() for _ in range(-(-T // bs))]
         slot = self.max_num_seqs
+        path = self.model if self.prefill is None else self.prefill
         try:
             ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
             bt = torch.tensor(table, device=self.device)
-            rows = [self._all_logits(SeqChunk(ids[s:s + chunk], s, bt, slot)) for s in range(0, T, chunk)]
+            for s in range(0, T, chunk):
+                c = SeqChunk(ids[s:s + chunk], s, bt, slot)
+                h = (self.model.forward([c], self.cache, logit_rows=[]) if self.prefill is None else
+                     self.prefill.forward([c], logit_rows=[])).hidden  # every row, no logits
+                for r in range(0, len(h), SCORE_ROWS):
+                    yield s + r, path.head(h[r:r + SCORE_ROWS])
         finally:
             self.blocks.release(table)
-        return torch.cat(rows).float()
-
-    def _all_logits(self, chunk: SeqChunk) -> torch.Tensor:
-        if self.prefill is None:
-            return self.model.forward([chunk], self.cache, all_logits=True).logits
-        return self.prefill.forward([chunk], logit_rows=list(range(chunk.tokens.shape[0]))).logits
 
 
 # ---------------------------------------------------------------------------------------------

@@ -71,6 +71,11 @@ class FastPrefill:
             raise Unsupported(f"gate_lower_bound {self.cfg.linear_lower_bound}: the KDA prefill kernel needs "
                               f"gates above {kda_kernels.GATE_FLOOR} (kda_kernels.GATE_FLOOR)")
 
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """fp32 logits of final-norm rows h, through the decode step's prepared lm_head."""
+        with on_device(h.device):
+            return linear(h, self.decoder.head).float()
+
     def reserve(self, context: int) -> None:
         """Allocates now, on each device with a DSA layer, the indexer's score scratch that chunks ending at
         up to `context` use, so that it is taken before the engine measures a chunk's memory and sizes the
@@ -98,8 +103,7 @@ class FastPrefill:
         runs = [self.chunk(c, every_row, taps, [r - a for r in kda_input_rows if a <= r < b])
                 for c, (a, b) in zip(batch, spans)]
         h = torch.cat([r.h for r in runs])
-        with on_device(h.device):
-            logits = linear(h[to_device(logit_rows, h.device)] if every_row else h, self.decoder.head).float()
+        logits = self.head(h[to_device(logit_rows, h.device)] if every_row else h)
         tapped = torch.cat([torch.cat([r.taps[L] for r in runs]) for L in taps], dim=-1) if taps else None
         kda_inputs = {}
         if len(kda_input_rows):  # the chunks kept their recorded rows in row order; put them in the asked order

@@ -621,11 +621,11 @@ class GLMModel:
         with on_device(first):
             if logit_rows is not None:
                 h = rms_norm(X.float().mean(1).to(X.dtype), self.w("norm.weight"), cfg.rms_norm_eps)
-                logits = linear(h[logit_rows], self.w("lm_head.weight")).float()
+                logits = self.head(h[logit_rows])
             else:
                 rows = slice(None) if all_logits else torch.tensor([b - 1 for _, b in spans])
                 h = rms_norm(X[rows].float().mean(1).to(X.dtype), self.w("norm.weight"), cfg.rms_norm_eps)
-                logits = linear(h, self.w("lm_head.weight")).float()
+                logits = self.head(h)
         tap_rows = torch.cat([tapped[L] for L in taps], dim=-1) if taps else None
         return ForwardOutput(logits, h, tap_rows, kda_inputs, snapshots)
 
@@ -777,6 +777,11 @@ class GLMModel:
 
     # -- §4.7 MTP --------------------------------------------------------------------------------
 
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """fp32 logits of final-norm rows h (§4.1: logits = lm_head(h))."""
+        with on_device(h.device):
+            return linear(h, self.w("lm_head.weight")).float()
+
     def mtp_forward(self, hidden: torch.Tensor, batch: list[SeqChunk], cache: CachePool,
                     all_logits: bool = False) -> ForwardOutput:
         """One MTP step. hidden [sum n, D]: the trunk's final-norm output h_t for each position t of
@@ -803,8 +808,7 @@ class GLMModel:
             r2 = r1 + self.moe(p + "mlp.", rms_norm(r1, self.w(p + "post_attention_layernorm.weight"), eps))
             rows = slice(None) if all_logits else torch.tensor([b - 1 for _, b in spans])
             h = rms_norm(r2[rows], self.w(p + "shared_head.norm.weight"), eps).to(first)
-        with on_device(first):
-            return ForwardOutput(linear(h, self.w("lm_head.weight")).float(), h)
+        return ForwardOutput(self.head(h), h)
 
     # -- checks ------------------------------------------------------------------------------------
 

@@ -434,7 +434,7 @@ class Server:
         e = self.engine
         ids = e.tokenizer.encode("Hello, world. This warms up the engine.", add_special_tokens=False).ids
         e.generate([ids], self.engine_mod.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
-        e.score(ids)
+        e.score_logprobs(ids, 5)
 
     # --- flask ------------------------------------------------------------------------------
 
@@ -957,11 +957,10 @@ class Server:
         """Logprob entries of a prompt's tokens, each given the tokens before it, with the n most likely tokens
         there; the first token's logprob is null (nothing comes before it), as in OpenAI's echo."""
         try:
-            logits = self.loop.call(lambda e: e.score(ids))
+            scored = self.loop.call(lambda e: e.score_logprobs(ids, n))
         except ValueError as e:
             raise ApiError(503, f"the prompt cannot be scored now: {e}", "prompt", "server_busy")
-        rows = self.engine_mod.logprob_rows(logits[:-1], torch.tensor(ids[1:], device=logits.device), n)
-        chosen, top_ids, top_values = (r.tolist() for r in rows)
+        chosen, top_ids, top_values = (t.tolist() for t in (scored.token_logprobs, scored.top_ids, scored.top_logprobs))
         lps = [self.engine_mod.TokenLogprob(t, c, list(zip(i, v)))
                for t, c, i, v in zip(ids[1:], chosen, top_ids, top_values)]
         b = self.engine_mod.token_bytes(self.engine.tokenizer, ids[0], self.added_ids)
@@ -988,24 +987,22 @@ class Server:
         top_k = field_of(body, "top_k", "int", 5, lambda v: 0 <= v <= vocab, f"must be between 0 and {vocab}")
         full = field_of(body, "full", "bool", False)
         try:
-            logits = self.loop.call(lambda e: e.score(ids))
+            scored = self.loop.call(lambda e: e.score_logprobs(ids, top_k, full))
         except ValueError as e:
             raise ApiError(400 if "free cache blocks" not in str(e) else 503, str(e), "token_ids", "invalid_value")
-        lp = torch.log_softmax(logits.float(), -1)
-        top = torch.topk(lp, top_k, -1) if top_k else None
-        nxt = torch.tensor(ids[1:] + [0])
-        actual = lp.gather(1, nxt[:, None])[:, 0].tolist()
+        actual = scored.token_logprobs.tolist()
         rows = []
         for t in range(len(ids)):
             row = {"token_logprob": actual[t] if t + 1 < len(ids) else None}
-            if top is not None:
-                row["top_ids"] = top.indices[t].tolist()
-                row["top_logprobs"] = top.values[t].tolist()
-                row["rest_mass"] = max(0.0, 1.0 - float(top.values[t].exp().sum()))
+            if top_k:
+                row["top_ids"] = scored.top_ids[t].tolist()
+                row["top_logprobs"] = scored.top_logprobs[t].tolist()
+                row["rest_mass"] = max(0.0, 1.0 - float(scored.top_logprobs[t].exp().sum()))
             rows.append(row)
         out = {"object": "score", "model": self.model_name, "num_tokens": len(ids), "vocab_size": vocab,
                "positions": rows}
         if full:
+            lp = scored.full
             out["full_logprobs"] = {"dtype": "float32", "shape": list(lp.shape),
                                     "data": base64.b64encode(lp.contiguous().numpy().astype("<f4").tobytes()).decode()}
         return out

@@ -420,6 +420,28 @@ def test_chunked_prefill_equals_one_shot(cold):
     assert max(abs(v - ref[t].item()) for t, v in one.top) <= 1e-5
 
 
+def test_scoring_runs_the_head_a_block_of_rows_at_a_time(cold, monkeypatch):
+    """score_blocks: one forward a chunk, then the head over SCORE_ROWS rows at a time (so the device never
+    holds a chunk's or a prompt's logits at once); score and score_logprobs are made of those blocks and
+    equal the one-shot rows and their log-softmax."""
+    ids = prompt(6, 50)
+    whole = cold.score(ids, chunk_tokens=50)
+    monkeypatch.setattr(E, "SCORE_ROWS", 8)
+    heads = []
+    monkeypatch.setattr(cold.model, "head", lambda h, head=cold.model.head: heads.append(len(h)) or head(h))
+    blocks = list(cold.score_blocks(ids, chunk_tokens=20))
+    assert [s for s, _ in blocks] == [0, 8, 16, 20, 28, 36, 40, 48]
+    assert heads == [0, 8, 8, 4, 0, 8, 8, 4, 0, 8, 2]  # each forward's own head sees no row
+    assert (torch.cat([b.cpu() for _, b in blocks]) - whole).abs().max() <= 1e-5
+    lp = torch.log_softmax(whole, -1)
+    scored = cold.score_logprobs(ids, 3, full=True)
+    assert (scored.full - lp).abs().max() <= 1e-5
+    assert (scored.token_logprobs - lp[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]).abs().max() <= 1e-5
+    assert torch.equal(scored.top_ids, lp.topk(3, -1).indices)
+    assert (scored.top_logprobs - lp.topk(3, -1).values).abs().max() <= 1e-5
+    assert cold.score_logprobs(ids, 0).full is None and cold.stats().blocks_used == 0
+
+
 def test_score_validates_and_frees(cold):
     with pytest.raises(ValueError, match="free cache blocks"):
         cold.score(prompt(0, 64 * BS + 1))
