@@ -569,6 +569,7 @@ class Engine:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.think_start, self.think_end = (tokenizer.token_to_id(t) for t in (chat.THINK_START, chat.THINK_END))
         self._vocab_bytes: list[bytes | None] | None = None
+        self._json_vocab: jsonmode.Vocabulary | None = None  # built on the first JSON row that needs it
         self.vocab_size = self.config.vocab_size
         self.device, self.dtype = model.weights["embed_tokens.weight"].device, model.dtype
         if block_size <= 0 or block_size % self.config.index_kpool:
@@ -1178,13 +1179,17 @@ class Engine:
         kept = int(torch.isfinite(scores).sum())
         head = scores.topk(min(kept, JSON_CANDIDATES)).indices.tolist()  # one of them usually fits: no full sort
         token = jsonmode.pick(head, seq.json, self.vocab_bytes)
-        if token is None and kept > len(head):
-            token = jsonmode.pick(scores.argsort(descending=True)[len(head):kept].tolist(), seq.json, self.vocab_bytes)
-        if token is None:
-            token = jsonmode.pick(logits.argsort(descending=True).tolist(), seq.json, self.vocab_bytes)
-        if token is None:
+        if token is not None:
+            return token
+        # Few tokens fit here (or the model wants none of them): find them all, the first in race order wins.
+        if self._json_vocab is None:
+            self._json_vocab = jsonmode.Vocabulary.of(self.vocab_bytes)
+        fits = jsonmode.allowed(seq.json, self._json_vocab)
+        if not fits:
             raise RuntimeError(f"request {seq.request_id}: no token continues its JSON answer")
-        return token
+        at = fastdecode.to_device(fits, scores.device)
+        race_of_fits = scores[at]
+        return fits[int((race_of_fits if torch.isfinite(race_of_fits).any() else logits[at]).argmax())]
 
     @property
     def vocab_bytes(self) -> list[bytes | None]:

@@ -14,12 +14,14 @@ would otherwise never have to write the object.
 
 `pick` is the sampler's side: given the row's tokens in the order of its race (Engine: the logits after
 penalties, temperature and filters, minus the log of the row's exponential noise), the first one whose bytes
-keep the text a prefix wins. The race's winner among the allowed tokens is a draw from the model's
+keep the text a prefix wins. Where none of the race's leaders fits, `allowed` lists every token that does
+(a walk over the sorted vocabulary's prefixes, `Vocabulary`), and the race's leader among them wins. The race's winner among the allowed tokens is a draw from the model's
 distribution restricted to them: constraining changes which tokens can be drawn, not the odds of one
 allowed token against another.
 """
 from __future__ import annotations
 
+import bisect
 import json
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterable
@@ -387,3 +389,38 @@ def pick(order: Iterable[int], state: JsonPrefix, vocab_bytes: list[bytes | None
         if data and state.copy().feed(data):
             return t
     return None
+
+
+@dataclass
+class Vocabulary:
+    """The tokens' bytes in sorted order with their ids: a trie without nodes, since the tokens that start with
+    a prefix are one run of the sorted list (found by bisection). Tokens of no bytes are left out."""
+    pieces: list[bytes]
+    ids: list[int]
+
+    @classmethod
+    def of(cls, vocab_bytes: list[bytes | None]) -> Vocabulary:
+        pairs = sorted((b, i) for i, b in enumerate(vocab_bytes) if b)
+        return cls([b for b, _ in pairs], [i for _, i in pairs])
+
+
+def allowed(state: JsonPrefix, vocab: Vocabulary) -> list[int]:
+    """Every token whose bytes keep `state` a prefix of a JSON object text, in no particular order. A walk
+    over the vocabulary's prefixes that feeds each prefix's last byte once and goes no deeper where the
+    automaton refuses it: where few tokens fit (outside strings, in a key of a schema) it reads a small part
+    of the vocabulary, where pick would try token after token."""
+    pieces, found = vocab.pieces, []
+    runs = [(0, len(pieces), 0, state)]  # the run of tokens starting with a prefix of length d that fits
+    while runs:
+        lo, hi, d, st = runs.pop()
+        while lo < hi and len(pieces[lo]) == d:  # the prefix itself (sorted first): a token that fits
+            found.append(vocab.ids[lo])
+            lo += 1
+        while lo < hi:
+            c = pieces[lo][d]
+            end = hi if c == 255 else bisect.bisect_left(pieces, pieces[lo][:d] + bytes([c + 1]), lo, hi)
+            nxt = st.copy()
+            if nxt.feed(bytes([c])):
+                runs.append((lo, end, d + 1, nxt))
+            lo = end
+    return found

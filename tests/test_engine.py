@@ -699,7 +699,7 @@ def test_thinking_token_budget_forces_the_end_of_thinking(parts, cold, monkeypat
         cold.add_request(ids, E.SamplingParams(thinking_token_budget=4))
 
 
-def test_json_object_answers_are_json_objects(parts):
+def test_json_object_answers_are_json_objects(parts, monkeypatch):
     model, _ = parts
     eng = E.Engine(model, make_tokenizer(model.config.vocab_size, THINK_TOKENS), eos_token_ids=[EOS], num_blocks=64,
                    block_size=BS, max_num_seqs=4, max_batch_tokens=64, snapshot_bytes=0)
@@ -708,6 +708,13 @@ def test_json_object_answers_are_json_objects(parts):
     # greedy with only the braces pushed up: "{" is the one that can start, then "}" the one that can follow
     r = eng.generate([ids], E.SamplingParams(temperature=0, max_tokens=10, json_object=True, logit_bias=braces))[0]
     assert (r.text, r.finish_reason) == ("{}", "stop")
+    # the leader fails ("}" cannot open the object): the walk over the vocabulary finds what fits, and the race's
+    # leader among it wins: a space (pushed up more than "{") until MAX_WS of them, then "{"; then "}" fits
+    with monkeypatch.context() as m:
+        m.setattr(E, "JSON_CANDIDATES", 1)
+        opened = {tok.token_to_id("}"): 100.0, tok.token_to_id("\u0120"): 60.0, tok.token_to_id("{"): 50.0}
+        r = eng.generate([ids], E.SamplingParams(temperature=0, max_tokens=40, json_object=True, logit_bias=opened))[0]
+    assert (r.text, r.finish_reason) == (" " * jsonmode.MAX_WS + "{}", "stop")
     # sampled freely: every answer is a JSON object's prefix, and one that stopped is a JSON object
     outs = eng.generate([ids] * 4, [E.SamplingParams(temperature=1.0, seed=s, max_tokens=24, json_object=True)
                                    for s in range(4)])

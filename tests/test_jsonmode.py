@@ -126,6 +126,34 @@ def test_agrees_with_strict_utf8_and_the_json_module_on_mutated_bytes():
     assert min(seen) > 1000, seen
 
 
+def test_allowed_lists_exactly_the_tokens_that_keep_a_prefix():
+    """jsonmode.allowed's walk over the sorted vocabulary equals trying every token, at every third prefix of
+    object texts and schema instances, over a vocabulary of all single bytes, pieces cut from the texts
+    (structure, keys, escapes, UTF-8 characters and halves of them) and random strings."""
+    rng = random.Random(3)
+    plain, instances = [t.encode() for t in texts()], [t.encode() for t in dumped(VALID)]
+    sources = plain + instances
+    pieces = {bytes([b]) for b in range(256)}
+    for data in sources:
+        for _ in range(40):
+            at = rng.randrange(len(data))
+            pieces.add(data[at:at + rng.randint(2, 6)])
+    alphabet = b'{}[]":, \n0123456789aetrufl\\\xc3\xa9'
+    pieces |= {bytes(rng.choice(alphabet) for _ in range(rng.randint(1, 5))) for _ in range(300)}
+    vocab_bytes = [None, b""] + sorted(pieces)
+    vocab = jsonmode.Vocabulary.of(vocab_bytes)
+    checked = 0
+    for root, data in [(jsonmode.OBJECT, t) for t in plain] + [(jsonmode.object_schema(SCHEMA), t) for t in instances]:
+        s = jsonmode.JsonPrefix(root)
+        for i in range(len(data)):
+            if i % 3 == 0:
+                want = {t for t, b in enumerate(vocab_bytes) if b and s.copy().feed(b)}
+                assert set(jsonmode.allowed(s, vocab)) == want, data[:i]
+                checked += 1
+            assert s.feed(data[i:i + 1])
+    assert checked > 200, checked
+
+
 def test_pick_takes_the_first_token_in_race_order_that_keeps_a_prefix():
     vocab = [b"{", b"}", b'"a"', b":", b"1", None, b"", b"]", b' {"b": 2}']
     s = jsonmode.JsonPrefix()
