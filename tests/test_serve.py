@@ -194,9 +194,10 @@ def test_score_full_vocabulary(server, url):
     assert full.shape == (len(ids), server.engine.vocab_size)
     assert np.allclose(np.log(np.exp(full.astype(np.float64)).sum(-1)), 0, atol=1e-4)
     for t, row in enumerate(s["positions"]):
-        order = np.argsort(-full[t])[:4]
-        assert row["top_ids"] == order.tolist()
-        assert row["rest_mass"] == pytest.approx(1 - np.exp(full[t, order].astype(np.float64)).sum(), abs=1e-5)
+        # the 4 largest, in order (bf16 logits on a GPU tie often: which of tied ids comes first is not fixed)
+        top = row["top_ids"]
+        assert len(set(top)) == 4 and full[t, top].tolist() == np.sort(full[t])[::-1][:4].tolist()
+        assert row["rest_mass"] == pytest.approx(1 - np.exp(full[t, top].astype(np.float64)).sum(), abs=1e-5)
         if t + 1 < len(ids):
             assert row["token_logprob"] == pytest.approx(float(full[t, ids[t + 1]]), abs=1e-5)
 
@@ -826,11 +827,12 @@ def wait_idle(url, timeout=60.0) -> dict:
 @pytest.mark.parametrize("n, stream", [(1, False), (3, False), (3, True)])
 def test_client_disconnect_cancels_every_choice(url, n, stream):
     before = metrics(url).get('glm53_requests_finished_total{reason="cancelled"}', 0)
-    body = json.dumps({"messages": M, "max_tokens": 800, "ignore_eos": True, "n": n, "stream": stream}).encode()
+    # as long as the context allows: on an H100 the default model writes 800 tokens in under a second
+    body = json.dumps({"messages": M, "max_tokens": 1000, "ignore_eos": True, "n": n, "stream": stream}).encode()
     s = socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])))
     s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
               b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
-    time.sleep(1.0)
+    time.sleep(0.25)
     s.close()
     m = wait_idle(url)
     assert m['glm53_requests_finished_total{reason="cancelled"}'] == before + n
