@@ -649,9 +649,9 @@ class Engine:
         which live beside the cache as well), as vLLM's profile run measures them: one such chunk of
         random tokens over a cache of just enough blocks, on the path the engine takes (fast or
         reference), with the fast path's indexer scratch reserved for `context` (FastPrefill.reserve:
-        the one buffer that grows with a chunk's context, up to 256 MiB). Its kernels are compiled on the way, and those of a short chunk after it (short
-        prompts, and the rest of a long one, take other launch settings), so the first request does
-        not wait for them (H200, full-size model, while the prefix cache still cut prompts before their
+        the one buffer that grows with a chunk's context, up to 256 MiB). Its kernels are compiled on
+        the way, and those of a short chunk after it (short prompts, and the rest of a long one, take
+        other launch settings), so the first request does not wait for them (H200, full-size model, while the prefix cache still cut prompts before their
         last block: the first 8K prompt took 7.1 s without the short chunk, 2.6 s with it)."""
         plan = self.model.placement
         T, bs = self.max_batch_tokens, self.block_size
@@ -1311,7 +1311,6 @@ class Engine:
             raise RuntimeError("generate()/stream() drive the engine themselves; requests added with "
                                "add_request() are still in flight")
 
-    @torch.no_grad()
     def score(self, token_ids: list[int], chunk_tokens: int | None = None) -> torch.Tensor:
         """Teacher-forced fp32 logits [T, vocab] on the host: row t predicts token t+1 (no template, no BOS)."""
         return torch.cat([rows.cpu() for _, rows in self.score_blocks(token_ids, chunk_tokens)])
@@ -1329,6 +1328,7 @@ class Engine:
         out = [torch.cat(p) for p in zip(*parts)]
         return PromptLogprobs(out[0][:-1], out[1], out[2], out[3] if full else None)
 
+    @torch.no_grad()
     def score_blocks(self, token_ids: list[int], chunk_tokens: int | None = None) -> Iterator[tuple[int, torch.Tensor]]:
         """score()'s rows as (first row, fp32 logits [<= SCORE_ROWS, vocab] on the device), one prefill chunk of
         chunk_tokens (default max_batch_tokens) a forward and the head a block of rows after it: the device holds
@@ -1341,16 +1341,17 @@ class Engine:
         chunk = chunk_tokens or self.max_batch_tokens
         table = [self.blocks.allocate() for _ in range(-(-T // bs))]
         slot = self.max_num_seqs
-        path = self.model if self.prefill is None else self.prefill
         try:
             ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
             bt = torch.tensor(table, device=self.device)
             for s in range(0, T, chunk):
                 c = SeqChunk(ids[s:s + chunk], s, bt, slot)
-                h = (self.model.forward([c], self.cache, logit_rows=[]) if self.prefill is None else
-                     self.prefill.forward([c], logit_rows=[])).hidden  # every row, no logits
+                if self.prefill is None:
+                    h, head = self.model.forward([c], self.cache, logit_rows=[]).hidden, self.model.head
+                else:  # (logit_rows=[]: every row's hidden, no logits)
+                    h, head = self.prefill.forward([c], logit_rows=[]).hidden, self.prefill.head
                 for r in range(0, len(h), SCORE_ROWS):
-                    yield s + r, path.head(h[r:r + SCORE_ROWS])
+                    yield s + r, head(h[r:r + SCORE_ROWS])
         finally:
             self.blocks.release(table)
 

@@ -7,17 +7,17 @@ whose value is an object matching the root node, and says when that object is co
 accepts can be completed (no dead end: a sampler steered by it never runs out of tokens). Strings are checked
 for escapes, control characters and well-formed UTF-8 (RFC 3629: no stray continuation byte, overlong form,
 surrogate or code point past U+10FFFF; a token may end inside a character, the next must finish it), so the
-answer always decodes. An object's keys are unique, and are matched as
-written: a property name is accepted in its JSON form without escapes of characters that need none. Outside
-strings at most MAX_WS whitespace bytes come in a row: JSON puts no limit, but a model that likes newlines
-would otherwise never have to write the object.
+answer always decodes. An object's keys are unique, and are matched as written: a property name is accepted
+in its JSON form without escapes of characters that need none. Outside strings at most MAX_WS whitespace
+bytes come in a row: JSON puts no limit, but a model that likes newlines would otherwise never have to write
+the object.
 
 `pick` is the sampler's side: given the row's tokens in the order of its race (Engine: the logits after
 penalties, temperature and filters, minus the log of the row's exponential noise), the first one whose bytes
-keep the text a prefix wins. Where none of the race's leaders fits, `allowed` lists every token that does
-(a walk over the sorted vocabulary's prefixes, `Vocabulary`), and the race's leader among them wins. The race's winner among the allowed tokens is a draw from the model's
-distribution restricted to them: constraining changes which tokens can be drawn, not the odds of one
-allowed token against another.
+keep the text a prefix wins. Where none of the race's leaders fits, `allowed` lists every token that does (a
+walk over the sorted vocabulary's prefixes, `Vocabulary`), and the race's leader among them wins. The race's
+winner among the allowed tokens is a draw from the model's distribution restricted to them: constraining
+changes which tokens can be drawn, not the odds of one allowed token against another.
 """
 from __future__ import annotations
 
