@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import bisect
 import json
+import math
 from dataclasses import dataclass, field, replace
+from fractions import Fraction
 from typing import Any, Iterable
 
 WS = frozenset(b" \t\n\r")
@@ -31,6 +33,7 @@ DIGITS = frozenset(b"0123456789")
 LITERALS = {ord("t"): b"true", ord("f"): b"false", ord("n"): b"null"}
 ESCAPES = frozenset(b'"\\/bfnrtu')
 HEX = frozenset(b"0123456789abcdefABCDEF")
+SURROGATE_HEX = frozenset(f"d{c}" for c in "89abcdef")  # the first two hex digits of \\uD800-\\uDFFF
 # A UTF-8 lead byte -> (continuation bytes after it, the range of the first of them); the others are 80..BF.
 # E0, ED, F0 and F4 narrow the first one: no overlong forms, no surrogates, nothing past U+10FFFF.
 UTF8_LEADS = ({b: (1, 0x80, 0xBF) for b in range(0xC2, 0xE0)} | {b: (2, 0x80, 0xBF) for b in range(0xE1, 0xF0)}
@@ -41,6 +44,62 @@ TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
 FIRST = {"object": b"{", "array": b"[", "string": b'"', "number": b"-0123456789", "integer": b"-0123456789",
          "boolean": b"tf", "null": b"n"}  # the bytes a value of each type can start with
 ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$schema", "$comment"})
+
+
+@dataclass(frozen=True)
+class Range:
+    """A number's bounds (minimum, maximum, exclusiveMinimum, exclusiveMaximum) as exact fractions, None where
+    unbounded; an integer's as the closed integer bounds they leave."""
+    lo: Fraction | None = None
+    lo_closed: bool = True
+    hi: Fraction | None = None
+    hi_closed: bool = True
+
+    def holds(self, v: Fraction) -> bool:
+        return self.meets(v, True, v, True)
+
+    def meets(self, a: Fraction | None, a_closed: bool, b: Fraction | None, b_closed: bool) -> bool:
+        """Some value between a and b (None: unbounded; closed: the end belongs) is in the range."""
+        lo, lo_closed = _tighter(a, a_closed, self.lo, self.lo_closed, max)
+        hi, hi_closed = _tighter(b, b_closed, self.hi, self.hi_closed, min)
+        return lo is None or hi is None or lo < hi or lo == hi and lo_closed and hi_closed
+
+    def reachable(self, text: str, integer: bool) -> bool:
+        """Can a number whose JSON text starts with `text` (no exponent) end in the range? The text's
+        magnitudes: [I.F, I.F + 10^-len(F)) after a point; after the digits I, [I * 10^k, (I + 1) * 10^k) for
+        every k >= 0 (more digits), integers only for an integer, just 0 after a leading 0; any after "-"."""
+        neg, body = text.startswith("-"), text.lstrip("-")
+        if "." in body:
+            whole, frac = body.split(".")
+            a = Fraction(int(whole + frac or "0"), 10 ** len(frac))
+            return self._meets_magnitudes(neg, a, a + Fraction(1, 10 ** len(frac)), False)
+        if body in ("", "0"):
+            return self._meets_magnitudes(neg, Fraction(0), None if body == "" else Fraction(0 if integer else 1),
+                                          integer or body == "")
+        start, bound = int(body), max((abs(x) for x in (self.lo, self.hi) if x is not None), default=Fraction(0))
+        k = 0
+        while start * 10 ** k <= bound:  # (past every finite bound, only an unbounded side can be met)
+            a = Fraction(start * 10 ** k)
+            if self._meets_magnitudes(neg, a, a + 10 ** k - (1 if integer else 0), integer):
+                return True
+            k += 1
+        return (self.lo if neg else self.hi) is None
+
+    def _meets_magnitudes(self, neg: bool, a: Fraction, b: Fraction | None, b_closed: bool) -> bool:
+        """meets for the values whose magnitudes lie in [a, b) ([a, b] if b_closed), negated if neg."""
+        if neg:
+            return self.meets(None if b is None else -b, b_closed, -a, True)
+        return self.meets(a, True, b, b_closed)
+
+
+def _tighter(x: Fraction | None, x_closed: bool, y: Fraction | None, y_closed: bool, pick) -> tuple:
+    """The tighter of two ends (pick = max for lower ends, min for upper ends; None is no end); of equal ends
+    the open one."""
+    if x is None or y is None:
+        return (y, y_closed) if x is None else (x, x_closed)
+    if x == y:
+        return x, x_closed and y_closed
+    return (x, x_closed) if pick(x, y) == x else (y, y_closed)
 
 
 class SchemaError(ValueError):
@@ -55,8 +114,9 @@ class SchemaError(ValueError):
 class Node:
     """What a value may be. `types`: its JSON types. For an object: `props` (a property's name as written
     between the quotes -> its node), `required`, and `extra`, the node of any other property (None: no other
-    property). For an array: `items`. `options`: the JSON texts of an enum's values (then only those).
-    `alternatives`: anyOf's nodes, which no two can start with the same byte (the first byte picks one)."""
+    property). For an array: `items`, `min_items`, `max_items`. For a string: `min_length`, `max_length` (in
+    characters). For a number: `range` (None: any). `options`: the JSON texts of an enum's values (then only
+    those). `alternatives`: anyOf's nodes, which no two can start with the same byte (the first byte picks one)."""
 
     types: frozenset[str]
     props: dict[bytes, Node] = field(default_factory=dict)
@@ -65,6 +125,11 @@ class Node:
     items: Node | None = None
     options: tuple[bytes, ...] = ()
     alternatives: tuple[Node, ...] = ()
+    min_items: int = 0
+    max_items: int | None = None
+    min_length: int = 0
+    max_length: int | None = None
+    range: Range | None = None
 
     @property
     def first(self) -> frozenset[int]:
@@ -79,15 +144,18 @@ object.__setattr__(ANY, "extra", ANY)  # any value: any property, any items
 object.__setattr__(ANY, "items", ANY)
 OBJECT = Node(frozenset({"object"}), extra=ANY)  # json_object: an object of anything
 KEYWORDS = frozenset({"type", "properties", "required", "additionalProperties", "items", "enum", "const", "anyOf",
-                      "$ref", "$defs", "definitions"})
+                      "$ref", "$defs", "definitions", "minItems", "maxItems", "minLength", "maxLength", "minimum",
+                      "maximum", "exclusiveMinimum", "exclusiveMaximum"})
 
 
 def compile_schema(schema: Any) -> Node:
     """The Node of a JSON Schema: type (one or a list), properties, required, additionalProperties (a boolean or
-    a schema; absent means allowed, as JSON Schema says), items, enum and const (of strings, booleans or null),
-    anyOf (of alternatives that start differently: a type or null, as pydantic writes Optional), and $ref to
-    the root's $defs / definitions (what the openai client sends for pydantic models; not recursive). Title,
-    description, default, examples are annotations. Anything else is a SchemaError, not ignored."""
+    a schema; absent means allowed, as JSON Schema says), items, minItems / maxItems, minLength / maxLength,
+    minimum / maximum / exclusiveMinimum / exclusiveMaximum (a bounded number is written without an exponent),
+    enum and const (of strings, numbers, booleans or null, matched as json.dumps writes them), anyOf (of
+    alternatives that start differently: a type or null, as pydantic writes Optional), and $ref to the root's
+    $defs / definitions (what the openai client sends for pydantic models; not recursive). Title, description,
+    default, examples are annotations. Anything else is a SchemaError, not ignored."""
     defs = schema.get("$defs", schema.get("definitions", {})) if isinstance(schema, dict) else {}
     return _Compiler(defs if isinstance(defs, dict) else {}).node(schema, "")
 
@@ -112,9 +180,10 @@ class _Compiler:
             return self._any_of(schema, path)
         if "enum" in schema or "const" in schema:
             values = schema["enum"] if "enum" in schema else [schema["const"]]
-            if not isinstance(values, list) or not values or not all(isinstance(v, (str, bool)) or v is None
-                                                                       for v in values):
-                raise SchemaError(path, "enum and const take strings, booleans and null")
+            if not isinstance(values, list) or not values or not all(
+                    isinstance(v, (str, bool, int)) or v is None or isinstance(v, float) and math.isfinite(v)
+                    for v in values):
+                raise SchemaError(path, "enum and const take strings, finite numbers, booleans and null")
             texts = tuple(json.dumps(v, ensure_ascii=False).encode() for v in values)
             return Node(frozenset(json_type(v) for v in values), options=texts)
         kinds = schema.get("type", list(TYPES))
@@ -132,7 +201,10 @@ class _Compiler:
                     {_key(name): self.node(s, _join(path, "properties", name)) for name, s in props.items()},
                     frozenset(_key(r) for r in required),
                     None if extra is False else self.node(extra, _join(path, "additionalProperties")),
-                    self.node(schema.get("items", True), _join(path, "items")))
+                    self.node(schema.get("items", True), _join(path, "items")),
+                    range=_range(schema, path, "number" not in kinds),
+                    **dict(zip(("min_items", "max_items"), _limits(schema, path, "minItems", "maxItems"))),
+                    **dict(zip(("min_length", "max_length"), _limits(schema, path, "minLength", "maxLength"))))
 
     def _ref(self, schema: dict, path: str) -> Node:
         ref = schema["$ref"]
@@ -164,6 +236,46 @@ class _Compiler:
         return Node(frozenset(k for n in nodes for k in n.types), alternatives=nodes)
 
 
+def _limits(schema: dict, path: str, low: str, high: str) -> tuple[int, int | None]:
+    """A count's bounds (minItems / maxItems, minLength / maxLength): non-negative integers, low <= high."""
+    lo, hi = schema.get(low, 0), schema.get(high)
+    if not _is_count(lo) or hi is not None and not (_is_count(hi) and hi >= lo):
+        raise SchemaError(_join(path, low if not _is_count(lo) else high),
+                          f"{low} and {high} must be integers >= 0, {low} <= {high}")
+    return lo, hi
+
+
+def _is_count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _range(schema: dict, path: str, integer: bool) -> Range | None:
+    """The bounds of minimum, maximum, exclusiveMinimum, exclusiveMaximum (numbers, as draft 2020-12 writes
+    them), closed integer bounds for an integer; None without any. An empty range is a SchemaError."""
+    given = {k: schema[k] for k in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum") if k in schema}
+    if not given:
+        return None
+    bad = [k for k, v in given.items() if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)]
+    if bad:
+        raise SchemaError(_join(path, bad[0]), "must be a finite number")
+    lo, lo_closed = _tighter(*_end(given, "minimum"), *_end(given, "exclusiveMinimum", False), max)
+    hi, hi_closed = _tighter(*_end(given, "maximum"), *_end(given, "exclusiveMaximum", False), min)
+    if integer:  # the integers in the range, as closed bounds
+        if lo is not None:
+            lo, lo_closed = Fraction(math.ceil(lo) if lo_closed else math.floor(lo) + 1), True
+        if hi is not None:
+            hi, hi_closed = Fraction(math.floor(hi) if hi_closed else math.ceil(hi) - 1), True
+    r = Range(lo, lo_closed, hi, hi_closed)
+    if lo is not None and hi is not None and not r.meets(lo, lo_closed, hi, hi_closed):
+        raise SchemaError(path, f"no {'integer' if integer else 'number'} meets {json.dumps(given)}")
+    return r
+
+
+def _end(given: dict, name: str, closed: bool = True) -> tuple[Fraction | None, bool]:
+    # Fraction(repr(x)): the decimal the schema wrote, as a text of the answer would be read, not the binary float
+    return (Fraction(repr(given[name])), closed) if name in given else (None, closed)
+
+
 def _join(*parts: str) -> str:
     return ".".join(p for p in parts if p)
 
@@ -177,7 +289,10 @@ def object_schema(schema: dict) -> Node:
 
 
 def json_type(v: Any) -> str:
-    return "string" if isinstance(v, str) else "boolean" if isinstance(v, bool) else "null"
+    if isinstance(v, bool):
+        return "boolean"
+    return "string" if isinstance(v, str) else "integer" if isinstance(v, int) else \
+        "number" if isinstance(v, float) else "null"
 
 
 def _key(name: str) -> bytes:
@@ -186,15 +301,20 @@ def _key(name: str) -> bytes:
 
 @dataclass
 class Frame:
-    """An open container: its opening byte, its node, the keys it has had, the key being read."""
+    """An open container: its opening byte, its node, the keys it has had, the key being read, the items it
+    has had."""
     open: int
     node: Node
     used: set[bytes] = field(default_factory=set)
     key: bytes = b""
+    count: int = 0
 
     @property
     def full(self) -> bool:
-        """An object that can take no other key (after a comma or a quote it would be a dead end)."""
+        """A container that can take no other member (after a comma, or a quote in an object, it would be a
+        dead end): an object with no other key it may have, an array at its maxItems."""
+        if self.open == ord("["):
+            return self.node.max_items is not None and self.count >= self.node.max_items
         return self.node.extra is None and self.node.props.keys() <= self.used
 
 
@@ -213,9 +333,12 @@ class JsonPrefix:
     key: bool = False  # the string being read is an object key
     left: tuple[bytes, ...] = ()  # the literal or enum texts the value can still be, less what was read
     hex_left: int = 0  # hex digits left in a \\u escape
+    hex: str = ""  # the \\u escape's hex digits so far
     utf8_left: int = 0  # continuation bytes left in a string's UTF-8 character
     utf8_next: tuple[int, int] = (0x80, 0xBF)  # the range the next of them must be in
     number: str = ""  # "-", "0", "int", ".", "frac", "e", "e+", "exp": what the number's text ends in
+    digits: str = ""  # the number's text so far (a bounded number's value is checked against its range)
+    chars: int = 0  # characters of the string value being read (minLength, maxLength)
     ws: int = 0  # whitespace bytes in a row, outside strings
 
     def copy(self) -> JsonPrefix:
@@ -235,12 +358,14 @@ class JsonPrefix:
                 return False
             if m == "string":
                 if self.utf8_left or b >= 0x80:
-                    return self._utf8_byte(b)
+                    return (self.utf8_left or self._char()) and self._utf8_byte(b)
                 if b == ord('"'):
-                    return self._key_done() if self.key else self._value_done()
+                    if self.key:
+                        return self._key_done()
+                    return self.chars >= self.node.min_length and self._value_done()
                 if b == ord("\\"):
                     self.mode = "escape"
-                return b >= 0x20
+                return b >= 0x20 and self._char()
             if m == "escape":
                 if b not in ESCAPES:
                     return False
@@ -249,18 +374,27 @@ class JsonPrefix:
             self.hex_left -= 1
             if self.hex_left == 0:
                 self.mode = "string"
+            self.hex = self.hex + chr(b) if self.hex_left < 3 else chr(b)
+            if self._counted() and self.hex[:2].lower() in SURROGATE_HEX:
+                return False  # \\uD800-\\uDFFF where the length is counted: the character is written as itself
             return b in HEX
         if m == "literal":
-            self.left = tuple(t[1:] for t in self.left if t[0] == b)
-            if not self.left:
+            left = tuple(t[1:] for t in self.left if t and t[0] == b)
+            if left:
+                self.left = left
+                return self._value_done() if left == (b"",) else True
+            if b"" not in self.left:
                 return False
-            return self._value_done() if b"" in self.left else True
+            self._value_done()  # a number option ended (as "1" of 1 and 12): b comes after it
+            return self._byte(b)
         if m == "number":
             if self._number(b):
                 return True
             if self.number not in ("0", "int", "frac", "exp"):  # "-", "." or an exponent without digits
                 return False
-            self.mode = "after"
+            if self.node.range is not None and not self.node.range.holds(Fraction(self.digits)):
+                return False
+            self._value_done()
             return self._byte(b)  # the byte that ended the number
         if b in WS:
             self.ws += 1
@@ -282,16 +416,28 @@ class JsonPrefix:
         if m in ("value", "value_or_end"):
             if b == ord("]") and m == "value_or_end":
                 return self._close(b)
+            if m == "value_or_end" and self.stack[-1].full:
+                return False  # (only "]": maxItems 0)
             return self._value_start(b)
         if m == "after":
             if b == ord(","):
                 top = self.stack[-1]
-                if top.open == ord("{") and top.full:
+                if top.full:
                     return False
                 self.mode, self.node = ("key", None) if top.open == ord("{") else ("value", top.node.items)
                 return True
             return self._close(b)
         return False  # "done": nothing may follow the object
+
+    def _counted(self) -> bool:
+        return not self.key and (self.node.min_length > 0 or self.node.max_length is not None)
+
+    def _char(self) -> bool:
+        """A character of a string begins: counted against the value's maxLength."""
+        if not self._counted():
+            return True
+        self.chars += 1
+        return self.node.max_length is None or self.chars <= self.node.max_length
 
     def _utf8_byte(self, b: int) -> bool:
         if self.utf8_left:
@@ -339,17 +485,19 @@ class JsonPrefix:
             self.node = node.items if b == ord("[") else None
             return True
         if b == ord('"'):
-            self.mode, self.key = "string", False
+            self.mode, self.key, self.chars = "string", False, 0
             return True
         if b in LITERALS:
             self.mode, self.left = "literal", (LITERALS[b],)
             return self._byte(b)
         self.mode, self.number = "number", "-" if b == ord("-") else "0" if b == ord("0") else "int"
-        return True
+        self.digits = chr(b)
+        return self._in_range()
 
     def _number(self, b: int) -> bool:
         """Extend the number by b if the grammar -?(0|[1-9][0-9]*)(.[0-9]+)?([eE][+-]?[0-9]+)? allows it (an
-        integer-only value: without the fraction and exponent)."""
+        integer-only value: without the fraction and exponent; a bounded one: without the exponent) and a
+        bounded number can still end in its range."""
         n, whole = self.number, "number" not in self.node.types
         if b in DIGITS:
             nxt = {"-": "0" if b == ord("0") else "int", "int": "int", ".": "frac", "frac": "frac", "e": "exp",
@@ -357,15 +505,19 @@ class JsonPrefix:
         elif b == ord("."):
             nxt = "." if n in ("0", "int") and not whole else None
         elif b in (ord("e"), ord("E")):
-            nxt = "e" if n in ("0", "int", "frac") and not whole else None
+            nxt = "e" if n in ("0", "int", "frac") and not whole and self.node.range is None else None
         elif b in (ord("+"), ord("-")):
             nxt = "e+" if n == "e" else None
         else:
             nxt = None
         if nxt is None:
             return False
-        self.number = nxt
-        return True
+        self.number, self.digits = nxt, self.digits + chr(b)
+        return self._in_range()
+
+    def _in_range(self) -> bool:
+        r = self.node.range
+        return r is None or r.reachable(self.digits, "number" not in self.node.types)
 
     def _close(self, b: int) -> bool:
         top = self.stack[-1] if self.stack else None
@@ -373,11 +525,15 @@ class JsonPrefix:
             return False
         if b == ord("}") and not top.node.required <= top.used:
             return False  # a required property is missing
+        if b == ord("]") and top.count < top.node.min_items:
+            return False
         self.stack.pop()
         return self._value_done()
 
     def _value_done(self) -> bool:
         self.mode = "after" if self.stack else "done"
+        if self.stack and self.stack[-1].open == ord("["):
+            self.stack[-1].count += 1
         return True
 
 

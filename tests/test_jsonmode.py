@@ -1,6 +1,7 @@
 """jsonmode.py: the JSON-object prefix automaton against Python's json module, and the pick."""
 import json
 import random
+from fractions import Fraction
 
 import pytest
 
@@ -175,6 +176,34 @@ VALID = [{"name": "Rex", "age": 3}, {"age": -1, "name": "", "score": 2.5e-3, "ok
          {"name": "Tom", "age": 12, "owner": None, "score": -4, "kind": "dog", "ok": True}]
 
 
+# A bounded-number schema for the new keywords: integer and number bounds (inclusive and exclusive), string
+# lengths, array lengths (maxItems 0 too) and an enum of numbers, one a prefix of another (1 and 12).
+BOUNDED = {"type": "object", "additionalProperties": False, "required": ["n"], "properties": {
+    "n": {"type": "integer", "minimum": -5, "exclusiveMaximum": 120},
+    "x": {"type": "number", "exclusiveMinimum": 0, "maximum": 2.5},
+    "s": {"type": "string", "minLength": 2, "maxLength": 4},
+    "l": {"type": "array", "items": {"enum": [1, 12, 2.5, "a"]}, "minItems": 1, "maxItems": 3},
+    "e": {"type": "array", "maxItems": 0}}}
+BOUNDED_VALID = [{"n": 0}, {"n": -5, "x": 2.5, "s": "ab", "l": [1]}, {"e": [], "x": 0.001, "n": 119, "s": "wxyz",
+                 "l": [12, 2.5, "a"]}, {"n": 7, "s": "é中", "l": [12, 1]}, {"n": -0, "x": 1.25, "s": "\t\"x"}]
+
+
+class Num(Fraction):
+    """A number with the text it was written as (`loads`): the automaton reads a number's text exactly, matches
+    an enum's numbers as json.dumps writes them, and takes no exponent in a bounded number."""
+    text: str
+
+
+def _num(text: str) -> Num:
+    n = Num(text)
+    n.text = text
+    return n
+
+
+def loads(text: str):
+    return json.loads(text, object_pairs_hook=_unique, parse_int=_num, parse_float=_num)
+
+
 def _valid(v, s, defs: dict | None = None) -> bool:
     """The schema subset's meaning, stated plainly (Python's bool is an int: types are told apart first)."""
     if s is True or s == {}:
@@ -184,9 +213,12 @@ def _valid(v, s, defs: dict | None = None) -> bool:
     if "anyOf" in s:
         return any(_valid(v, a, defs) for a in s["anyOf"])
     if "enum" in s:
-        return any(type(v) is type(e) and v == e for e in s["enum"])
-    kind = {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null", int: "integer",
-            float: "number"}[type(v)]
+        return any(v.text == json.dumps(e) if isinstance(v, Num) else type(v) is type(e) and v == e
+                   for e in s["enum"])
+    if isinstance(v, Num):
+        kind = "number" if any(c in v.text for c in ".eE") else "integer"
+    else:
+        kind = {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null"}[type(v)]
     types = s.get("type", list(jsonmode.TYPES))
     types = [types] if isinstance(types, str) else types
     if not (kind in types or kind == "integer" and "number" in types):
@@ -197,7 +229,16 @@ def _valid(v, s, defs: dict | None = None) -> bool:
             _valid(x, props[k], defs) if k in props else extra is not False and _valid(x, extra, defs)
             for k, x in v.items())
     if kind == "array":
-        return all(_valid(x, s.get("items", True), defs) for x in v)
+        return s.get("minItems", 0) <= len(v) <= s.get("maxItems", len(v)) and \
+            all(_valid(x, s.get("items", True), defs) for x in v)
+    if kind == "string" and ("minLength" in s or "maxLength" in s):  # (no surrogates escaped in them)
+        return s.get("minLength", 0) <= len(v) <= s.get("maxLength", len(v)) and \
+            not any(0xD800 <= ord(c) <= 0xDFFF for c in v)
+    bounds = [(k, Fraction(repr(s[k]))) for k in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum") if k in s]
+    if kind in ("integer", "number") and bounds:
+        return not any(c in v.text for c in "eE") and all(
+            {"minimum": v >= b, "exclusiveMinimum": v > b, "maximum": v <= b, "exclusiveMaximum": v < b}[k]
+            for k, b in bounds)
     return True
 
 
@@ -206,9 +247,11 @@ def dumped(values: list) -> list[str]:
     return [t for v in values for t in (json.dumps(v), json.dumps(v, separators=(",", ":")), json.dumps(v, indent=1))]
 
 
-@pytest.mark.parametrize("text", dumped(VALID))
-def test_a_schemas_instances_are_accepted_prefix_by_prefix(text):
-    s = jsonmode.JsonPrefix(jsonmode.compile_schema(SCHEMA))
+@pytest.mark.parametrize("schema, text", [(SCHEMA, t) for t in dumped(VALID)] +
+                         [(BOUNDED, t) for t in dumped(BOUNDED_VALID)])
+def test_a_schemas_instances_are_accepted_prefix_by_prefix(schema, text):
+    assert all(_valid(loads(t), schema) for t in dumped(VALID if schema is SCHEMA else BOUNDED_VALID))
+    s = jsonmode.JsonPrefix(jsonmode.compile_schema(schema))
     for i, b in enumerate(text.encode()):
         assert s.feed(bytes([b])), (text, text[:i + 1])
         assert s.done == (i == len(text) - 1)
@@ -226,9 +269,42 @@ def test_what_a_schema_forbids_is_refused_at_its_first_byte(text, refused_at):
     assert ok.index(False) == len(refused_at), (text, ok)
 
 
-@pytest.mark.parametrize("which", ["SCHEMA", "PET"])
+@pytest.mark.parametrize("bounds, integer", [
+    ({"minimum": 20, "maximum": 20}, True), ({"minimum": -5, "exclusiveMaximum": 120}, True),
+    ({"exclusiveMinimum": -31, "maximum": -7}, True), ({"minimum": 0}, True), ({"maximum": 3}, True),
+    ({"minimum": 1, "maximum": 5}, True),
+    ({"exclusiveMinimum": 0, "maximum": 2.5}, False), ({"minimum": -1.5, "exclusiveMaximum": 0.5}, False),
+    ({"minimum": 10}, False), ({"minimum": 0.25, "maximum": 0.25}, False)])
+def test_a_range_reaches_what_some_continuation_ends_in(bounds, integer):
+    """Range.reachable against brute force: a number prefix of up to 3 characters is reachable exactly when some
+    number text that starts with it (up to 3 integer digits, up to 2 fraction digits) has a value in range."""
+    r = jsonmode.compile_schema({"type": "integer" if integer else "number", **bounds}).range
+    texts = [f"{sign}{i}{frac}" for sign in ("", "-") for i in range(1000)
+             for frac in ([""] if integer else [""] + [f".{f}" for f in range(10)] + [f".{f:02}" for f in range(100)])]
+    inside = [t for t in texts if r.holds(Fraction(t))]
+    assert all(_valid(loads(t), {"type": "number", **bounds}) for t in inside) and inside
+    prefixes = {t[:n] for t in texts for n in range(1, 4)}
+    for prefix in prefixes:
+        assert r.reachable(prefix, integer) == any(t.startswith(prefix) for t in inside), (bounds, prefix)
+
+
+@pytest.mark.parametrize("text", [
+    '{"n": 120', '{"n": -6', '{"n": 1e', '{"n": 7.', '{"n": 0, "x": 0,', '{"n": 0, "x": -', '{"n": 0, "x": 2.6',
+    '{"n": 0, "x": 3', '{"n": 0, "x": 1e', '{"n": 0, "x": 0.0}', '{"n": 0, "s": "a"', '{"n": 0, "s": "abcde',
+    '{"n": 0, "s": "\\ud8', '{"n": 0, "l": []', '{"n": 0, "l": [1, 1, 1,', '{"n": 0, "l": [13',
+    '{"n": 0, "l": [2.50', '{"n": 0, "l": [1.', '{"n": 0, "e": [1', '{"x": 1}'])
+def test_bounds_lengths_and_number_enums_are_refused_at_their_first_byte(text):
+    """BOUNDED: each text's last byte is the first refused. An integer's bounds as soon as no continuation can
+    meet them (120 past 119, -6 below -5), a number's exclusive bound at its end (0), a bounded number's
+    exponent, string and array lengths (a quote before minLength, a comma at maxItems), an escaped surrogate
+    where the length is counted, number enums matched as written (2.50 is not 2.5, 1. no option)."""
+    s = jsonmode.JsonPrefix(jsonmode.compile_schema(BOUNDED))
+    assert s.copy().feed(text[:-1].encode()) and not s.copy().feed(text.encode())
+
+
+@pytest.mark.parametrize("which", ["SCHEMA", "PET", "BOUNDED"])
 def test_a_schema_agrees_with_its_plain_statement_on_mutated_instances(which):
-    schema, instances = {"SCHEMA": (SCHEMA, VALID), "PET": (PET, PETS)}[which]
+    schema, instances = {"SCHEMA": (SCHEMA, VALID), "PET": (PET, PETS), "BOUNDED": (BOUNDED, BOUNDED_VALID)}[which]
     rng = random.Random(1)
     node = jsonmode.compile_schema(schema)
     texts = dumped(instances)
@@ -237,7 +313,7 @@ def test_a_schema_agrees_with_its_plain_statement_on_mutated_instances(which):
     for _ in range(20000):
         text = _mutated(rng, rng.choice(texts), alphabet)
         try:
-            ok = _valid(json.loads(text, object_pairs_hook=_unique), schema, schema.get("$defs"))
+            ok = _valid(loads(text), schema, schema.get("$defs"))
         except ValueError:
             ok = False
         s = jsonmode.JsonPrefix(node)
@@ -251,7 +327,12 @@ def test_a_schema_agrees_with_its_plain_statement_on_mutated_instances(which):
     ({"anyOf": [{"type": "object"}, {"type": "object", "properties": {}}]}, "anyOf", "same byte"),
     ({"anyOf": [{"type": "number"}, {"type": "integer"}]}, "anyOf", "same byte"),
     ({"type": "object", "required": ["y"]}, "", "required"),
-    ({"type": "array", "items": {"enum": [1, 2]}}, "items", "enum"), ({"const": 1}, "", "enum"),
+    ({"type": "array", "items": {"enum": [[1]]}}, "items", "enum"), ({"const": {"a": 1}}, "", "enum"),
+    ({"type": "integer", "multipleOf": 2}, "", "multipleOf"), ({"type": "string", "minLength": -1}, "minLength", ">= 0"),
+    ({"type": "array", "minItems": 3, "maxItems": 2}, "maxItems", "minItems <= maxItems"),
+    ({"type": "integer", "minimum": 0.5, "maximum": 0.7}, "", "no integer meets"),
+    ({"type": "number", "minimum": 1, "exclusiveMaximum": 1}, "", "no number meets"),
+    ({"type": "number", "exclusiveMinimum": True}, "exclusiveMinimum", "finite number"),
     ({"type": "date"}, "", "type"),
     ({"properties": {"a": {"$ref": "#/$defs/x"}}}, "properties.a.$ref", "$defs"),
     ({"$defs": {"N": {"type": "object", "properties": {"next": {"$ref": "#/$defs/N"}}}}, "type": "object",
@@ -311,12 +392,12 @@ CLOSED = {"type": "object", "properties": {"e": {"type": "object", "additionalPr
           "required": ["e"], "additionalProperties": False}  # objects that take no key, or one
 
 
-@pytest.mark.parametrize("which", ["OBJECT", "SCHEMA", "PET", "CLOSED"])
+@pytest.mark.parametrize("which", ["OBJECT", "SCHEMA", "PET", "CLOSED", "BOUNDED"])
 def test_no_accepted_prefix_is_a_dead_end(which):
     """Random walks, each step a byte the automaton accepts there (structural bytes favoured so that objects
     get written and closed): until the object is done, some byte always continues."""
     root = jsonmode.OBJECT if which == "OBJECT" else \
-        jsonmode.object_schema({"SCHEMA": SCHEMA, "PET": PET, "CLOSED": CLOSED}[which])
+        jsonmode.object_schema({"SCHEMA": SCHEMA, "PET": PET, "CLOSED": CLOSED, "BOUNDED": BOUNDED}[which])
     rng = random.Random(2)
     alphabet = [bytes([b]) for b in range(0x20, 0x7f)] + [b"\n", b"\xc3", b"\xa9", b"\xe2", b"\x82", b"\xf0", b"\x9f"]
     weight = {c: 25 if c in b'{}[],:"tfn0123456789' else 1 for c in range(256)}

@@ -365,19 +365,25 @@ def test_json_mode(server, client):
                                    temperature=0, reasoning={"effort": "none"},
                                    text={"format": {"type": "json_schema", "name": "answer", "schema": shape}})
     assert jsonmode.JsonPrefix(jsonmode.object_schema(shape)).feed(resp.output_text.encode()), resp.output_text
-    # the openai client's parse() with a pydantic model ($defs, $ref, anyOf for Optional), read back by the client
+    # the openai client's parse() with a pydantic model ($defs, $ref, anyOf for Optional, bounds, lengths, a
+    # Literal of numbers), read back and validated by the client through pydantic
+    import typing
+
     import pydantic
 
     class Owner(pydantic.BaseModel):
-        id: int
+        id: int = pydantic.Field(ge=1, le=99)
 
     class Pet(pydantic.BaseModel):
-        name: str
+        name: str = pydantic.Field(min_length=1, max_length=12)
+        legs: typing.Literal[2, 4]
+        weight: float = pydantic.Field(gt=0, lt=100)
+        tags: list[str] = pydantic.Field(min_length=1, max_length=3)
         owner: Owner | None
 
     for seed in range(3):
         r = client.chat.completions.parse(model=default_model.NAME, response_format=Pet, reasoning_effort="none",
-                                          messages=[{"role": "user", "content": "A pet as JSON."}], max_tokens=300,
+                                          messages=[{"role": "user", "content": "A pet as JSON."}], max_tokens=900,
                                           temperature=0.7, seed=seed)
         assert r.choices[0].finish_reason == "stop" and isinstance(r.choices[0].message.parsed, Pet)
     schema = "response_format.json_schema.schema"
