@@ -1179,8 +1179,9 @@ def stand_in_tokenizer(vocab_size: int) -> Tokenizer:
 def run_engine(args) -> None:
     """Engine.step() in steady decode on the synthetic model, with a stand-in word-level tokenizer
     (stand_in_tokenizer): the scheduler, the sampler (greedy; the generation config's top_p 0.95; the same
-    for a JSON answer) and the detokenizer on top of the step, at each --batch; beside it the bare fast step with the argmax read
-    back (decode_rate over the engine's own graphs). The median step after every prompt is in."""
+    for a JSON answer) and the detokenizer on top of the step, at each --batch; beside it the bare fast step
+    with the argmax read back (decode_rate over the engine's own graphs). The median step after every prompt
+    is in."""
     import engine
     (device,) = placement.parse_devices([args.device])
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

@@ -651,8 +651,9 @@ class Engine:
         reference), with the fast path's indexer scratch reserved for `context` (FastPrefill.reserve:
         the one buffer that grows with a chunk's context, up to 256 MiB). Its kernels are compiled on
         the way, and those of a short chunk after it (short prompts, and the rest of a long one, take
-        other launch settings), so the first request does not wait for them (H200, full-size model, while the prefix cache still cut prompts before their
-        last block: the first 8K prompt took 7.1 s without the short chunk, 2.6 s with it)."""
+        other launch settings), so the first request does not wait for them (H200, full-size model,
+        while the prefix cache still cut prompts before their last block: the first 8K prompt took
+        7.1 s without the short chunk, 2.6 s with it)."""
         plan = self.model.placement
         T, bs = self.max_batch_tokens, self.block_size
         blocks = -(-T // bs) + 1

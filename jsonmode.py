@@ -255,7 +255,8 @@ def _range(schema: dict, path: str, integer: bool) -> Range | None:
     given = {k: schema[k] for k in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum") if k in schema}
     if not given:
         return None
-    bad = [k for k, v in given.items() if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)]
+    bad = [k for k, v in given.items()
+           if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)]
     if bad:
         raise SchemaError(_join(path, bad[0]), "must be a finite number")
     lo, lo_closed = _tighter(*_end(given, "minimum"), *_end(given, "exclusiveMinimum", False), max)
