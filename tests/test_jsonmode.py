@@ -234,7 +234,8 @@ def _valid(v, s, defs: dict | None = None) -> bool:
     if kind == "string" and ("minLength" in s or "maxLength" in s):  # (no surrogates escaped in them)
         return s.get("minLength", 0) <= len(v) <= s.get("maxLength", len(v)) and \
             not any(0xD800 <= ord(c) <= 0xDFFF for c in v)
-    bounds = [(k, Fraction(repr(s[k]))) for k in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum") if k in s]
+    bounds = [(k, Fraction(repr(s[k]))) for k in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum")
+              if k in s]
     if kind in ("integer", "number") and bounds:
         return not any(c in v.text for c in "eE") and all(
             {"minimum": v >= b, "exclusiveMinimum": v > b, "maximum": v <= b, "exclusiveMaximum": v < b}[k]
@@ -328,7 +329,8 @@ def test_a_schema_agrees_with_its_plain_statement_on_mutated_instances(which):
     ({"anyOf": [{"type": "number"}, {"type": "integer"}]}, "anyOf", "same byte"),
     ({"type": "object", "required": ["y"]}, "", "required"),
     ({"type": "array", "items": {"enum": [[1]]}}, "items", "enum"), ({"const": {"a": 1}}, "", "enum"),
-    ({"type": "integer", "multipleOf": 2}, "", "multipleOf"), ({"type": "string", "minLength": -1}, "minLength", ">= 0"),
+    ({"type": "integer", "multipleOf": 2}, "", "multipleOf"),
+    ({"type": "string", "minLength": -1}, "minLength", ">= 0"),
     ({"type": "array", "minItems": 3, "maxItems": 2}, "maxItems", "minItems <= maxItems"),
     ({"type": "integer", "minimum": 0.5, "maximum": 0.7}, "", "no integer meets"),
     ({"type": "number", "minimum": 1, "exclusiveMaximum": 1}, "", "no number meets"),
