@@ -1,7 +1,8 @@
 """JSON mode and structured output (OpenAI's `response_format` json_object and json_schema): the answer is
 one JSON object, of a given schema or of any.
 
-`compile_schema` turns a JSON Schema into a `Node` tree, refusing (SchemaError) what it cannot enforce.
+`compile_schema` turns a JSON Schema into a `Node` tree, refusing (SchemaError) what it cannot enforce (a
+string's pattern or format is a `pattern.Pattern`, run over the string's decoded characters).
 `JsonPrefix` is a pushdown automaton over bytes that accepts exactly the prefixes of a JSON text (RFC 8259)
 whose value is an object matching the root node, and says when that object is complete. Every prefix it
 accepts can be completed (no dead end: a sampler steered by it never runs out of tokens). Strings are checked
@@ -22,11 +23,14 @@ changes which tokens can be drawn, not the odds of one allowed token against ano
 from __future__ import annotations
 
 import bisect
+import functools
 import json
 import math
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from typing import Any, Iterable
+
+from pattern import Pattern, PatternError
 
 WS = frozenset(b" \t\n\r")
 DIGITS = frozenset(b"0123456789")
@@ -34,6 +38,20 @@ LITERALS = {ord("t"): b"true", ord("f"): b"false", ord("n"): b"null"}
 ESCAPES = frozenset(b'"\\/bfnrtu')
 HEX = frozenset(b"0123456789abcdefABCDEF")
 SURROGATE_HEX = frozenset(f"d{c}" for c in "89abcdef")  # the first two hex digits of \\uD800-\\uDFFF
+ESCAPED = {ord('"'): 0x22, ord("\\"): 0x5C, ord("/"): 0x2F, ord("b"): 8, ord("f"): 12, ord("n"): 10, ord("r"): 13,
+           ord("t"): 9}  # a simple escape's character
+UTF8_BITS = {1: 0x1F, 2: 0x0F, 3: 0x07}  # a lead byte's bits of its code point, by continuation bytes after it
+# JSON Schema formats as patterns (pattern.py): RFC 3339 dates and times (years 0001-9999, the days each month
+# has, leap years; upper-case T and Z; up to 6 fraction digits, what Python's datetime reads), UUIDs, IPv4.
+_YEAR = r"(?:000[1-9]|00[1-9]\d|0[1-9]\d\d|[1-9]\d\d\d)"
+_LEAP = r"(?:\d\d(?:0[48]|[2468][048]|[13579][26])|(?:0[48]|[2468][048]|[13579][26])00)"
+_DAYS = r"(?:(?:0[13578]|1[02])-(?:0[1-9]|[12]\d|3[01])|(?:0[469]|11)-(?:0[1-9]|[12]\d|30)|02-(?:0[1-9]|1\d|2[0-8]))"
+_DATE = rf"(?:{_YEAR}-{_DAYS}|{_LEAP}-02-29)"
+_TIME = r"(?:[01]\d|2[0-3]):[0-5]\d:[0-5]\d(?:\.\d{1,6})?(?:Z|[+-](?:[01]\d|2[0-3]):[0-5]\d)"
+_OCTET = r"(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)"
+FORMATS = {"date": rf"^{_DATE}$", "time": rf"^{_TIME}$", "date-time": rf"^{_DATE}T{_TIME}$",
+           "uuid": r"^[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$",
+           "ipv4": rf"^{_OCTET}(?:\.{_OCTET}){{3}}$"}
 # A UTF-8 lead byte -> (continuation bytes after it, the range of the first of them); the others are 80..BF.
 # E0, ED, F0 and F4 narrow the first one: no overlong forms, no surrogates, nothing past U+10FFFF.
 UTF8_LEADS = ({b: (1, 0x80, 0xBF) for b in range(0xC2, 0xE0)} | {b: (2, 0x80, 0xBF) for b in range(0xE1, 0xF0)}
@@ -115,7 +133,8 @@ class Node:
     """What a value may be. `types`: its JSON types. For an object: `props` (a property's name as written
     between the quotes -> its node), `required`, and `extra`, the node of any other property (None: no other
     property). For an array: `items`, `min_items`, `max_items`. For a string: `min_length`, `max_length` (in
-    characters). For a number: `range` (None: any). `options`: the JSON texts of an enum's values (then only
+    characters), `pattern` (a compiled pattern or format the string must match). For a number: `range` (None:
+    any). `options`: the JSON texts of an enum's values (then only
     those). `alternatives`: anyOf's nodes, which no two can start with the same byte (the first byte picks one)."""
 
     types: frozenset[str]
@@ -130,6 +149,7 @@ class Node:
     min_length: int = 0
     max_length: int | None = None
     range: Range | None = None
+    pattern: Pattern | None = None
 
     @property
     def first(self) -> frozenset[int]:
@@ -145,13 +165,14 @@ object.__setattr__(ANY, "items", ANY)
 OBJECT = Node(frozenset({"object"}), extra=ANY)  # json_object: an object of anything
 KEYWORDS = frozenset({"type", "properties", "required", "additionalProperties", "items", "enum", "const", "anyOf",
                       "$ref", "$defs", "definitions", "minItems", "maxItems", "minLength", "maxLength", "minimum",
-                      "maximum", "exclusiveMinimum", "exclusiveMaximum"})
+                      "maximum", "exclusiveMinimum", "exclusiveMaximum", "pattern", "format"})
 
 
 def compile_schema(schema: Any) -> Node:
     """The Node of a JSON Schema: type (one or a list), properties, required, additionalProperties (a boolean or
     a schema; absent means allowed, as JSON Schema says), items, minItems / maxItems, minLength / maxLength,
-    minimum / maximum / exclusiveMinimum / exclusiveMaximum (a bounded number is written without an exponent),
+    pattern (pattern.py's subset) or format (FORMATS) but not with a length, minimum / maximum /
+    exclusiveMinimum / exclusiveMaximum (a bounded number is written without an exponent),
     enum and const (of strings, numbers, booleans or null, matched as json.dumps writes them), anyOf (of
     alternatives that start differently: a type or null, as pydantic writes Optional), and $ref to the root's
     $defs / definitions (what the openai client sends for pydantic models; not recursive). Title, description,
@@ -202,7 +223,7 @@ class _Compiler:
                     frozenset(_key(r) for r in required),
                     None if extra is False else self.node(extra, _join(path, "additionalProperties")),
                     self.node(schema.get("items", True), _join(path, "items")),
-                    range=_range(schema, path, "number" not in kinds),
+                    range=_range(schema, path, "number" not in kinds), pattern=_pattern(schema, path),
                     **dict(zip(("min_items", "max_items"), _limits(schema, path, "minItems", "maxItems"))),
                     **dict(zip(("min_length", "max_length"), _limits(schema, path, "minLength", "maxLength"))))
 
@@ -243,6 +264,31 @@ def _limits(schema: dict, path: str, low: str, high: str) -> tuple[int, int | No
         raise SchemaError(_join(path, low if not _is_count(lo) else high),
                           f"{low} and {high} must be integers >= 0, {low} <= {high}")
     return lo, hi
+
+
+def _pattern(schema: dict, path: str) -> Pattern | None:
+    """A string's pattern, or its format's; not with minLength / maxLength (a pattern that needs more characters
+    than the length leaves would be a dead end)."""
+    if "pattern" not in schema and "format" not in schema:
+        return None
+    if len({"pattern", "format", "minLength", "maxLength"} & set(schema)) > 1:
+        raise SchemaError(path, "pattern, format, minLength and maxLength: one of them at a time is supported")
+    if "format" in schema and schema["format"] not in FORMATS:
+        raise SchemaError(_join(path, "format"), f"{json.dumps(schema['format'])} is not supported ({sorted(FORMATS)} "
+                                                 "are)")
+    source = FORMATS[schema["format"]] if "format" in schema else schema["pattern"]
+    if not isinstance(source, str):
+        raise SchemaError(_join(path, "pattern"), "must be a string")
+    try:
+        return _compiled(source)
+    except PatternError as e:
+        raise SchemaError(_join(path, "pattern"), str(e)) from None
+
+
+@functools.lru_cache(maxsize=256)
+def _compiled(source: str) -> Pattern:
+    """Pattern(source), built once: a request's schema is compiled up to four times, and formats recur."""
+    return Pattern(source)
 
 
 def _is_count(v: Any) -> bool:
@@ -340,6 +386,8 @@ class JsonPrefix:
     number: str = ""  # "-", "0", "int", ".", "frac", "e", "e+", "exp": what the number's text ends in
     digits: str = ""  # the number's text so far (a bounded number's value is checked against its range)
     chars: int = 0  # characters of the string value being read (minLength, maxLength)
+    code: int = 0  # the code point of the UTF-8 character being read
+    nfa: frozenset[int] = frozenset()  # the states of the string value's pattern
     ws: int = 0  # whitespace bytes in a row, outside strings
 
     def copy(self) -> JsonPrefix:
@@ -363,22 +411,25 @@ class JsonPrefix:
                 if b == ord('"'):
                     if self.key:
                         return self._key_done()
-                    return self.chars >= self.node.min_length and self._value_done()
+                    return self.chars >= self.node.min_length and self._matched() and self._value_done()
                 if b == ord("\\"):
                     self.mode = "escape"
-                return b >= 0x20 and self._char()
+                    return self._char() and self._may_read(0, 0xFFFF)
+                return b >= 0x20 and self._char() and self._read(b)
             if m == "escape":
                 if b not in ESCAPES:
                     return False
                 self.mode, self.hex_left = ("unicode", 4) if b == ord("u") else ("string", 0)
-                return True
+                return self._may_read(0, 0xFFFF) if b == ord("u") else self._read(ESCAPED[b])
             self.hex_left -= 1
+            self.hex = self.hex + chr(b) if self.hex_left < 3 else chr(b)
+            if b not in HEX or self._reads_chars() and self.hex[:2].lower() in SURROGATE_HEX:
+                return False  # (\\uD800-\\uDFFF where characters are counted or matched: written as themselves)
             if self.hex_left == 0:
                 self.mode = "string"
-            self.hex = self.hex + chr(b) if self.hex_left < 3 else chr(b)
-            if self._counted() and self.hex[:2].lower() in SURROGATE_HEX:
-                return False  # \\uD800-\\uDFFF where the length is counted: the character is written as itself
-            return b in HEX
+                return self._read(int(self.hex, 16))
+            low = int(self.hex, 16) << 4 * self.hex_left
+            return self._may_read(low, low + 16 ** self.hex_left - 1)
         if m == "literal":
             left = tuple(t[1:] for t in self.left if t and t[0] == b)
             if left:
@@ -430,26 +481,53 @@ class JsonPrefix:
             return self._close(b)
         return False  # "done": nothing may follow the object
 
-    def _counted(self) -> bool:
-        return not self.key and (self.node.min_length > 0 or self.node.max_length is not None)
+    def _reads_chars(self) -> bool:
+        """The string value's characters are counted (minLength, maxLength) or matched (a pattern)."""
+        n = self.node
+        return not self.key and (n.min_length > 0 or n.max_length is not None or n.pattern is not None)
 
     def _char(self) -> bool:
         """A character of a string begins: counted against the value's maxLength."""
-        if not self._counted():
+        if self.key or self.node.min_length == 0 and self.node.max_length is None:
             return True
         self.chars += 1
         return self.node.max_length is None or self.chars <= self.node.max_length
+
+    def _read(self, code: int) -> bool:
+        """A character of a string is complete: the value's pattern reads it."""
+        if self.key or self.node.pattern is None:
+            return True
+        self.nfa = self.node.pattern.step(self.nfa, code)
+        return bool(self.nfa)
+
+    def _may_read(self, lo: int, hi: int) -> bool:
+        """A character still being written will be one of lo..hi (no surrogate): can the pattern read one?"""
+        p = None if self.key else self.node.pattern
+        if p is None:
+            return True
+        return p.can_step(self.nfa, lo, min(hi, 0xD7FF)) or hi >= 0xE000 and p.can_step(self.nfa, max(lo, 0xE000), hi)
+
+    def _matched(self) -> bool:
+        return self.node.pattern is None or self.node.pattern.matches(self.nfa)
 
     def _utf8_byte(self, b: int) -> bool:
         if self.utf8_left:
             lo, hi = self.utf8_next
             self.utf8_left, self.utf8_next = self.utf8_left - 1, (0x80, 0xBF)
-            return lo <= b <= hi
+            self.code = self.code << 6 | b & 0x3F
+            if not lo <= b <= hi:
+                return False
+            if self.utf8_left == 0:
+                return self._read(self.code)
+            low = self.code << 6 * self.utf8_left
+            return self._may_read(low, low + (1 << 6 * self.utf8_left) - 1)
         if b not in UTF8_LEADS:
             return False
         self.utf8_left, lo, hi = UTF8_LEADS[b]
-        self.utf8_next = (lo, hi)
-        return True
+        self.utf8_next, self.code = (lo, hi), b & UTF8_BITS[self.utf8_left]
+        rest = 6 * (self.utf8_left - 1)  # the bits after the first continuation byte
+        low = (self.code << 6 | lo & 0x3F) << rest
+        return self._may_read(low, (self.code << 6 | hi & 0x3F) << rest | (1 << rest) - 1)
 
     def _key_byte(self, b: int) -> bool:
         """A byte of an object key, as written: the key must stay a prefix of a property the object can still
@@ -487,6 +565,7 @@ class JsonPrefix:
             return True
         if b == ord('"'):
             self.mode, self.key, self.chars = "string", False, 0
+            self.nfa = node.pattern.begin() if node.pattern is not None else frozenset()
             return True
         if b in LITERALS:
             self.mode, self.left = "literal", (LITERALS[b],)

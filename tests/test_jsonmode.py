@@ -1,6 +1,7 @@
 """jsonmode.py: the JSON-object prefix automaton against Python's json module, and the pick."""
 import json
 import random
+import re
 from fractions import Fraction
 
 import pytest
@@ -188,6 +189,18 @@ BOUNDED_VALID = [{"n": 0}, {"n": -5, "x": 2.5, "s": "ab", "l": [1]}, {"e": [], "
                  "l": [12, 2.5, "a"]}, {"n": 7, "s": "é中", "l": [12, 1]}, {"n": -0, "x": 1.25, "s": "\t\"x"}]
 
 
+# Patterns and formats: matched on the decoded characters (escapes and UTF-8 alike).
+PATTERNED = {"type": "object", "additionalProperties": False, "required": ["code"], "properties": {
+    "code": {"type": "string", "pattern": "^[A-Z]{2}\\d{2}$"}, "word": {"type": "string", "pattern": "é+"},
+    "day": {"type": "string", "format": "date"}, "at": {"type": "string", "format": "date-time"},
+    "id": {"type": "string", "format": "uuid"},
+    "ip": {"anyOf": [{"type": "string", "format": "ipv4"}, {"type": "null"}]}}}
+PATTERNED_VALID = [{"code": "AB12"}, {"code": "ZZ00", "word": "xéy", "day": "2024-02-29", "ip": None},
+                   {"at": "1999-12-31T23:59:59.123456+05:30", "code": "QQ99",
+                    "id": "123e4567-e89b-12d3-a456-426614174000", "ip": "255.0.10.1", "word": "\u00e9"},
+                   {"code": "AA11", "day": "0001-01-01", "at": "2000-02-29T00:00:00Z"}]
+
+
 class Num(Fraction):
     """A number with the text it was written as (`loads`): the automaton reads a number's text exactly, matches
     an enum's numbers as json.dumps writes them, and takes no exponent in a bounded number."""
@@ -236,6 +249,9 @@ def _valid(v, s, defs: dict | None = None) -> bool:
             not any(0xD800 <= ord(c) <= 0xDFFF for c in v)
     bounds = [(k, Fraction(repr(s[k]))) for k in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum")
               if k in s]
+    if kind == "string" and ("pattern" in s or "format" in s):  # formats as Python reads them, patterns as re
+        return _formatted(v, s["format"]) if "format" in s else \
+            re.search(re.sub(r"\$$", r"\\Z", s["pattern"]), v, re.ASCII) is not None
     if kind in ("integer", "number") and bounds:
         return not any(c in v.text for c in "eE") and all(
             {"minimum": v >= b, "exclusiveMinimum": v > b, "maximum": v <= b, "exclusiveMaximum": v < b}[k]
@@ -243,15 +259,46 @@ def _valid(v, s, defs: dict | None = None) -> bool:
     return True
 
 
+def _formatted(v: str, name: str) -> bool:
+    import datetime
+    import ipaddress
+    import uuid
+    read = {"date": datetime.date.fromisoformat, "date-time": datetime.datetime.fromisoformat, "uuid": uuid.UUID,
+            "ipv4": ipaddress.IPv4Address}[name]
+    try:
+        read(v)
+    except ValueError:
+        return False
+    # Python reads more than the format (other separators, no offset, 7+ digits): the format's own shape too
+    return full_match(pattern_of(name), v)
+
+
+def pattern_of(name: str):
+    import pattern
+    return pattern.Pattern(jsonmode.FORMATS[name])
+
+
+def full_match(p, text: str) -> bool:
+    states = p.begin()
+    for ch in text:
+        states = p.step(states, ord(ch))
+        if not states:
+            return False
+    return p.matches(states)
+
+
 def dumped(values: list) -> list[str]:
     """Each value as JSON three ways: spaced, compact, indented."""
     return [t for v in values for t in (json.dumps(v), json.dumps(v, separators=(",", ":")), json.dumps(v, indent=1))]
 
 
-@pytest.mark.parametrize("schema, text", [(SCHEMA, t) for t in dumped(VALID)] +
-                         [(BOUNDED, t) for t in dumped(BOUNDED_VALID)])
+INSTANCES = {id(SCHEMA): VALID, id(BOUNDED): BOUNDED_VALID, id(PATTERNED): PATTERNED_VALID}
+
+
+@pytest.mark.parametrize("schema, text", [(schema, t) for schema in (SCHEMA, BOUNDED, PATTERNED)
+                                          for t in dumped(INSTANCES[id(schema)])])
 def test_a_schemas_instances_are_accepted_prefix_by_prefix(schema, text):
-    assert all(_valid(loads(t), schema) for t in dumped(VALID if schema is SCHEMA else BOUNDED_VALID))
+    assert all(_valid(loads(t), schema) for t in dumped(INSTANCES[id(schema)]))
     s = jsonmode.JsonPrefix(jsonmode.compile_schema(schema))
     for i, b in enumerate(text.encode()):
         assert s.feed(bytes([b])), (text, text[:i + 1])
@@ -303,9 +350,55 @@ def test_bounds_lengths_and_number_enums_are_refused_at_their_first_byte(text):
     assert s.copy().feed(text[:-1].encode()) and not s.copy().feed(text.encode())
 
 
-@pytest.mark.parametrize("which", ["SCHEMA", "PET", "BOUNDED"])
+@pytest.mark.parametrize("text", [
+    '{"code": "a', '{"code": "AB1"', '{"code": "AB123', '{"code": "AB12", "word": "x"',
+    '{"code": "AB12", "day": "2023-02-29', '{"code": "AB12", "day": "1900-02-29', '{"code": "AB12", "day": "0000',
+    '{"code": "AB12", "day": "2024-04-31', '{"code": "AB12", "day": "2024-13', '{"code": "AB12", "at": "2024-01-01 ',
+    '{"code": "AB12", "at": "2024-01-01T24', '{"code": "AB12", "at": "2024-01-01T00:00:00.1234567',
+    '{"code": "AB12", "at": "2024-01-01T00:00:00z', '{"code": "AB12", "id": "123e4567-e89b-12d3-a456-42661417400g',
+    '{"code": "AB12", "ip": "256', '{"code": "AB12", "ip": "1.2.3.4.', '{"code": "AB12", "word": "\\ud8',
+    '{"code": "AB12", "day": "â',
+    '{"code": "\\u0041\\u006'])
+def test_patterns_and_formats_are_refused_at_their_first_character(text):
+    """PATTERNED: each text's last byte is the first refused. A pattern's character where no continuation
+    matches, its closing quote before a match; dates that do not exist (Feb 29 of 2023 and 1900, year 0, April
+    31, month 13), an hour 24, a space for T, 7 fraction digits, a lower-case z, a UUID's non-hex digit, an
+    IPv4 octet over 255 or a fifth one, an escaped surrogate, a UTF-8 lead byte of no digit (at its first byte);
+    escapes match what they decode to, as soon as
+    their hex digits rule out every character that would match (\\u006_ is no capital)."""
+    s = jsonmode.JsonPrefix(jsonmode.compile_schema(PATTERNED))
+    assert s.copy().feed(text[:-1].encode()) and not s.copy().feed(text.encode())
+
+
+def test_formats_accept_only_what_python_reads():
+    """date: every day of months 0-13 x days 0-32 in ten years (leap or not: 4, 100, 400, 1900, 2000, 2023,
+    2024...) exactly as datetime.date.fromisoformat reads them; date-time: what the format takes of some times,
+    fractions and offsets, datetime.fromisoformat reads (it reads more: other separators, no offset)."""
+    import datetime
+    for year in (1, 4, 100, 400, 1900, 2000, 2023, 2024, 2100, 9999):
+        for month in range(0, 14):
+            for day in range(0, 33):
+                text = f"{year:04}-{month:02}-{day:02}"
+                try:
+                    datetime.date.fromisoformat(text)
+                    ok = True
+                except ValueError:
+                    ok = False
+                assert full_match(pattern_of("date"), text) == ok, text
+    taken = 0
+    for t in ("00:00:00Z", "23:59:59.5+14:00", "12:30:00.123456-05:30", "24:00:00Z", "12:60:00Z", "12:00:61Z",
+              "12:00:00", "12:00:00.Z", "12:00:00+5:00", "12:00:00.1234567Z"):
+        text = "2024-02-29T" + t
+        if full_match(pattern_of("date-time"), text):
+            datetime.datetime.fromisoformat(text.replace("Z", "+00:00"))
+            taken += 1
+    assert taken == 3
+
+
+@pytest.mark.parametrize("which", ["SCHEMA", "PET", "BOUNDED", "PATTERNED"])
 def test_a_schema_agrees_with_its_plain_statement_on_mutated_instances(which):
-    schema, instances = {"SCHEMA": (SCHEMA, VALID), "PET": (PET, PETS), "BOUNDED": (BOUNDED, BOUNDED_VALID)}[which]
+    schema, instances = {"SCHEMA": (SCHEMA, VALID), "PET": (PET, PETS), "BOUNDED": (BOUNDED, BOUNDED_VALID),
+                         "PATTERNED": (PATTERNED, PATTERNED_VALID)}[which]
     rng = random.Random(1)
     node = jsonmode.compile_schema(schema)
     texts = dumped(instances)
@@ -324,7 +417,10 @@ def test_a_schema_agrees_with_its_plain_statement_on_mutated_instances(which):
 
 
 @pytest.mark.parametrize("schema, path, words", [
-    ({"type": "object", "properties": {"x": {"type": "string", "pattern": "a+"}}}, "properties.x", "pattern"),
+    ({"type": "object", "properties": {"x": {"type": "string", "pattern": "(?=a)"}}}, "properties.x.pattern",
+     "lookaround"),
+    ({"type": "string", "format": "email"}, "format", "not supported"),
+    ({"type": "string", "pattern": "a", "maxLength": 3}, "", "one of them at a time"),
     ({"anyOf": [{"type": "object"}, {"type": "object", "properties": {}}]}, "anyOf", "same byte"),
     ({"anyOf": [{"type": "number"}, {"type": "integer"}]}, "anyOf", "same byte"),
     ({"type": "object", "required": ["y"]}, "", "required"),
@@ -394,12 +490,13 @@ CLOSED = {"type": "object", "properties": {"e": {"type": "object", "additionalPr
           "required": ["e"], "additionalProperties": False}  # objects that take no key, or one
 
 
-@pytest.mark.parametrize("which", ["OBJECT", "SCHEMA", "PET", "CLOSED", "BOUNDED"])
+@pytest.mark.parametrize("which", ["OBJECT", "SCHEMA", "PET", "CLOSED", "BOUNDED", "PATTERNED"])
 def test_no_accepted_prefix_is_a_dead_end(which):
     """Random walks, each step a byte the automaton accepts there (structural bytes favoured so that objects
     get written and closed): until the object is done, some byte always continues."""
     root = jsonmode.OBJECT if which == "OBJECT" else \
-        jsonmode.object_schema({"SCHEMA": SCHEMA, "PET": PET, "CLOSED": CLOSED, "BOUNDED": BOUNDED}[which])
+        jsonmode.object_schema({"SCHEMA": SCHEMA, "PET": PET, "CLOSED": CLOSED, "BOUNDED": BOUNDED,
+                                "PATTERNED": PATTERNED}[which])
     rng = random.Random(2)
     alphabet = [bytes([b]) for b in range(0x20, 0x7f)] + [b"\n", b"\xc3", b"\xa9", b"\xe2", b"\x82", b"\xf0", b"\x9f"]
     weight = {c: 25 if c in b'{}[],:"tfn0123456789' else 1 for c in range(256)}

@@ -366,7 +366,8 @@ def test_json_mode(server, client):
                                    text={"format": {"type": "json_schema", "name": "answer", "schema": shape}})
     assert jsonmode.JsonPrefix(jsonmode.object_schema(shape)).feed(resp.output_text.encode()), resp.output_text
     # the openai client's parse() with a pydantic model ($defs, $ref, anyOf for Optional, bounds, lengths, a
-    # Literal of numbers), read back and validated by the client through pydantic
+    # Literal of numbers, a pattern, a date), read back and validated by the client through pydantic
+    import datetime
     import typing
 
     import pydantic
@@ -379,6 +380,8 @@ def test_json_mode(server, client):
         legs: typing.Literal[2, 4]
         weight: float = pydantic.Field(gt=0, lt=100)
         tags: list[str] = pydantic.Field(min_length=1, max_length=3)
+        code: str = pydantic.Field(pattern=r"^[A-Z]{2}\d{2}$")
+        born: datetime.date
         owner: Owner | None
 
     parsed = 0
@@ -395,7 +398,7 @@ def test_json_mode(server, client):
     schema = "response_format.json_schema.schema"
     for extra, param in (({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, schema),
                          ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
-                             "type": "object", "properties": {"a": {"type": "string", "format": "date"}}}}}}, schema),
+                             "type": "object", "properties": {"a": {"type": "string", "format": "email"}}}}}}, schema),
                          ({"tools": [CLOCK], "tool_choice": "required"}, "response_format")):
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(max_tokens=5, **{**kw, **extra})
