@@ -733,8 +733,8 @@ def test_json_object_answers_are_json_objects(parts, monkeypatch):
             v = json.loads(r.text)
             assert isinstance(v["a"], bool) and set(v) <= {"a", "n"} and isinstance(v.get("n", 0), int), r.text
     assert any(r.finish_reason == "stop" for r in outs), [r.text for r in outs]
-    with pytest.raises(ValueError, match="SamplingParams.json_schema .*pattern"):
-        E.SamplingParams(json_schema={"type": "object", "properties": {"a": {"type": "string", "pattern": "x"}}})
+    with pytest.raises(ValueError, match="SamplingParams.json_schema .*format"):
+        E.SamplingParams(json_schema={"type": "object", "properties": {"a": {"type": "string", "format": "email"}}})
     # after a think block: reasoning is free, the answer after </think> is held
     r = eng.generate([ids + [eng.think_start]], E.SamplingParams(temperature=0, max_tokens=10, json_object=True,
                                                                   logit_bias=braces, thinking_token_budget=2))[0]
