@@ -25,7 +25,7 @@ class PatternError(ValueError):
 
 @dataclass(frozen=True)
 class CharSet:
-    """Characters as sorted, disjoint ranges of code points (inclusive), or their complement."""
+    """Characters as ranges of code points (inclusive; a class's may overlap), or their complement."""
     ranges: tuple[tuple[int, int], ...]
     negated: bool = False
 
