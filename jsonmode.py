@@ -403,33 +403,7 @@ class JsonPrefix:
     def _byte(self, b: int) -> bool:
         m = self.mode
         if m in ("string", "escape", "unicode"):
-            if self.key and not (m == "string" and b == ord('"')) and not self._key_byte(b):
-                return False
-            if m == "string":
-                if self.utf8_left or b >= 0x80:
-                    return (self.utf8_left or self._char()) and self._utf8_byte(b)
-                if b == ord('"'):
-                    if self.key:
-                        return self._key_done()
-                    return self.chars >= self.node.min_length and self._matched() and self._value_done()
-                if b == ord("\\"):
-                    self.mode = "escape"
-                    return self._char() and self._may_read(0, 0xFFFF)
-                return b >= 0x20 and self._char() and self._read(b)
-            if m == "escape":
-                if b not in ESCAPES:
-                    return False
-                self.mode, self.hex_left = ("unicode", 4) if b == ord("u") else ("string", 0)
-                return self._may_read(0, 0xFFFF) if b == ord("u") else self._read(ESCAPED[b])
-            self.hex_left -= 1
-            self.hex = self.hex + chr(b) if self.hex_left < 3 else chr(b)
-            if b not in HEX or self._reads_chars() and self.hex[:2].lower() in SURROGATE_HEX:
-                return False  # (\\uD800-\\uDFFF where characters are counted or matched: written as themselves)
-            if self.hex_left == 0:
-                self.mode = "string"
-                return self._read(int(self.hex, 16))
-            low = int(self.hex, 16) << 4 * self.hex_left
-            return self._may_read(low, low + 16 ** self.hex_left - 1)
+            return self._string_byte(m, b)
         if m == "literal":
             left = tuple(t[1:] for t in self.left if t and t[0] == b)
             if left:
@@ -480,6 +454,36 @@ class JsonPrefix:
                 return True
             return self._close(b)
         return False  # "done": nothing may follow the object
+
+    def _string_byte(self, m: str, b: int) -> bool:
+        """A byte of a string (a key or a value): escapes, UTF-8, a value's length and pattern."""
+        if self.key and not (m == "string" and b == ord('"')) and not self._key_byte(b):
+            return False
+        if m == "string":
+            if self.utf8_left or b >= 0x80:
+                return (self.utf8_left or self._char()) and self._utf8_byte(b)
+            if b == ord('"'):
+                if self.key:
+                    return self._key_done()
+                return self.chars >= self.node.min_length and self._matched() and self._value_done()
+            if b == ord("\\"):
+                self.mode = "escape"
+                return self._char() and self._may_read(0, 0xFFFF)
+            return b >= 0x20 and self._char() and self._read(b)
+        if m == "escape":
+            if b not in ESCAPES:
+                return False
+            self.mode, self.hex_left = ("unicode", 4) if b == ord("u") else ("string", 0)
+            return self._may_read(0, 0xFFFF) if b == ord("u") else self._read(ESCAPED[b])
+        self.hex_left -= 1
+        self.hex = self.hex + chr(b) if self.hex_left < 3 else chr(b)
+        if b not in HEX or self._reads_chars() and self.hex[:2].lower() in SURROGATE_HEX:
+            return False  # (\\uD800-\\uDFFF where characters are counted or matched: written as themselves)
+        if self.hex_left == 0:
+            self.mode = "string"
+            return self._read(int(self.hex, 16))
+        low = int(self.hex, 16) << 4 * self.hex_left
+        return self._may_read(low, low + 16 ** self.hex_left - 1)
 
     def _reads_chars(self) -> bool:
         """The string value's characters are counted (minLength, maxLength) or matched (a pattern)."""
