@@ -192,15 +192,13 @@ class _Parser:
         else:
             return atom
         self._eat("?")  # lazy: the same strings match
-        copies = (lo + 1 if hi is None else max(hi, 1)) * (len(_reachable(atom.start)) + 1)
-        self.made += copies
-        if self.made > MAX_STATES:  # before building them: a nested count would multiply
+        # The atom parsed once sizes the copies; each copy is parsed again from its source (a fragment links
+        # once). Counted before they are built: nested counts multiply.
+        self.made += (lo + 1 if hi is None else max(hi, 1)) * (len(_reachable(atom.start)) + 1)
+        if self.made > MAX_STATES:
             raise self._error(f"the NFA would take more than {MAX_STATES} states")
         source = self.src[start:self.i]
-        return _repeat(lambda: _Parser(source).atom_only(), lo, hi)
-
-    def atom_only(self) -> Fragment:
-        return self._atom()
+        return _repeat(lambda: _Parser(source)._atom(), lo, hi)
 
     def _at_end_anchor(self) -> bool:
         return self._peek() == "$" and self.src[self.i + 1:self.i + 2] in ("", "|")
