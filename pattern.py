@@ -100,6 +100,15 @@ class Pattern:
     def matches(self, states: frozenset[int]) -> bool:
         return self.index[id(self.match)] in states
 
+    def test(self, text: str) -> bool:
+        """Does the whole of `text` match (as ECMA-262's `test` reads the pattern: anchored or not)?"""
+        states = self.begin()
+        for ch in text:
+            states = self.step(states, ord(ch))
+            if not states:
+                return False
+        return self.matches(states)
+
     def _closure(self, todo: list[State]) -> frozenset[int]:
         """The states reached from `todo` by splits (epsilon moves), the splits left out: a set holds the
         states that read a character, and the match."""
