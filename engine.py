@@ -531,6 +531,12 @@ class Sequence:
         return dropped
 
 
+def draw_args(seqs: Seq[Sequence]) -> tuple[list, list, list, list]:
+    """draw_on_device's arguments for these sequences' rows: params, prompt ids, output ids, generators."""
+    return ([s.params for s in seqs], [s.prompt_tensor for s in seqs], [s.output_ids for s in seqs],
+            [s.generator for s in seqs])
+
+
 @dataclass
 class Ahead:
     """A decode step launched before the host read the tokens it decodes (Engine._launch_ahead): its
@@ -1137,15 +1143,10 @@ class Engine:
             return []
         at = [i for _, i in done]
         rows = logits if at == list(range(len(logits))) else logits[fastdecode.to_device(at, logits.device)]
-        args = ([seq.params for seq, _ in done], [seq.prompt_tensor for seq, _ in done],
-                [seq.output_ids for seq, _ in done], [seq.generator for seq, _ in done])
-        drawn = draw_on_device(rows, *args, kernel=self.use_kernels and rows.is_cuda)
+        drawn = self._draw([seq for seq, _ in done], rows)
         spent = [j for j, (seq, _) in enumerate(done) if self._thinking_left(seq) == 0]
         if spent:  # on the device, before the step launched ahead reads the tokens
             drawn[fastdecode.to_device(spent, drawn.device)] = self.think_end
-        for j, (seq, _) in enumerate(done):
-            if seq.json is not None and not seq.thinking:  # (a row forced to </think> is still thinking)
-                drawn[j] = self._json_token(seq, rows[j])
         asked = [j for j, (seq, _) in enumerate(done) if seq.params.logprobs is not None]
         queued = [drawn]
         if asked:  # the logprobs too, so that nothing reads these logits after the next step is launched
@@ -1169,6 +1170,23 @@ class Engine:
         if self.ahead is not None and all(seq.finish_reason is not None for seq, _ in self.ahead.batch):
             self.ahead = None  # every sequence it decodes has stopped
         return outputs
+
+    def _draw(self, seqs: list[Sequence], rows: torch.Tensor) -> torch.Tensor:
+        """Each sequence's token [N] on the device: one draw_on_device for the free rows; a JSON answer's
+        row by _json_token instead (which draws its race from the row's generator: once a step, as a free
+        row does, so the constraint changes a seeded draw only where the free token would not fit)."""
+        held = [j for j, seq in enumerate(seqs) if seq.json is not None and not seq.thinking]
+        free = [j for j in range(len(seqs)) if j not in held]  # (a row forced to </think> is still thinking)
+        kernel = self.use_kernels and rows.is_cuda
+        if not held:
+            return draw_on_device(rows, *draw_args(seqs), kernel=kernel)
+        drawn = torch.empty(len(seqs), dtype=torch.long, device=rows.device)
+        if free:
+            at = fastdecode.to_device(free, rows.device)
+            drawn[at] = draw_on_device(rows[at], *draw_args([seqs[j] for j in free]), kernel=kernel)
+        tokens = [self._json_token(seqs[j], rows[j]) for j in held]
+        drawn[fastdecode.to_device(held, rows.device)] = fastdecode.to_device(tokens, rows.device)
+        return drawn
 
     def _json_token(self, seq: Sequence, logits: torch.Tensor) -> int:
         """The token of a JSON answer: the race of draw_on_device (its own noise draw from the row's generator)

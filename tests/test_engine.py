@@ -722,6 +722,13 @@ def test_json_object_answers_are_json_objects(parts, monkeypatch):
         assert jsonmode.JsonPrefix().feed(r.text.encode()), r.text
         assert r.finish_reason == "length" or isinstance(json.loads(r.text), dict)
     assert len({r.text for r in outs}) > 1
+    # where the free draw's token fits, the answer's is that token: a JSON row's race is drawn once a step, from
+    # the seeded generator as a free row's (a space and "{" pushed up alike: either may open the object)
+    even = {tok.token_to_id("\u0120"): 100.0, tok.token_to_id("{"): 100.0}
+    firsts = [[eng.generate([ids], E.SamplingParams(temperature=1.0, seed=s, max_tokens=1, logit_bias=even,
+                                                    json_object=held))[0].token_ids for held in (False, True)]
+              for s in range(8)]
+    assert all(free == held for free, held in firsts) and len({tuple(free) for free, _ in firsts}) == 2, firsts
     # with a schema: a boolean "a" is required, nothing else allowed
     schema = {"type": "object", "properties": {"a": {"type": "boolean"}, "n": {"type": "integer"}}, "required": ["a"],
               "additionalProperties": False}
