@@ -234,19 +234,25 @@ class Delta:
     tool_call: ToolCall | None = None
 
 
-def _schema_types(tools: list[dict] | None, name: str, key: str) -> set[str] | None:
+def written_verbatim(prop: Any) -> bool:
+    """Whether a tool argument of this property schema is written as its own text, not as JSON: the template
+    writes a string verbatim, so a parameter typed string (alone or among others) is read back as the text."""
+    if not isinstance(prop, dict) or "type" not in prop:
+        return False
+    return "string" in (prop["type"] if isinstance(prop["type"], list) else [prop["type"]])
+
+
+def _param_schema(tools: list[dict] | None, name: str, key: str) -> Any:
     for t in tools or []:
         fn = t.get("function", t)
         if fn.get("name") == name:
-            prop = ((fn.get("parameters") or {}).get("properties") or {}).get(key)
-            if isinstance(prop, dict) and "type" in prop:
-                return set(prop["type"]) if isinstance(prop["type"], list) else {prop["type"]}
+            return ((fn.get("parameters") or {}).get("properties") or {}).get(key)
     return None
 
 
-def _typed_value(raw: str, types: set[str] | None) -> Any:
+def _typed_value(raw: str, verbatim: bool) -> Any:
     """The template writes strings verbatim and everything else as JSON, so the schema decides."""
-    if types is not None and "string" in types:
+    if verbatim:
         return raw
     try:
         return json.loads(raw)
@@ -273,7 +279,7 @@ def parse_tool_call(body: str, tools: list[dict] | None = None) -> ToolCall | No
         if not sep:
             return None
         key = key.strip()  # mangled keys with stray whitespace still name the parameter
-        args[key] = _typed_value(value, _schema_types(tools, name, key))
+        args[key] = _typed_value(value, written_verbatim(_param_schema(tools, name, key)))
         rest = rest.lstrip()
     return ToolCall(name=name, arguments=args)
 

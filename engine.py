@@ -46,6 +46,7 @@ import fastprefill
 import jsonmode
 import kernels
 import placement
+import toolmode
 from cache import CachePool
 from prefix_cache import BlockManager, SnapshotStore, block_hash
 from model_glm import GLMConfig, GLMModel, KDASnapshot, SeqChunk
@@ -78,6 +79,10 @@ class SamplingParams:
     `json_object`: the answer (after the think block, if any) is one JSON object; each token is drawn among
     those that keep it one (jsonmode.py), and the request stops, "stop", when the object is complete.
     `json_schema`: the same, an object of this JSON Schema (the subset jsonmode.compile_schema enforces).
+    `tool_calls`: the answer is GLM's XML tool calls of these tools (name -> the JSON Schema of its parameters,
+    None for none), each held to its schema (toolmode.py); after a call the answer stops, or with
+    `parallel_tool_calls` it may go on to another call or stop. A prompt that ends with `<tool_call>` has
+    started the first call (serve.py forces it).
     """
 
     max_tokens: int | None = None  # None: until a stop or the context limit
@@ -98,6 +103,8 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     json_object: bool = False
     json_schema: dict | None = None
+    tool_calls: dict[str, dict | None] | None = None
+    parallel_tool_calls: bool = True
 
     @property
     def penalizes(self) -> bool:
@@ -148,6 +155,15 @@ class SamplingParams:
                 jsonmode.object_schema(self.json_schema)
             except jsonmode.SchemaError as e:
                 raise bad("json_schema", str(e)) from None
+        if self.tool_calls is not None:
+            if not isinstance(self.tool_calls, dict) or not self.tool_calls:
+                raise bad("tool_calls", "must map tool names to their parameters' schemas (None for none)")
+            if self.json_object or self.json_schema is not None:
+                raise bad("tool_calls", "the answer cannot be both tool calls and a JSON object")
+            try:
+                toolmode.compile_tools(self.tool_calls)
+            except jsonmode.SchemaError as e:
+                raise bad("tool_calls", str(e)) from None
         if self.thinking_token_budget is not None and not (is_int(self.thinking_token_budget)
                                                            and self.thinking_token_budget >= 0):
             raise bad("thinking_token_budget", "must be an integer >= 0 (the tokens allowed inside <think>) or None")
@@ -241,7 +257,7 @@ class EngineStats:
 # Sampling
 
 
-JSON_CANDIDATES = 64  # a JSON answer's token is first sought among this many of its row's race leaders
+GRAMMAR_CANDIDATES = 64  # a held answer's token is first sought among this many of its row's race leaders
 TOP_P_CANDIDATES = 1024  # a top_p row without top_k is cut among this many of its most likely tokens when it can be
 
 
@@ -495,7 +511,7 @@ class Sequence:
     thinking: bool = False  # inside a think block (the prompt's last <think> is open; no </think> generated yet)
     thought: int = 0  # tokens inside that block so far, the prompt's included
     reasoning_tokens: int = 0  # generated inside it
-    json: jsonmode.JsonPrefix | None = None  # the answer so far, when it must be a JSON object
+    grammar: jsonmode.JsonPrefix | toolmode.ToolCallPrefix | None = None  # the answer so far, where one holds it
     # block_table's mirror for table(): the list it mirrors, and its first `_mirrored` entries
     _table: np.ndarray = field(default_factory=lambda: np.zeros(16, dtype=np.int64), repr=False)
     _table_of: list[int] | None = field(default=None, repr=False)
@@ -574,8 +590,10 @@ class Engine:
         self.config: GLMConfig = model.config
         self.eos_token_ids = frozenset(eos_token_ids)
         self.think_start, self.think_end = (tokenizer.token_to_id(t) for t in (chat.THINK_START, chat.THINK_END))
+        self.tool_tags = {t: tokenizer.token_to_id(t) for t in toolmode.TAGS}  # None where not one token
         self._vocab_bytes: list[bytes | None] | None = None
-        self._json_vocab: jsonmode.Vocabulary | None = None  # built on the first JSON row that needs it
+        self._tool_bytes: list[bytes | None] | None = None
+        self._sorted: dict[type, jsonmode.Vocabulary] = {}  # by grammar, built on the first row that needs it
         self.vocab_size = self.config.vocab_size
         self.device, self.dtype = model.weights["embed_tokens.weight"].device, model.dtype
         if block_size <= 0 or block_size % self.config.index_kpool:
@@ -760,6 +778,9 @@ class Engine:
         if any(t >= self.vocab_size for t in p.logit_bias):
             raise ValueError(f"logit_bias token ids {sorted(t for t in p.logit_bias if t >= self.vocab_size)[:5]} "
                              f"must be below the vocabulary size {self.vocab_size}")
+        if p.tool_calls is not None and None in self.tool_tags.values():
+            raise ValueError(f"tool_calls needs {', '.join(toolmode.TAGS)} as tokens; this tokenizer lacks "
+                             f"{[t for t, i in self.tool_tags.items() if i is None]}")
         if p.thinking_token_budget is not None and None in (self.think_start, self.think_end):
             raise ValueError(f"thinking_token_budget needs {chat.THINK_START} and {chat.THINK_END} tokens; "
                              f"this tokenizer has no such token")
@@ -775,13 +796,24 @@ class Engine:
         if self.speculator is not None:
             seq.draft_stats = dflash.DraftStats.new(self.speculator.max_draft)
         seq.thinking, seq.thought = self._open_thought(prompt_ids)
-        if p.json_schema is not None:
-            seq.json = jsonmode.JsonPrefix(jsonmode.object_schema(p.json_schema))
-        elif p.json_object:
-            seq.json = jsonmode.JsonPrefix()
+        seq.grammar = self._grammar(p, prompt_ids)
         self.requests[request_id] = seq
         self.waiting.append(seq)
         return request_id
+
+    def _grammar(self, p: SamplingParams, prompt_ids: list[int]) -> jsonmode.JsonPrefix | toolmode.ToolCallPrefix | None:
+        """The automaton that holds the answer (JSON mode, tool calls), fed the first call's tag where the prompt
+        has started it."""
+        if p.json_schema is not None:
+            return jsonmode.JsonPrefix(jsonmode.object_schema(p.json_schema))
+        if p.json_object:
+            return jsonmode.JsonPrefix()
+        if p.tool_calls is None:
+            return None
+        calls = toolmode.ToolCallPrefix(toolmode.compile_tools(p.tool_calls), p.parallel_tool_calls)
+        if prompt_ids[-1] == self.tool_tags[chat.TOOL_START]:
+            calls.feed(bytes([toolmode.CALL]))
+        return calls
 
     def _open_thought(self, prompt_ids: list[int]) -> tuple[bool, int]:
         """Whether the prompt ends inside a think block, and the tokens it holds there."""
@@ -941,7 +973,7 @@ class Engine:
         the token budget left after its next token, max_tokens or the context can take (a step emits
         up to k + 1 tokens)."""
         seq.k = 0
-        if self.speculator is None or seq.num_computed != len(seq.token_ids) - 1 or seq.json is not None:
+        if self.speculator is None or seq.num_computed != len(seq.token_ids) - 1 or seq.grammar is not None:
             return 0  # (a JSON answer's tokens are each picked by _sample)
         room = min(budget, self._tokens_left(seq) - 1, self.speculator.max_draft)
         left = self._thinking_left(seq)
@@ -1172,10 +1204,11 @@ class Engine:
         return outputs
 
     def _draw(self, seqs: list[Sequence], rows: torch.Tensor) -> torch.Tensor:
-        """Each sequence's token [N] on the device: one draw_on_device for the free rows; a JSON answer's
-        row by _json_token instead (which draws its race from the row's generator: once a step, as a free
-        row does, so the constraint changes a seeded draw only where the free token would not fit)."""
-        held = [j for j, seq in enumerate(seqs) if seq.json is not None and not seq.thinking]
+        """Each sequence's token [N] on the device: one draw_on_device for the free rows; the row of an answer a
+        grammar holds (JSON, tool calls) by _held_token instead (which draws its race from the row's generator:
+        once a step, as a free row does, so the grammar changes a seeded draw only where the free token would
+        not fit)."""
+        held = [j for j, seq in enumerate(seqs) if seq.grammar is not None and not seq.thinking]
         free = [j for j in range(len(seqs)) if j not in held]  # (a row forced to </think> is still thinking)
         kernel = self.use_kernels and rows.is_cuda
         if not held:
@@ -1184,28 +1217,30 @@ class Engine:
         if free:
             at = fastdecode.to_device(free, rows.device)
             drawn[at] = draw_on_device(rows[at], *draw_args([seqs[j] for j in free]), kernel=kernel)
-        tokens = [self._json_token(seqs[j], rows[j]) for j in held]
+        tokens = [self._held_token(seqs[j], rows[j]) for j in held]
         drawn[fastdecode.to_device(held, rows.device)] = fastdecode.to_device(tokens, rows.device)
         return drawn
 
-    def _json_token(self, seq: Sequence, logits: torch.Tensor) -> int:
-        """The token of a JSON answer: the race of draw_on_device (its own noise draw from the row's generator)
-        run down the row's tokens in order until one keeps the answer a JSON object's prefix; if the filters
-        (top_k, top_p, min_p) left none that does, the model's most likely one that does."""
+    def _held_token(self, seq: Sequence, logits: torch.Tensor) -> int:
+        """The token of an answer a grammar holds: the race of draw_on_device (its own noise draw from the row's
+        generator) run down the row's tokens in order until one keeps the answer a prefix the grammar accepts
+        (a JSON object's, tool calls'); if the filters (top_k, top_p, min_p) left none that does, the model's
+        most likely one that does."""
         p = seq.params
         x = process_rows(logits[None], [p], [seq.prompt_tensor], [seq.output_ids])
         scores = race_scores(x, race_noise([p], [seq.generator], x.shape[1], x.device))[0]
         kept = int(torch.isfinite(scores).sum())
-        head = scores.topk(min(kept, JSON_CANDIDATES)).indices.tolist()  # one of them usually fits: no full sort
-        token = jsonmode.pick(head, seq.json, self.vocab_bytes)
+        head = scores.topk(min(kept, GRAMMAR_CANDIDATES)).indices.tolist()  # one of them usually fits: no full sort
+        token = jsonmode.pick(head, seq.grammar, self._grammar_bytes(seq.grammar))
         if token is not None:
             return token
         # Few tokens fit here (or the model wants none of them): find them all, the first in race order wins.
-        if self._json_vocab is None:
-            self._json_vocab = jsonmode.Vocabulary.of(self.vocab_bytes)
-        fits = jsonmode.allowed(seq.json, self._json_vocab)
+        kind = type(seq.grammar)
+        if kind not in self._sorted:
+            self._sorted[kind] = jsonmode.Vocabulary.of(self._grammar_bytes(seq.grammar))
+        fits = jsonmode.allowed(seq.grammar, self._sorted[kind])
         if not fits:
-            raise RuntimeError(f"request {seq.request_id}: no token continues its JSON answer")
+            raise RuntimeError(f"request {seq.request_id}: no token continues its answer ({kind.__name__})")
         at = fastdecode.to_device(fits, scores.device)
         race_of_fits = scores[at]
         return fits[int((race_of_fits if torch.isfinite(race_of_fits).any() else logits[at]).argmax())]
@@ -1218,14 +1253,23 @@ class Engine:
             self._vocab_bytes = [None if i in added else token_bytes(self.tokenizer, i) for i in range(self.vocab_size)]
         return self._vocab_bytes
 
+    def _grammar_bytes(self, grammar: jsonmode.JsonPrefix | toolmode.ToolCallPrefix) -> list[bytes | None]:
+        """Each token's bytes as the grammar reads them: vocab_bytes, and for tool calls the tags' and the stop
+        tokens' bytes too (toolmode.tagged_bytes)."""
+        if isinstance(grammar, jsonmode.JsonPrefix):
+            return self.vocab_bytes
+        if self._tool_bytes is None:
+            self._tool_bytes = toolmode.tagged_bytes(self.vocab_bytes, self.tool_tags, self.eos_token_ids)
+        return self._tool_bytes
+
     def _append(self, seq: Sequence, token: int) -> None:
         """Add one generated token: detokenize, check stops and limits."""
         p = seq.params
         seq.token_ids.append(token)
         seq.outputs.append(token)
         self.counters["tokens_generated"] += 1
-        if seq.json is not None and not seq.thinking:
-            seq.json.feed(self.vocab_bytes[token])
+        if seq.grammar is not None and not seq.thinking:
+            seq.grammar.feed(self._grammar_bytes(seq.grammar)[token])
         if seq.thinking:
             seq.thinking = token != self.think_end
             seq.thought += seq.thinking
@@ -1241,7 +1285,7 @@ class Engine:
                 at, seq.stop_string = min(hit, key=lambda h: h[0])
                 seq.text = seq.text[:at]
                 self._finish(seq, "stop")
-            elif seq.json is not None and seq.json.done:
+            elif seq.grammar is not None and seq.grammar.done:
                 self._finish(seq, "stop")
             elif self._tokens_left(seq) <= 0:
                 self._finish(seq, "length")

@@ -125,7 +125,7 @@ class SchemaError(ValueError):
 
     def __init__(self, path: str, message: str):
         super().__init__(f"{path or 'the schema'}: {message}")
-        self.path = path
+        self.path, self.reason = path, message
 
 
 @dataclass(frozen=True, eq=False)
@@ -396,6 +396,17 @@ class JsonPrefix:
     @property
     def done(self) -> bool:
         return self.mode == "done"
+
+    @property
+    def complete(self) -> bool:
+        """The text is a whole value where nothing follows it: done, or a number (or a number's option, "1" of
+        1 and 12) that could also go on."""
+        if self.stack or self.mode not in ("number", "literal"):
+            return self.done
+        if self.mode == "literal":
+            return b"" in self.left
+        r = self.node.range
+        return self.number in ("0", "int", "frac", "exp") and (r is None or r.holds(Fraction(self.digits)))
 
     def feed(self, data: bytes) -> bool:
         return all(self._byte(b) for b in data)

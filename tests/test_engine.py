@@ -18,6 +18,7 @@ import jsonmode
 import kernels
 import prefix_cache
 import tiny
+import toolmode
 from model_glm import GLMConfig, GLMModel
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the sampler's kernel runs where the logits are
@@ -711,7 +712,7 @@ def test_json_object_answers_are_json_objects(parts, monkeypatch):
     # the leader fails ("}" cannot open the object): the walk over the vocabulary finds what fits, and the race's
     # leader among it wins: a space (pushed up more than "{") until MAX_WS of them, then "{"; then "}" fits
     with monkeypatch.context() as m:
-        m.setattr(E, "JSON_CANDIDATES", 1)
+        m.setattr(E, "GRAMMAR_CANDIDATES", 1)
         opened = {tok.token_to_id("}"): 100.0, tok.token_to_id("\u0120"): 60.0, tok.token_to_id("{"): 50.0}
         r = eng.generate([ids], E.SamplingParams(temperature=0, max_tokens=40, json_object=True, logit_bias=opened))[0]
     assert (r.text, r.finish_reason) == (" " * jsonmode.MAX_WS + "{}", "stop")
@@ -746,6 +747,53 @@ def test_json_object_answers_are_json_objects(parts, monkeypatch):
     r = eng.generate([ids + [eng.think_start]], E.SamplingParams(temperature=0, max_tokens=10, json_object=True,
                                                                   logit_bias=braces, thinking_token_budget=2))[0]
     assert r.token_ids[2] == eng.think_end and tok.decode(r.token_ids[3:]) == "{}" and r.finish_reason == "stop"
+
+
+def test_tool_calls_are_held_to_their_schemas(parts):
+    model, _ = parts
+    tok = make_tokenizer(model.config.vocab_size, THINK_TOKENS + toolmode.TAGS)
+    eng = E.Engine(model, tok, eos_token_ids=[EOS], num_blocks=64, block_size=BS, max_num_seqs=4, max_batch_tokens=64,
+                   snapshot_bytes=0)
+    call = eng.tool_tags[chat.TOOL_START]
+    ids = [t + 8 if t < 10 else t for t in prompt(91, 10)]  # no special token inside
+    weather = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6},
+                                                "days": {"type": "integer", "minimum": 1, "maximum": 14}},
+               "required": ["city", "days"], "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": weather}}]
+
+    def calls(token_ids: list[int]) -> list[chat.ToolCall]:
+        text = tok.decode(token_ids, skip_special_tokens=False)
+        got = [chat.parse_tool_call(b.split(chat.TOOL_END)[0], tools) for b in text.split(chat.TOOL_START)[1:]]
+        assert None not in got, text
+        return got
+
+    # one call, started by the prompt (as serve.py forces it) or not: the random model writes it whole
+    for start in ([call], []):
+        outs = eng.generate([ids + start] * 3, [E.SamplingParams(temperature=1.0, seed=s, max_tokens=60,
+                                                                 tool_calls={"get_weather": weather},
+                                                                 parallel_tool_calls=False, skip_special_tokens=False)
+                                                for s in range(3)])
+        for r in outs:
+            got = calls(r.token_ids if not start else [call] + r.token_ids)
+            assert r.finish_reason == "stop" and len(got) == 1, tok.decode(r.token_ids, skip_special_tokens=False)
+            assert set(got[0].arguments) == {"city", "days"} and len(got[0].arguments["city"]) <= 6
+            assert 1 <= got[0].arguments["days"] <= 14 and isinstance(got[0].arguments["days"], int)
+            assert r.token_ids[-1] == eng.tool_tags[chat.TOOL_END] and (start or r.token_ids[0] == call)
+    # parallel calls: after each call another or a stop token; tools without parameters
+    outs = eng.generate([ids + [call]] * 4, [E.SamplingParams(temperature=1.0, seed=s, max_tokens=40, logit_bias={
+        EOS: 5.0}, tool_calls={"now": None, "today": None}) for s in range(4)])
+    for r in outs:
+        got = calls([call] + r.token_ids)
+        assert got and all(c is not None and c.name in ("now", "today") and not c.arguments for c in got)
+        assert r.finish_reason == "length" or r.token_ids[-1] == EOS
+    assert any(r.finish_reason == "stop" for r in outs)
+    with pytest.raises(ValueError, match=r"tool_calls needs .* as tokens; this tokenizer lacks \['<tool_call>'"):
+        E.Engine(model, make_tokenizer(model.config.vocab_size, THINK_TOKENS), eos_token_ids=[EOS], num_blocks=8,
+                 block_size=BS).add_request(ids, E.SamplingParams(tool_calls={"now": None}))
+    with pytest.raises(ValueError, match="SamplingParams.tool_calls .*get_weather.parameters.properties.city"):
+        E.SamplingParams(tool_calls={"get_weather": {"type": "object", "properties": {"city": {"not": {}}}}})
+    with pytest.raises(ValueError, match="both tool calls and a JSON object"):
+        E.SamplingParams(tool_calls={"now": None}, json_object=True)
 
 
 def test_admission_errors_are_clear(make_engine):
