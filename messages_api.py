@@ -210,6 +210,12 @@ def to_chat(body: dict) -> chat.ChatRequest:
     tools = _tools(body)
     options = {k: body[k] for k in SHARED_FIELDS if k in body}
     options.update(temperature=t, stop=stop or None)
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict) and "disable_parallel_tool_use" in choice:
+        if not isinstance(choice["disable_parallel_tool_use"], bool):
+            raise chat.ChatError("tool_choice.disable_parallel_tool_use must be a boolean",
+                                 "tool_choice.disable_parallel_tool_use")
+        options["parallel_tool_calls"] = not choice["disable_parallel_tool_use"]
     thinking, budget = _thinking(body)
     if budget is not None:
         if _is_int(body["max_tokens"]) and budget >= body["max_tokens"]:  # as Anthropic requires

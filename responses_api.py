@@ -145,7 +145,7 @@ def to_chat(body: dict) -> chat.ChatRequest:
                              "'json_schema', 'name': ..., 'schema': {...}}", "text.format", "unsupported")
     tools = _tools(body)
     tool_choice = _tool_choice(body, tools)
-    options = {k: body[k] for k in ("temperature", "top_p", "stream") if k in body}
+    options = {k: body[k] for k in ("temperature", "top_p", "stream", "parallel_tool_calls") if k in body}
     if kind == "json_schema":
         try:
             jsonmode.object_schema(fmt.get("schema"))
@@ -164,6 +164,7 @@ def to_chat(body: dict) -> chat.ChatRequest:
                                  "max_output_tokens")
         options["max_tokens"] = limit
     echo = {k: body.get(k) for k in ("instructions", "temperature", "top_p", "max_output_tokens", "metadata")}
+    echo["parallel_tool_calls"] = body.get("parallel_tool_calls", True)
     return chat.ChatRequest(_messages(body), tools, tool_choice, _thinking(body), options,
                             echo={**echo, "tools": body.get("tools") or [],
                                   "tool_choice": body.get("tool_choice", "auto")})
@@ -187,7 +188,7 @@ class ResponseStream:
     def __init__(self, model: str, echo: dict):
         self.response = {"id": f"resp_{uuid.uuid4().hex}", "object": "response", "created_at": int(time.time()),
                          "status": "in_progress", "model": model, "output": [], "error": None,
-                         "incomplete_details": None, "parallel_tool_calls": True, "usage": None, **echo}
+                         "incomplete_details": None, "usage": None, **echo}
         self.sequence, self.open = 0, None
 
     def _event(self, name: str, **data: Any) -> tuple[str, dict]:

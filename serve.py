@@ -42,6 +42,7 @@ import chat
 import jsonmode
 import messages_api
 import responses_api
+import toolmode
 
 MAX_BODY_BYTES = 32 << 20
 MAX_TOP_LOGPROBS = 20
@@ -537,8 +538,9 @@ class Server:
         return body
 
     def _job(self, body: dict, prompt_ids: list[int], logprobs: int | None, skip_special: bool,
-             prompt_param: str) -> Job:
-        """`prompt_param`: the request field the prompt came from, named when the prompt is too long."""
+             prompt_param: str, tool_calls: dict | None = None) -> Job:
+        """`prompt_param`: the request field the prompt came from, named when the prompt is too long; `tool_calls`:
+        the tools a forced call is held to (_chat_prompt), with the body's parallel_tool_calls."""
         limit = self.engine.max_model_len
         if len(prompt_ids) >= limit:
             raise ApiError(400, f"the prompt has {len(prompt_ids)} tokens; this model's context is {limit} tokens "
@@ -578,6 +580,8 @@ class Server:
                 logit_bias=_logit_bias(body, self.engine.vocab_size),
                 json_object=json_object,
                 json_schema=json_schema,
+                tool_calls=tool_calls,
+                parallel_tool_calls=field_of(body, "parallel_tool_calls", "bool", True),
             )
         except ValueError as e:
             raise ApiError(400, str(e), None, "invalid_value")
@@ -656,13 +660,14 @@ class Server:
 
     def chat_completions(self):
         body = self._body()
-        prompt_ids, parser, head = self._openai_chat_prompt(body)
+        prompt_ids, parser, head, held = self._openai_chat_prompt(body)
         logprobs = field_of(body, "logprobs", "bool", False)
         top = field_of(body, "top_logprobs", "int", 0, lambda v: 0 <= v <= MAX_TOP_LOGPROBS,
                        f"must be between 0 and {MAX_TOP_LOGPROBS}")
         if top and not logprobs:
             raise ApiError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs", "invalid_value")
-        job = self._job(body, prompt_ids, top if logprobs else None, skip_special=False, prompt_param="messages")
+        job = self._job(body, prompt_ids, top if logprobs else None, skip_special=False, prompt_param="messages",
+                        tool_calls=held)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         choices = self._choices(job, request.environ.get("werkzeug.socket"))
         # each choice parses its own answer; the head (a forced start) is already fed to the parser
@@ -671,7 +676,7 @@ class Server:
             return self._sse(self._chat_chunks(choices, parsers, head, job, rid, created), choices)
         return self._chat_response(choices, parsers, head, job, rid, created)
 
-    def _openai_chat_prompt(self, body: dict) -> tuple[list[int], chat.StreamParser, list[chat.Delta]]:
+    def _openai_chat_prompt(self, body: dict) -> tuple[list[int], chat.StreamParser, list[chat.Delta], dict | None]:
         """_chat_prompt for a chat completions request (messages, tools, tool_choice and the thinking fields)."""
         if not self.engine.chat_template:
             raise ApiError(400, "this checkpoint has no chat template; use /v1/completions", "messages", "unsupported")
@@ -695,24 +700,25 @@ class Server:
         return self._chat_prompt(messages, tools, tool_choice, thinking, **extra)
 
     def _chat_prompt(self, messages: list[dict], tools: list[dict] | None, tool_choice: Any, thinking: chat.Thinking,
-                     prefill: str = "", **extra: Any) -> tuple[list[int], chat.StreamParser, list[chat.Delta]]:
-        """The prompt's token ids for checked messages and tools, the parser of the answer, and what the parser
-        already made of a forced start of the answer. `prefill`: the start of the answer a client wrote, after a
+                     prefill: str = "", **extra: Any) -> tuple[list[int], chat.StreamParser, list[chat.Delta], dict | None]:
+        """The prompt's token ids for checked messages and tools, the parser of the answer, what the parser
+        already made of a forced start of the answer, and the tools its calls are held to (SamplingParams.tool_calls:
+        where tool_choice forces a call). `prefill`: the start of the answer a client wrote, after a
         closed think block; parsed but not returned (the client has it)."""
         if tool_choice not in ("auto", "none", "required") and not _named_choice(tool_choice):
             raise ApiError(400, "'tool_choice' must be 'auto', 'none', 'required' or "
                                 "{'type': 'function', 'function': {'name': ...}}", "tool_choice", "invalid_value")
         if tool_choice != "none" and not tools:
             raise ApiError(400, f"'tool_choice' {json.dumps(tool_choice)} needs 'tools'", "tool_choice", "invalid_value")
-        forced = ""
+        forced, held = "", None
         if tool_choice == "required" or _named_choice(tool_choice):
-            # No constrained decoding here: the answer is started with <tool_call> (and the name), which
-            # closes the think block first, so these turns have no reasoning.
+            # The answer is started with <tool_call>, which closes the think block first (these turns have no
+            # reasoning), and the engine holds the calls to the tools' schemas (toolmode.py).
             name = tool_choice["function"]["name"] if isinstance(tool_choice, dict) else ""
             if name and name not in [t["function"]["name"] for t in tools]:
                 raise ApiError(400, f"tool_choice names '{name}', which is not in 'tools'", "tool_choice", "invalid_value")
             thinking = chat.Thinking(enabled=False, effort=thinking.effort)
-            forced = chat.TOOL_START + name
+            forced, held = chat.TOOL_START, _held_tools(tools, name)
         if forced and prefill:
             raise ApiError(400, f"tool_choice {json.dumps(tool_choice)} starts the answer with a tool call, so the "
                                 "final assistant message cannot start it too", "tool_choice", "invalid_value")
@@ -727,7 +733,7 @@ class Server:
         parser = chat.StreamParser(thinking.enabled, tools, parse_tools=tool_choice != "none")
         head = parser.feed(forced)
         parser.feed(prefill)
-        return prompt_ids, parser, head
+        return prompt_ids, parser, head, held
 
     def _chat_response(self, choices, parsers: list[chat.StreamParser], head, job: Job, rid: str,
                        created: int) -> dict:
@@ -796,7 +802,7 @@ class Server:
     # --- /v1/messages (Anthropic) -----------------------------------------------------------
 
     def _translated_prompt(self, to_chat: Callable[[dict], chat.ChatRequest], body: dict, prompt_param: str
-                           ) -> tuple[chat.ChatRequest, list[int], chat.StreamParser, list[chat.Delta]]:
+                           ) -> tuple[chat.ChatRequest, list[int], chat.StreamParser, list[chat.Delta], dict | None]:
         """A Messages or Responses request (`to_chat` of messages_api or responses_api) in the chat path's terms,
         checked and rendered as chat completions are."""
         if not self.engine.chat_template:
@@ -809,13 +815,13 @@ class Server:
         return (req, *self._chat_prompt(messages, tools, req.tool_choice, req.thinking, req.prefill))
 
     def messages(self):
-        req, prompt_ids, parser, head = self._translated_prompt(messages_api.to_chat, self._body(), "messages")
+        req, prompt_ids, parser, head, held = self._translated_prompt(messages_api.to_chat, self._body(), "messages")
         left = self.engine.max_model_len - len(prompt_ids)
         if _is_int(req.options.get("max_tokens")) and left > 0:
             # Anthropic clients ask for one large max_tokens whatever the model's context (a maximum there,
             # not a promise): what the context leaves is the most this request can get.
             req.options["max_tokens"] = min(req.options["max_tokens"], left)
-        job = self._job(req.options, prompt_ids, None, skip_special=False, prompt_param="messages")
+        job = self._job(req.options, prompt_ids, None, skip_special=False, prompt_param="messages", tool_calls=held)
         outputs = self._outputs(job, request.environ.get("werkzeug.socket"))
         events = self._stream_events(messages_api.MessageStream(self.model_name, len(prompt_ids)), outputs,
                                      parser, head)
@@ -841,14 +847,14 @@ class Server:
     def count_tokens(self):
         # count_tokens takes a Messages request without max_tokens, which to_chat requires of one to generate.
         body = {"max_tokens": 1, **self._body()}
-        _, prompt_ids, _, _ = self._translated_prompt(messages_api.to_chat, body, "messages")
+        prompt_ids = self._translated_prompt(messages_api.to_chat, body, "messages")[1]
         return {"input_tokens": len(prompt_ids)}
 
     # --- /v1/responses (OpenAI's Responses API) ----------------------------------------------
 
     def responses(self):
-        req, prompt_ids, parser, head = self._translated_prompt(responses_api.to_chat, self._body(), "input")
-        job = self._job(req.options, prompt_ids, None, skip_special=False, prompt_param="input")
+        req, prompt_ids, parser, head, held = self._translated_prompt(responses_api.to_chat, self._body(), "input")
+        job = self._job(req.options, prompt_ids, None, skip_special=False, prompt_param="input", tool_calls=held)
         outputs = self._outputs(job, request.environ.get("werkzeug.socket"))
         events = self._stream_events(responses_api.ResponseStream(self.model_name, req.echo), outputs, parser, head)
         if job.stream:
@@ -1078,6 +1084,24 @@ class Server:
         self.http.shutdown()
         if self.loop is not None:
             self.loop.stop()
+
+
+def _held_tools(tools: list[dict], name: str) -> dict:
+    """The tools a forced call is held to (all of them, or the one tool_choice names): name -> parameters, each
+    checked by toolmode (a schema it cannot enforce is a 400 naming where)."""
+    held = {}
+    for i, t in enumerate(tools):
+        fn = t["function"]
+        if name in ("", fn["name"]):
+            try:
+                toolmode.compile_tools({fn["name"]: fn.get("parameters")})
+            except jsonmode.SchemaError as e:
+                at = e.path.removeprefix(fn["name"])  # "" (the name) or ".parameters..."
+                param = f"tools[{i}].function{at or '.name'}"
+                raise ApiError(400, f"'{param}': {e.reason} (a call tool_choice forces is held to its tool's "
+                                    f"schema)", param, "unsupported")
+            held[fn["name"]] = fn.get("parameters")
+    return held
 
 
 def _named_choice(choice: Any) -> bool:

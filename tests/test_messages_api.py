@@ -53,6 +53,11 @@ def test_thinking(thinking, enabled):
                                                   {"type": "function", "function": {"name": "get_weather"}})])
 def test_tool_choice(choice, chat_choice):
     assert m.to_chat({**CONVERSATION, "tool_choice": choice}).tool_choice == chat_choice
+    off = m.to_chat({**CONVERSATION, "tool_choice": {**choice, "disable_parallel_tool_use": True}})
+    assert off.tool_choice == chat_choice and off.options["parallel_tool_calls"] is False
+    assert "parallel_tool_calls" not in m.to_chat({**CONVERSATION, "tool_choice": choice}).options
+    with pytest.raises(chat.ChatError, match="disable_parallel_tool_use must be a boolean"):
+        m.to_chat({**CONVERSATION, "tool_choice": {**choice, "disable_parallel_tool_use": "yes"}})
 
 
 U = [{"role": "user", "content": "hi"}]

@@ -452,28 +452,75 @@ def test_n_choices_chat_and_completions_whole_and_streamed(server, client):
         [x.text for x in c.choices]
 
 
-def test_tool_choice_none_and_named(server, client, scripted):
+def test_tool_choice_none_renders_no_tools(server, client, scripted):
     q = [{"role": "user", "content": "What time is it?"}]
     scripted(SCRIPT)
     r = client.chat.completions.create(model=default_model.NAME, messages=q, tools=[WEATHER], tool_choice="none",
                                        max_tokens=200)
     assert r.usage.prompt_tokens == prompt_len(server, q)  # no tools block in the prompt
     assert r.choices[0].message.tool_calls is None and "<tool_call>get_weather" in r.choices[0].message.content
-    # a named choice starts the answer with "<tool_call>get_time"; the (scripted) model closes it
-    scripted("</tool_call>")
-    r = client.chat.completions.create(model=default_model.NAME, messages=q, tools=[WEATHER, CLOCK],
-                                       tool_choice={"type": "function", "function": {"name": "get_time"}}, max_tokens=20)
-    forced = len(server.engine.tokenizer.encode("<tool_call>get_time", add_special_tokens=False).ids)
-    assert r.usage.prompt_tokens == prompt_len(server, q, tools=[WEATHER, CLOCK], effort="none") + forced
+
+
+STRICT = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
+    "city": {"type": "string", "enum": ["Oslo", "Paris"]}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+    "required": ["city", "days"], "additionalProperties": False}}}
+NOW = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {},
+                                                                           "additionalProperties": False}}}
+
+
+def held_call(name: str, args: dict) -> bool:
+    """A call as the held tools allow it (STRICT, NOW)."""
+    if name == "get_time":
+        return args == {}
+    return name == "get_weather" and set(args) == {"city", "days"} and args["city"] in ("Oslo", "Paris") and \
+        type(args["days"]) is int and 1 <= args["days"] <= 7
+
+
+def test_forced_tool_calls_are_held_to_their_schemas_on_every_api(server, url, client):
+    """tool_choice "required" or a named function: the answer starts with <tool_call> and the engine holds the
+    calls to the tools' schemas (toolmode.py), whatever the model would write; one call where parallel calls
+    are off."""
+    q = [{"role": "user", "content": "What time is it?"}]
+    r = client.chat.completions.create(model=default_model.NAME, messages=q, tools=[STRICT, NOW], max_tokens=20,
+                                       tool_choice={"type": "function", "function": {"name": "get_time"}})
+    assert r.usage.prompt_tokens == prompt_len(server, q, tools=[STRICT, NOW], effort="none") + 1  # <tool_call>
     (call,) = r.choices[0].message.tool_calls
     assert (call.function.name, call.function.arguments, r.choices[0].finish_reason) == ("get_time", "{}", "tool_calls")
-    # "required" starts the answer with "<tool_call>"; the model picks the function
-    scripted("get_weather<arg_key>city</arg_key><arg_value>Oslo</arg_value></tool_call>")
-    r = client.chat.completions.create(model=default_model.NAME, messages=q, tools=[WEATHER, CLOCK],
-                                       tool_choice="required", max_tokens=40)
-    (call,) = r.choices[0].message.tool_calls
-    assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Oslo"})
-    assert r.choices[0].message.content is None and r.choices[0].message.model_extra["reasoning_content"] is None
+    for seed in range(3):
+        kw = dict(model=default_model.NAME, messages=q, tools=[STRICT, NOW], tool_choice="required", max_tokens=40,
+                  seed=seed, parallel_tool_calls=False)
+        r = client.chat.completions.create(**kw)
+        (call,) = r.choices[0].message.tool_calls
+        assert held_call(call.function.name, json.loads(call.function.arguments)), call
+        assert r.choices[0].message.content is None and r.choices[0].message.model_extra["reasoning_content"] is None
+        streamed = [tc for ch in client.chat.completions.create(**kw, stream=True)
+                    for tc in (ch.choices[0].delta.tool_calls or [])]
+        assert [(tc.function.name, tc.function.arguments) for tc in streamed] == \
+            [(call.function.name, call.function.arguments)]  # (seeded: the same call)
+    status, msg, _ = post_messages(url, {"max_tokens": 40, "messages": q, "tools": [
+        {"name": f["function"]["name"], "input_schema": f["function"]["parameters"]} for f in (STRICT, NOW)],
+        "tool_choice": {"type": "any", "disable_parallel_tool_use": True}})
+    assert status == 200 and msg["stop_reason"] == "tool_use", msg
+    (tool,) = msg["content"]
+    assert tool["type"] == "tool_use" and held_call(tool["name"], tool["input"]), msg
+    r = client.responses.create(model=default_model.NAME, input=q, tools=[{"type": "function", **f["function"]}
+                                                                          for f in (STRICT, NOW)],
+                                tool_choice="required", parallel_tool_calls=False, max_output_tokens=40)
+    assert [o.type for o in r.output] == ["function_call"] and r.parallel_tool_calls is False
+    assert held_call(r.output[0].name, json.loads(r.output[0].arguments)), r.output
+    # parallel calls (the default): one or more, each held
+    r = client.chat.completions.create(model=default_model.NAME, messages=q, tools=[STRICT, NOW], tool_choice="required",
+                                       max_tokens=100, seed=5)
+    calls = r.choices[0].message.tool_calls or []
+    assert all(held_call(c.function.name, json.loads(c.function.arguments)) for c in calls)
+    assert calls or r.choices[0].finish_reason == "length"
+    # a schema the engine cannot hold is a 400 naming it, where a call is forced; with "auto" it is only rendered
+    odd = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "x": {"oneOf": [{"type": "string"}, {"type": "integer"}]}}}}}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=default_model.NAME, messages=q, tools=[NOW, odd], tool_choice="required")
+    assert e.value.body["param"] == "tools[1].function.parameters.properties.x" and "oneOf" in e.value.body["message"]
+    client.chat.completions.create(model=default_model.NAME, messages=q, tools=[NOW, odd], max_tokens=2)
 
 
 def test_prefix_cache_hits_are_reported(url, client):
