@@ -1162,17 +1162,21 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 # ================================================================ the engine on the synthetic model
 
 ENGINE_SAMPLING = (("greedy", dict(temperature=0)), ("top_p 0.95", dict(temperature=1.0, top_p=0.95, seed=1)),
-                   ("top_p 0.95 json_object", dict(temperature=1.0, top_p=0.95, seed=1, json_object=True)))
+                   ("top_p 0.95 json_object", dict(temperature=1.0, top_p=0.95, seed=1, json_object=True)),
+                   ("top_p 0.95 tool_calls", dict(temperature=1.0, top_p=0.95, seed=1, tool_calls={"search": {
+                       "type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]}})))
 
 
 def stand_in_tokenizer(vocab_size: int) -> Tokenizer:
     """A word-level tokenizer for the synthetic model: ids 2..257 are the 256 single bytes (byte-level
-    pieces), every other id i the word "t{i}". The bytes let a JSON answer open its object and a key; random
-    logits then keep it inside that key's string, where every "t{i}" fits: the common case of a JSON row,
-    whose first few race leaders continue the answer."""
+    pieces), 258..263 the tool-call tags, every other id i the word "t{i}". The bytes let a JSON answer open its
+    object and a key (a tool call its name and key); random logits then keep it inside that key's string,
+    where every "t{i}" fits: the common case of a held row, whose first few race leaders continue the answer."""
     import engine
+    import toolmode
     byte_piece = {b: ch for ch, b in engine.BYTE_DECODER.items()}
-    vocab = {f"t{i}": i for i in range(vocab_size) if not 2 <= i < 258} | {byte_piece[b]: 2 + b for b in range(256)}
+    vocab = {f"t{i}": i for i in range(vocab_size) if not 2 <= i < 264} | {byte_piece[b]: 2 + b for b in range(256)}
+    vocab |= {tag: 258 + i for i, tag in enumerate(toolmode.TAGS)}
     return Tokenizer(models.WordLevel(vocab, unk_token="t0"))
 
 
