@@ -633,8 +633,9 @@ class JsonPrefix:
 
 
 def pick(order: Iterable[int], state: JsonPrefix, vocab_bytes: list[bytes | None]) -> int | None:
-    """The first token in `order` whose bytes keep `state` a prefix of a JSON object text (a token of no
-    bytes, a special token, is never allowed: it writes nothing); None if none does."""
+    """The first token in `order` whose bytes keep `state` a prefix of a JSON object text (or of what another
+    automaton with copy and feed accepts: toolmode.ToolCallPrefix); a token of no bytes, a special token, is
+    never allowed: it writes nothing. None if none does."""
     for t in order:
         data = vocab_bytes[t] if t < len(vocab_bytes) else None
         if data and state.copy().feed(data):
@@ -656,7 +657,8 @@ class Vocabulary:
 
 
 def allowed(state: JsonPrefix, vocab: Vocabulary) -> list[int]:
-    """Every token whose bytes keep `state` a prefix of a JSON object text, in no particular order. A walk
+    """Every token whose bytes keep `state` a prefix of a JSON object text (or another automaton's, as pick),
+    in no particular order. A walk
     over the vocabulary's prefixes that feeds each prefix's last byte once and goes no deeper where the
     automaton refuses it: where few tokens fit (outside strings, in a key of a schema) it reads a small part
     of the vocabulary, where pick would try token after token."""
