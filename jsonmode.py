@@ -135,7 +135,8 @@ class Node:
     property). For an array: `items`, `min_items`, `max_items`. For a string: `min_length`, `max_length` (in
     characters), `pattern` (a compiled pattern or format the string must match). For a number: `range` (None:
     any). `options`: the JSON texts of an enum's values (then only
-    those). `alternatives`: anyOf's nodes, which no two can start with the same byte (the first byte picks one)."""
+    those). `alternatives`: anyOf's nodes (a value is read with each that can start with its first byte, until
+    it ends)."""
 
     types: frozenset[str]
     props: dict[bytes, Node] = field(default_factory=dict)
@@ -173,8 +174,8 @@ def compile_schema(schema: Any) -> Node:
     a schema; absent means allowed, as JSON Schema says), items, minItems / maxItems, minLength / maxLength,
     pattern (pattern.py's subset) or format (FORMATS) but not with a length, minimum / maximum /
     exclusiveMinimum / exclusiveMaximum (a bounded number is written without an exponent),
-    enum and const (of strings, numbers, booleans or null, matched as json.dumps writes them), anyOf (of
-    alternatives that start differently: a type or null, as pydantic writes Optional), and $ref to the root's
+    enum and const (of strings, numbers, booleans or null, matched as json.dumps writes them), anyOf (pydantic's
+    Optional and Union: a value is read with every alternative that can start with its first byte), and $ref to the root's
     $defs / definitions (what the openai client sends for pydantic models; not recursive). Title, description,
     default, examples are annotations. Anything else is a SchemaError, not ignored."""
     defs = schema.get("$defs", schema.get("definitions", {})) if isinstance(schema, dict) else {}
@@ -248,12 +249,6 @@ class _Compiler:
         if others or not isinstance(alts, list) or not alts:
             raise SchemaError(_join(path, "anyOf"), "anyOf takes a list of schemas, with no other keyword beside it")
         nodes = tuple(self.node(a, _join(path, "anyOf", str(i))) for i, a in enumerate(alts))
-        seen: set[int] = set()
-        for n in nodes:
-            if seen & n.first:
-                raise SchemaError(_join(path, "anyOf"), "alternatives that can start with the same byte (two "
-                                                        "objects, a number and an integer...) are not supported")
-            seen |= n.first
         return Node(frozenset(k for n in nodes for k in n.types), alternatives=nodes)
 
 
@@ -389,9 +384,13 @@ class JsonPrefix:
     code: int = 0  # the code point of the UTF-8 character being read
     nfa: frozenset[int] = frozenset()  # the states of the string value's pattern
     ws: int = 0  # whitespace bytes in a row, outside strings
+    # "union": a value of an anyOf whose first byte several alternatives can start with, read by one automaton
+    # per alternative that has fit it so far (JSON's syntax is the same in each: they end at the same byte)
+    branches: list[JsonPrefix] = field(default_factory=list)
 
     def copy(self) -> JsonPrefix:
-        return replace(self, stack=[replace(f, used=set(f.used)) for f in self.stack])
+        return replace(self, stack=[replace(f, used=set(f.used)) for f in self.stack],
+                       branches=[b.copy() for b in self.branches])
 
     @property
     def done(self) -> bool:
@@ -401,8 +400,10 @@ class JsonPrefix:
     def complete(self) -> bool:
         """The text is a whole value where nothing follows it: done, or a number (or a number's option, "1" of
         1 and 12) that could also go on."""
-        if self.stack or self.mode not in ("number", "literal"):
+        if self.stack or self.mode not in ("number", "literal", "union"):
             return self.done
+        if self.mode == "union":
+            return any(b.complete for b in self.branches)
         if self.mode == "literal":
             return b"" in self.left
         r = self.node.range
@@ -413,6 +414,8 @@ class JsonPrefix:
 
     def _byte(self, b: int) -> bool:
         m = self.mode
+        if m == "union":
+            return self._union_byte(b)
         if m in ("string", "escape", "unicode"):
             return self._string_byte(m, b)
         if m == "literal":
@@ -563,10 +566,11 @@ class JsonPrefix:
 
     def _value_start(self, b: int) -> bool:
         node = self.node
-        if node.alternatives:  # the one that can start with b (at most one can)
-            node = self.node = next((a for a in node.alternatives if b in a.first), None)
-            if node is None:
-                return False
+        if node.alternatives:
+            fits = [a for a in node.alternatives if b in a.first]
+            if len(fits) != 1:
+                return self._union(fits, b)
+            node = self.node = fits[0]
         if node.options:
             self.mode, self.left = "literal", node.options
             return self._byte(b)
@@ -588,6 +592,27 @@ class JsonPrefix:
         self.mode, self.number = "number", "-" if b == ord("-") else "0" if b == ord("0") else "int"
         self.digits = chr(b)
         return self._in_range()
+
+    def _union(self, alternatives: list[Node], b: int) -> bool:
+        """Start reading a value with each of these alternatives (those that can start with b)."""
+        self.mode, self.branches = "union", [JsonPrefix(a) for a in alternatives]
+        return self._union_byte(b)
+
+    def _union_byte(self, b: int) -> bool:
+        """b to every branch; those that refuse it drop out. Where every branch refuses it and one has a whole
+        value (a number, which only the next byte ends), the value ends and b comes after it; where every branch
+        left has a whole value that nothing could extend, the value ends here."""
+        ended = any(br.complete for br in self.branches)
+        self.branches = [br for br in self.branches if br._byte(b)]
+        if not self.branches:
+            if not ended:
+                return False
+            self._value_done()
+            return self._byte(b)
+        if all(br.done for br in self.branches):
+            self.branches = []
+            return self._value_done()
+        return True
 
     def _number(self, b: int) -> bool:
         """Extend the number by b if the grammar -?(0|[1-9][0-9]*)(.[0-9]+)?([eE][+-]?[0-9]+)? allows it (an

@@ -365,8 +365,8 @@ def test_json_mode(server, client):
                                    temperature=0, reasoning={"effort": "none"},
                                    text={"format": {"type": "json_schema", "name": "answer", "schema": shape}})
     assert jsonmode.JsonPrefix(jsonmode.object_schema(shape)).feed(resp.output_text.encode()), resp.output_text
-    # the openai client's parse() with a pydantic model ($defs, $ref, anyOf for Optional, bounds, lengths, a
-    # Literal of numbers, a pattern, a date), read back and validated by the client through pydantic
+    # the openai client's parse() with a pydantic model ($defs, $ref, anyOf for Optional and for a Union of models,
+    # bounds, lengths, a Literal of numbers, a pattern, a date), read back and validated by the client through pydantic
     import datetime
     import typing
 
@@ -374,6 +374,13 @@ def test_json_mode(server, client):
 
     class Owner(pydantic.BaseModel):
         id: int = pydantic.Field(ge=1, le=99)
+
+    class Cat(pydantic.BaseModel):
+        kind: typing.Literal["cat"]
+
+    class Dog(pydantic.BaseModel):
+        kind: typing.Literal["dog"]
+        good: bool
 
     class Pet(pydantic.BaseModel):
         name: str = pydantic.Field(min_length=1, max_length=12)
@@ -383,6 +390,7 @@ def test_json_mode(server, client):
         code: str = pydantic.Field(pattern=r"^[A-Z]{2}\d{2}$")
         born: datetime.date
         owner: Owner | None
+        friend: Cat | Dog
 
     # The small model likes whitespace (32 bytes in a row at every turn): whitespace-only tokens pushed down. It
     # may also write a number's digits or a string's characters until max_tokens: an answer cut short is not an
