@@ -26,7 +26,7 @@ import bisect
 import functools
 import json
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from fractions import Fraction
 from typing import Any, Iterable
 
@@ -157,6 +157,8 @@ class Node:
         """The bytes a value of this node can start with."""
         if self.options:
             return frozenset(t[0] for t in self.options)
+        if self.alternatives:  # (a recursive $def's types were not known when its anyOf was compiled)
+            return frozenset().union(*(a.first for a in self.alternatives))
         return frozenset(b for k in self.types for b in FIRST[k])
 
 
@@ -175,11 +177,15 @@ def compile_schema(schema: Any) -> Node:
     pattern (pattern.py's subset) or format (FORMATS) but not with a length, minimum / maximum /
     exclusiveMinimum / exclusiveMaximum (a bounded number is written without an exponent),
     enum and const (of strings, numbers, booleans or null, matched as json.dumps writes them), anyOf (pydantic's
-    Optional and Union: a value is read with every alternative that can start with its first byte), and $ref to the root's
-    $defs / definitions (what the openai client sends for pydantic models; not recursive). Title, description,
-    default, examples are annotations. Anything else is a SchemaError, not ignored."""
+    Optional and Union: a value is read with every alternative that can start with its first byte), and $ref to
+    the root's $defs / definitions (what the openai client sends for pydantic models; recursive ones too, where a
+    finite value meets them). Title, description, default, examples are annotations. Anything else is a
+    SchemaError, not ignored."""
     defs = schema.get("$defs", schema.get("definitions", {})) if isinstance(schema, dict) else {}
-    return _Compiler(defs if isinstance(defs, dict) else {}).node(schema, "")
+    compiler = _Compiler(defs if isinstance(defs, dict) else {})
+    root = compiler.node(schema, "")
+    compiler.check_finite(root)
+    return root
 
 
 @dataclass
@@ -187,6 +193,8 @@ class _Compiler:
     defs: dict
     done: dict[str, Node] = field(default_factory=dict)  # compiled $defs, shared by every $ref to them
     open: set[str] = field(default_factory=set)  # $defs being compiled (a $ref back to one is recursion)
+    # a recursive $def's node, handed to the $refs inside it before it is compiled and filled in after
+    holders: dict[str, Node] = field(default_factory=dict)
 
     def node(self, schema: Any, path: str) -> Node:
         if schema is True or schema == {}:
@@ -230,19 +238,50 @@ class _Compiler:
 
     def _ref(self, schema: dict, path: str) -> Node:
         ref = schema["$ref"]
-        others = sorted(set(schema) - ANNOTATIONS - {"$ref"})
+        others = sorted(set(schema) - ANNOTATIONS - {"$ref", "$defs", "definitions"})
         prefix = next((p for p in ("#/$defs/", "#/definitions/") if isinstance(ref, str) and ref.startswith(p)), None)
         name = ref[len(prefix):] if prefix else None
         if others or name not in self.defs:
             raise SchemaError(_join(path, "$ref"), f"{json.dumps(ref)} must name one of the root's $defs "
                                                    f"{sorted(self.defs)}, with no other keyword beside it")
         if name in self.open:
-            raise SchemaError(_join(path, "$ref"), f"{json.dumps(ref)} is recursive: not supported")
+            return self.holders.setdefault(name, Node(frozenset()))
         if name not in self.done:
             self.open.add(name)
-            self.done[name] = self.node(self.defs[name], _join("$defs", name))
+            node = self.node(self.defs[name], _join("$defs", name))
             self.open.discard(name)
+            if name in self.holders:  # the $refs inside it hold the holder: it becomes the node
+                holder = self.holders[name]
+                for f in fields(Node):
+                    object.__setattr__(holder, f.name, getattr(node, f.name))
+                node = holder
+            self.done[name] = node
         return self.done[name]
+
+    def check_finite(self, root: Node) -> None:
+        """Refuse a recursive $def that no finite value meets (it requires itself): the automaton could go
+        into it and never come out. A node has a finite value where one of its types or alternatives does: an
+        object whose required properties all do, an array that may be empty or whose items do, any other
+        type; found by growing the set of such nodes until it stops growing."""
+        nodes, todo = {}, [root]
+        while todo:
+            n = todo.pop()
+            if id(n) not in nodes:
+                nodes[id(n)] = n
+                todo += [*n.props.values(), *n.alternatives, *(c for c in (n.extra, n.items) if c is not None)]
+        finite: set[int] = set()
+        grew = True
+        while grew:
+            grew = False
+            for key, n in nodes.items():
+                if key not in finite and _has_finite_value(n, finite):
+                    finite.add(key)
+                    grew = True
+        for name, holder in self.holders.items():
+            if id(holder) not in finite:
+                raise SchemaError(_join("$defs", name), "no finite value meets it: it requires itself")
+            if _in_alternatives(holder, holder, set()):
+                raise SchemaError(_join("$defs", name), "it is one of its own anyOf alternatives")
 
     def _any_of(self, schema: dict, path: str) -> Node:
         alts, others = schema["anyOf"], sorted(set(schema) - ANNOTATIONS - {"anyOf"})
@@ -250,6 +289,30 @@ class _Compiler:
             raise SchemaError(_join(path, "anyOf"), "anyOf takes a list of schemas, with no other keyword beside it")
         nodes = tuple(self.node(a, _join(path, "anyOf", str(i))) for i, a in enumerate(alts))
         return Node(frozenset(k for n in nodes for k in n.types), alternatives=nodes)
+
+
+def _in_alternatives(target: Node, n: Node, seen: set[int]) -> bool:
+    """target is among n's anyOf alternatives, or theirs, and so on (a value of it would start with itself)."""
+    for a in n.alternatives:
+        if a is target or id(a) not in seen and (seen.add(id(a)) or _in_alternatives(target, a, seen)):
+            return True
+    return False
+
+
+def _has_finite_value(n: Node, finite: set[int]) -> bool:
+    """check_finite's step: a value of n exists whose parts are in `finite` (ids of nodes known to have one)."""
+    if n.options:
+        return True
+    if n.alternatives:
+        return any(id(a) in finite for a in n.alternatives)
+    for kind in n.types:
+        if kind == "object" and all(id(n.props[k]) in finite for k in n.required):
+            return True
+        if kind == "array" and (n.min_items == 0 or id(n.items) in finite):
+            return True
+        if kind not in ("object", "array"):
+            return True
+    return False
 
 
 def _limits(schema: dict, path: str, low: str, high: str) -> tuple[int, int | None]:

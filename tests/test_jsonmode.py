@@ -385,10 +385,11 @@ def test_formats_accept_only_what_python_reads():
     assert taken == 3
 
 
-@pytest.mark.parametrize("which", ["SCHEMA", "PET", "BOUNDED", "PATTERNED", "UNION"])
+@pytest.mark.parametrize("which", ["SCHEMA", "PET", "BOUNDED", "PATTERNED", "UNION", "TREE"])
 def test_a_schema_agrees_with_its_plain_statement_on_mutated_instances(which):
     schema, instances = {"SCHEMA": (SCHEMA, VALID), "PET": (PET, PETS), "BOUNDED": (BOUNDED, BOUNDED_VALID),
-                         "PATTERNED": (PATTERNED, PATTERNED_VALID), "UNION": (UNION, UNION_VALID)}[which]
+                         "PATTERNED": (PATTERNED, PATTERNED_VALID), "UNION": (UNION, UNION_VALID),
+                         "TREE": (TREE, TREE_VALID)}[which]
     rng = random.Random(1)
     node = jsonmode.compile_schema(schema)
     texts = dumped(instances)
@@ -421,8 +422,10 @@ def test_a_schema_agrees_with_its_plain_statement_on_mutated_instances(which):
     ({"type": "number", "exclusiveMinimum": True}, "exclusiveMinimum", "finite number"),
     ({"type": "date"}, "", "type"),
     ({"properties": {"a": {"$ref": "#/$defs/x"}}}, "properties.a.$ref", "$defs"),
-    ({"$defs": {"N": {"type": "object", "properties": {"next": {"$ref": "#/$defs/N"}}}}, "type": "object",
-      "properties": {"n": {"$ref": "#/$defs/N"}}}, "$defs.N.properties.next.$ref", "recursive")])
+    ({"$defs": {"N": {"type": "object", "properties": {"next": {"$ref": "#/$defs/N"}}, "required": ["next"]}},
+      "type": "object", "properties": {"n": {"$ref": "#/$defs/N"}}}, "$defs.N", "requires itself"),
+    ({"$defs": {"A": {"anyOf": [{"type": "null"}, {"$ref": "#/$defs/A"}]}}, "type": "object",
+      "properties": {"a": {"$ref": "#/$defs/A"}}}, "$defs.A", "own anyOf")])
 def test_what_cannot_be_enforced_is_refused_by_name(schema, path, words):
     with pytest.raises(jsonmode.SchemaError) as e:
         jsonmode.compile_schema(schema)
@@ -474,6 +477,28 @@ UNION_VALID = [{"pet": {"kind": "cat"}}, {"pet": {"kind": "dog", "good": True}, 
                {"pet": {"good": False, "kind": "dog"}, "n": 70, "s": "ab", "l": [1, 2]}, {"n": 7, "pet": {"kind": "cat"}}]
 
 
+# a recursive $def (pydantic's self-referencing model)
+TREE = {"$defs": {"Node": {"type": "object", "properties": {
+    "v": {"type": "integer"}, "kids": {"type": "array", "items": {"$ref": "#/$defs/Node"}},
+    "next": {"anyOf": [{"$ref": "#/$defs/Node"}, {"type": "null"}]}}, "required": ["v"], "additionalProperties": False}},
+    "type": "object", "properties": {"root": {"$ref": "#/$defs/Node"}}, "required": ["root"],
+    "additionalProperties": False}
+TREE_VALID = [{"root": {"v": 1}}, {"root": {"v": 2, "kids": [{"v": 3}, {"v": 4, "kids": []}], "next": None}},
+              {"root": {"next": {"v": 5, "next": {"v": 6, "kids": [{"v": 7, "next": {"v": 8}}]}}, "v": 0}}]
+
+
+def test_a_recursive_def_is_its_own_value_at_any_depth_even_as_the_root():
+    rooted = jsonmode.object_schema({"$defs": TREE["$defs"], "$ref": "#/$defs/Node"})  # pydantic's form of a root
+    deep = {"v": 0}
+    for i in range(1, 40):  # 40 levels deep
+        deep = {"v": i, "kids": [deep, {"v": -i}] if i % 2 else [], "next": None if i % 2 else deep}
+    for node, value in ((rooted, deep), (jsonmode.object_schema(TREE), {"root": deep})):
+        s = jsonmode.JsonPrefix(node)
+        assert s.feed(json.dumps(value).encode()) and s.done
+    s = jsonmode.JsonPrefix(rooted)
+    assert s.feed(b'{"v": 1, "kids": [{"v": 2, "kids": [{"v": 3, "next": {') and not s.copy().feed(b"}")  # v first
+
+
 @pytest.mark.parametrize("text, ok", [
     ('{"pet": {"kind": "dog"}}', False), ('{"pet": {"kind": "cat", "good": true}}', False),
     ('{"pet": {"kind": "cat"}, "n": 6}', False), ('{"pet": {"kind": "cat"}, "n": 7}', True),
@@ -506,13 +531,13 @@ CLOSED = {"type": "object", "properties": {"e": {"type": "object", "additionalPr
           "required": ["e"], "additionalProperties": False}  # objects that take no key, or one
 
 
-@pytest.mark.parametrize("which", ["OBJECT", "SCHEMA", "PET", "CLOSED", "BOUNDED", "PATTERNED", "UNION"])
+@pytest.mark.parametrize("which", ["OBJECT", "SCHEMA", "PET", "CLOSED", "BOUNDED", "PATTERNED", "UNION", "TREE"])
 def test_no_accepted_prefix_is_a_dead_end(which):
     """Random walks, each step a byte the automaton accepts there (structural bytes favoured so that objects
     get written and closed): until the object is done, some byte always continues."""
     root = jsonmode.OBJECT if which == "OBJECT" else \
         jsonmode.object_schema({"SCHEMA": SCHEMA, "PET": PET, "CLOSED": CLOSED, "BOUNDED": BOUNDED,
-                                "PATTERNED": PATTERNED, "UNION": UNION}[which])
+                                "PATTERNED": PATTERNED, "UNION": UNION, "TREE": TREE}[which])
     rng = random.Random(2)
     alphabet = [bytes([b]) for b in range(0x20, 0x7f)] + [b"\n", b"\xc3", b"\xa9", b"\xe2", b"\x82", b"\xf0", b"\x9f"]
     weight = {c: 25 if c in b'{}[],:"tfn0123456789' else 1 for c in range(256)}
