@@ -167,8 +167,8 @@ object.__setattr__(ANY, "extra", ANY)  # any value: any property, any items
 object.__setattr__(ANY, "items", ANY)
 OBJECT = Node(frozenset({"object"}), extra=ANY)  # json_object: an object of anything
 KEYWORDS = frozenset({"type", "properties", "required", "additionalProperties", "items", "enum", "const", "anyOf",
-                      "$ref", "$defs", "definitions", "minItems", "maxItems", "minLength", "maxLength", "minimum",
-                      "maximum", "exclusiveMinimum", "exclusiveMaximum", "pattern", "format"})
+                      "allOf", "$ref", "$defs", "definitions", "minItems", "maxItems", "minLength", "maxLength",
+                      "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "pattern", "format"})
 
 
 def compile_schema(schema: Any) -> Node:
@@ -179,8 +179,8 @@ def compile_schema(schema: Any) -> Node:
     enum and const (of strings, numbers, booleans or null, matched as json.dumps writes them), anyOf (pydantic's
     Optional and Union: a value is read with every alternative that can start with its first byte), and $ref to
     the root's $defs / definitions (what the openai client sends for pydantic models; recursive ones too, where a
-    finite value meets them). Title, description, default, examples are annotations. Anything else is a
-    SchemaError, not ignored."""
+    finite value meets them), allOf of one schema. Title, description, default, examples are annotations.
+    Anything else is a SchemaError, not ignored."""
     defs = schema.get("$defs", schema.get("definitions", {})) if isinstance(schema, dict) else {}
     compiler = _Compiler(defs if isinstance(defs, dict) else {})
     root = compiler.node(schema, "")
@@ -208,6 +208,12 @@ class _Compiler:
             return self._ref(schema, path)
         if "anyOf" in schema:
             return self._any_of(schema, path)
+        if "allOf" in schema:  # of one schema: how pydantic once wrapped a $ref to give it a description
+            if not (isinstance(schema["allOf"], list) and len(schema["allOf"]) == 1) or \
+                    set(schema) - ANNOTATIONS - {"allOf"}:
+                raise SchemaError(_join(path, "allOf"), "allOf of one schema, with no other keyword beside it, is "
+                                                        "supported")
+            return self.node(schema["allOf"][0], _join(path, "allOf", "0"))
         if "enum" in schema or "const" in schema:
             values = schema["enum"] if "enum" in schema else [schema["const"]]
             if not isinstance(values, list) or not values or not all(

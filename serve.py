@@ -700,7 +700,8 @@ class Server:
         return self._chat_prompt(messages, tools, tool_choice, thinking, **extra)
 
     def _chat_prompt(self, messages: list[dict], tools: list[dict] | None, tool_choice: Any, thinking: chat.Thinking,
-                     prefill: str = "", **extra: Any) -> tuple[list[int], chat.StreamParser, list[chat.Delta], dict | None]:
+                     prefill: str = "", **extra: Any
+                     ) -> tuple[list[int], chat.StreamParser, list[chat.Delta], dict | None]:
         """The prompt's token ids for checked messages and tools, the parser of the answer, what the parser
         already made of a forced start of the answer, and the tools its calls are held to (SamplingParams.tool_calls:
         where tool_choice forces a call). `prefill`: the start of the answer a client wrote, after a

@@ -6,11 +6,11 @@ as JSON of its schema (jsonmode's automaton). Keys are the schema's properties; 
 allow others, any other key of ASCII letters, digits and `_.-` (a key's value type must be known to hold it: such
 a value is JSON of the additionalProperties schema, which the parser reads as JSON).
 
-The tags are special tokens, not text: `tagged_bytes` gives each of them one byte that UTF-8 text never has
-(F8-FD; text tokens with such bytes are left out) and each stop token FE, so that jsonmode.pick and jsonmode.allowed, which feed a token's bytes, read
-the tags as bytes too. A verbatim value is checked by its JSON string (each byte escaped as json.dumps would):
-the string automaton then holds its length, pattern, format and enum; the text of a tag may not appear in it
-(the parser would end the value there).
+The tags are special tokens, not text: `tagged_bytes` gives each of them one byte that UTF-8 text never has (F8-FD;
+text tokens with such bytes are left out) and each stop token FE, so that jsonmode.pick and jsonmode.allowed, which
+feed a token's bytes, read the tags as bytes too. A verbatim value is checked by its JSON string (each byte escaped
+as json.dumps would): the string automaton then holds its length, pattern, format and enum; the text of a tag may
+not appear in it (the parser would end the value there).
 """
 from __future__ import annotations
 

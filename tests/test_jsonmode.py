@@ -424,6 +424,9 @@ def test_a_schema_agrees_with_its_plain_statement_on_mutated_instances(which):
     ({"properties": {"a": {"$ref": "#/$defs/x"}}}, "properties.a.$ref", "$defs"),
     ({"$defs": {"N": {"type": "object", "properties": {"next": {"$ref": "#/$defs/N"}}, "required": ["next"]}},
       "type": "object", "properties": {"n": {"$ref": "#/$defs/N"}}}, "$defs.N", "requires itself"),
+    ({"allOf": [{"type": "object"}, {"required": ["a"]}]}, "allOf", "one schema"),
+    ({"type": "object", "properties": {"a": {"allOf": [{"type": "string", "pattern": "(?<=x)"}]}}},
+     "properties.a.allOf.0.pattern", "lookaround"),
     ({"$defs": {"A": {"anyOf": [{"type": "null"}, {"$ref": "#/$defs/A"}]}}, "type": "object",
       "properties": {"a": {"$ref": "#/$defs/A"}}}, "$defs.A", "own anyOf")])
 def test_what_cannot_be_enforced_is_refused_by_name(schema, path, words):
@@ -474,17 +477,26 @@ UNION = {"type": "object", "properties": {
                 "required": ["kind", "good"], "additionalProperties": False}}}
 UNION_VALID = [{"pet": {"kind": "cat"}}, {"pet": {"kind": "dog", "good": True}, "n": 3, "s": "xxxx", "l": []},
                {"pet": {"lives": 9, "kind": "cat"}, "n": 12.5, "s": None, "l": ["a"]},
-               {"pet": {"good": False, "kind": "dog"}, "n": 70, "s": "ab", "l": [1, 2]}, {"n": 7, "pet": {"kind": "cat"}}]
+               {"pet": {"good": False, "kind": "dog"}, "n": 70, "s": "ab", "l": [1, 2]},
+               {"n": 7, "pet": {"kind": "cat"}}]
 
 
 # a recursive $def (pydantic's self-referencing model)
 TREE = {"$defs": {"Node": {"type": "object", "properties": {
     "v": {"type": "integer"}, "kids": {"type": "array", "items": {"$ref": "#/$defs/Node"}},
-    "next": {"anyOf": [{"$ref": "#/$defs/Node"}, {"type": "null"}]}}, "required": ["v"], "additionalProperties": False}},
+    "next": {"anyOf": [{"$ref": "#/$defs/Node"}, {"type": "null"}]}}, "required": ["v"],
+    "additionalProperties": False}},
     "type": "object", "properties": {"root": {"$ref": "#/$defs/Node"}}, "required": ["root"],
     "additionalProperties": False}
 TREE_VALID = [{"root": {"v": 1}}, {"root": {"v": 2, "kids": [{"v": 3}, {"v": 4, "kids": []}], "next": None}},
               {"root": {"next": {"v": 5, "next": {"v": 6, "kids": [{"v": 7, "next": {"v": 8}}]}}, "v": 0}}]
+
+
+def test_all_of_one_schema_is_that_schema():
+    node = jsonmode.object_schema({"type": "object", "properties": {"owner": {
+        "allOf": [{"$ref": "#/$defs/Owner"}], "description": "who"}}, "$defs": PET["$defs"]})
+    assert jsonmode.JsonPrefix(node).feed(b'{"owner": {"id": 1, "tags": []}}')
+    assert not jsonmode.JsonPrefix(node).feed(b'{"owner": {"id": "1"')
 
 
 def test_a_recursive_def_is_its_own_value_at_any_depth_even_as_the_root():

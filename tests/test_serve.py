@@ -517,8 +517,8 @@ def test_forced_tool_calls_are_held_to_their_schemas_on_every_api(server, url, c
     assert [o.type for o in r.output] == ["function_call"] and r.parallel_tool_calls is False
     assert held_call(r.output[0].name, json.loads(r.output[0].arguments)), r.output
     # parallel calls (the default): one or more, each held
-    r = client.chat.completions.create(model=default_model.NAME, messages=q, tools=[STRICT, NOW], tool_choice="required",
-                                       max_tokens=100, seed=5)
+    r = client.chat.completions.create(model=default_model.NAME, messages=q, tools=[STRICT, NOW],
+                                       tool_choice="required", max_tokens=100, seed=5)
     calls = r.choices[0].message.tool_calls or []
     assert all(held_call(c.function.name, json.loads(c.function.arguments)) for c in calls)
     assert calls or r.choices[0].finish_reason == "length"
