@@ -1204,8 +1204,8 @@ class Engine:
         return outputs
 
     def _draw(self, seqs: list[Sequence], rows: torch.Tensor) -> torch.Tensor:
-        """Each sequence's token [N] on the device: one draw_on_device for the free rows; the row of an answer a
-        grammar holds (JSON, tool calls) by _held_token instead (which draws its race from the row's generator:
+        """Each sequence's token [N] on the device: one draw_on_device for the free rows; the rows of answers a
+        grammar holds (JSON, tool calls) by _held_tokens instead (which draws each row's race from its generator:
         once a step, as a free row does, so the grammar changes a seeded draw only where the free token would
         not fit)."""
         held = [j for j, seq in enumerate(seqs) if seq.grammar is not None and not seq.thinking]
@@ -1217,24 +1217,30 @@ class Engine:
         if free:
             at = fastdecode.to_device(free, rows.device)
             drawn[at] = draw_on_device(rows[at], *draw_args([seqs[j] for j in free]), kernel=kernel)
-        tokens = [self._held_token(seqs[j], rows[j]) for j in held]
-        drawn[fastdecode.to_device(held, rows.device)] = fastdecode.to_device(tokens, rows.device)
+        at = fastdecode.to_device(held, rows.device)
+        drawn[at] = fastdecode.to_device(self._held_tokens([seqs[j] for j in held], rows[at]), rows.device)
         return drawn
 
-    def _held_token(self, seq: Sequence, logits: torch.Tensor) -> int:
-        """The token of an answer a grammar holds: the race of draw_on_device (its own noise draw from the row's
-        generator) run down the row's tokens in order until one keeps the answer a prefix the grammar accepts
-        (a JSON object's, tool calls'); if the filters (top_k, top_p, min_p) left none that does, the model's
-        most likely one that does."""
-        p = seq.params
-        x = process_rows(logits[None], [p], [seq.prompt_tensor], [seq.output_ids])
-        scores = race_scores(x, race_noise([p], [seq.generator], x.shape[1], x.device))[0]
-        kept = int(torch.isfinite(scores).sum())
-        head = scores.topk(min(kept, GRAMMAR_CANDIDATES)).indices.tolist()  # one of them usually fits: no full sort
-        token = jsonmode.pick(head, seq.grammar, self._grammar_bytes(seq.grammar))
-        if token is not None:
-            return token
-        # Few tokens fit here (or the model wants none of them): find them all, the first in race order wins.
+    def _held_tokens(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
+        """The tokens of answers a grammar holds, one a row: the race of draw_on_device (each row's own noise
+        draw from its generator) run down the row's tokens in order until one keeps the answer a prefix the
+        grammar accepts (a JSON object's, tool calls'); if the filters (top_k, top_p, min_p) left none that does,
+        the model's most likely one that does. The rows' race leaders are read back at once (one device sync)."""
+        params = [s.params for s in seqs]
+        x = process_rows(logits, params, [s.prompt_tensor for s in seqs], [s.output_ids for s in seqs])
+        scores = race_scores(x, race_noise(params, [s.generator for s in seqs], x.shape[1], x.device))
+        lead = scores.topk(min(GRAMMAR_CANDIDATES, x.shape[1]), -1)  # one of them usually fits: no full sort
+        ids, kept = lead.indices.tolist(), torch.isfinite(lead.values).tolist()
+        tokens = []
+        for j, seq in enumerate(seqs):
+            head = [t for t, k in zip(ids[j], kept[j]) if k]  # (a token the filters removed never wins)
+            token = jsonmode.pick(head, seq.grammar, self._grammar_bytes(seq.grammar))
+            tokens.append(token if token is not None else self._held_fallback(seq, scores[j], logits[j]))
+        return tokens
+
+    def _held_fallback(self, seq: Sequence, scores: torch.Tensor, logits: torch.Tensor) -> int:
+        """_held_tokens' token where none of a row's race leaders fits: few tokens fit here (or the model wants
+        none of them), so find them all; the first in race order wins."""
         kind = type(seq.grammar)
         if kind not in self._sorted:
             self._sorted[kind] = jsonmode.Vocabulary.of(self._grammar_bytes(seq.grammar))

@@ -723,6 +723,10 @@ def test_json_object_answers_are_json_objects(parts, monkeypatch):
         assert jsonmode.JsonPrefix().feed(r.text.encode()), r.text
         assert r.finish_reason == "length" or isinstance(json.loads(r.text), dict)
     assert len({r.text for r in outs}) > 1
+    # the held rows of a batch are drawn together (one read-back): each draws what it draws alone
+    alone = [eng.generate([ids], E.SamplingParams(temperature=1.0, seed=s, max_tokens=24, json_object=True))[0]
+             for s in (1, 3)]
+    assert [r.token_ids for r in alone] == [outs[1].token_ids, outs[3].token_ids]
     # where the free draw's token fits, the answer's is that token: a JSON row's race is drawn once a step, from
     # the seeded generator as a free row's (a space and "{" pushed up alike: either may open the object)
     even = {tok.token_to_id("\u0120"): 100.0, tok.token_to_id("{"): 100.0}
