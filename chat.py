@@ -194,6 +194,8 @@ def check_tools(tools: Any) -> list[dict] | None:
             raise ChatError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}", f"tools[{i}]")
         if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
             raise ChatError(f"tools[{i}].function.parameters must be a JSON schema object", f"tools[{i}].function.parameters")
+        if fn.get("strict") is not None and not isinstance(fn["strict"], bool):
+            raise ChatError(f"tools[{i}].function.strict must be a boolean", f"tools[{i}].function.strict")
     return tools or None
 
 

@@ -80,9 +80,10 @@ class SamplingParams:
     those that keep it one (jsonmode.py), and the request stops, "stop", when the object is complete.
     `json_schema`: the same, an object of this JSON Schema (the subset jsonmode.compile_schema enforces).
     `tool_calls`: the answer is GLM's XML tool calls of these tools (name -> the JSON Schema of its parameters,
-    None for none), each held to its schema (toolmode.py); after a call the answer stops, or with
-    `parallel_tool_calls` it may go on to another call or stop. A prompt that ends with `<tool_call>` has
-    started the first call (serve.py forces it).
+    None for none, True for calls not held), each held to its schema (toolmode.py); after a call the answer
+    stops, or with `parallel_tool_calls` it may go on to another call or stop. A prompt that ends with
+    `<tool_call>` has started the first call (serve.py forces it). `tool_calls_optional` (tool_choice auto):
+    text may come first, and the answer may end without a call.
     """
 
     max_tokens: int | None = None  # None: until a stop or the context limit
@@ -105,6 +106,7 @@ class SamplingParams:
     json_schema: dict | None = None
     tool_calls: dict[str, dict | None] | None = None
     parallel_tool_calls: bool = True
+    tool_calls_optional: bool = False
 
     @property
     def penalizes(self) -> bool:
@@ -157,7 +159,8 @@ class SamplingParams:
                 raise bad("json_schema", str(e)) from None
         if self.tool_calls is not None:
             if not isinstance(self.tool_calls, dict) or not self.tool_calls:
-                raise bad("tool_calls", "must map tool names to their parameters' schemas (None for none)")
+                raise bad("tool_calls", "must map tool names to their parameters' schemas (None for none, True "
+                                        "for calls not held)")
             if self.json_object or self.json_schema is not None:
                 raise bad("tool_calls", "the answer cannot be both tool calls and a JSON object")
             try:
@@ -810,7 +813,8 @@ class Engine:
             return jsonmode.JsonPrefix()
         if p.tool_calls is None:
             return None
-        calls = toolmode.ToolCallPrefix(toolmode.compile_tools(p.tool_calls), p.parallel_tool_calls)
+        calls = toolmode.ToolCallPrefix(toolmode.compile_tools(p.tool_calls), p.parallel_tool_calls,
+                                        "text" if p.tool_calls_optional else "call")
         if prompt_ids[-1] == self.tool_tags[chat.TOOL_START]:
             calls.feed(bytes([toolmode.CALL]))
         return calls

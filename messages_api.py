@@ -165,6 +165,8 @@ def _tools(body: dict) -> list[dict] | None:
         fn = {"name": t["name"], "parameters": schema}
         if isinstance(t.get("description"), str):
             fn["description"] = t["description"]
+        if "strict" in t:  # (structured outputs: its calls are held to the schema under tool_choice auto too)
+            fn["strict"] = t["strict"]
         out.append({"type": "function", "function": fn})
     return out or None
 

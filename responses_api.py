@@ -104,6 +104,7 @@ def _tools(body: dict) -> list[dict] | None:
         if not isinstance(t.get("name"), str) or not t["name"]:
             raise chat.ChatError(f"tools[{i}].name must be a non-empty string", f"tools[{i}].name")
         fn = {k: t[k] for k in ("name", "description", "parameters") if t.get(k) is not None}
+        fn["strict"] = t.get("strict", True)  # (the Responses API's default; the template does not render it)
         out.append({"type": "function", "function": fn})
     return out or None
 

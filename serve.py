@@ -538,9 +538,10 @@ class Server:
         return body
 
     def _job(self, body: dict, prompt_ids: list[int], logprobs: int | None, skip_special: bool,
-             prompt_param: str, tool_calls: dict | None = None) -> Job:
-        """`prompt_param`: the request field the prompt came from, named when the prompt is too long; `tool_calls`:
-        the tools a forced call is held to (_chat_prompt), with the body's parallel_tool_calls."""
+             prompt_param: str, held: dict | None = None) -> Job:
+        """`prompt_param`: the request field the prompt came from, named when the prompt is too long; `held`: the
+        SamplingParams fields that hold tool calls to their schemas (_chat_prompt), with the body's
+        parallel_tool_calls."""
         limit = self.engine.max_model_len
         if len(prompt_ids) >= limit:
             raise ApiError(400, f"the prompt has {len(prompt_ids)} tokens; this model's context is {limit} tokens "
@@ -580,8 +581,8 @@ class Server:
                 logit_bias=_logit_bias(body, self.engine.vocab_size),
                 json_object=json_object,
                 json_schema=json_schema,
-                tool_calls=tool_calls,
                 parallel_tool_calls=field_of(body, "parallel_tool_calls", "bool", True),
+                **(held or {}),
             )
         except ValueError as e:
             raise ApiError(400, str(e), None, "invalid_value")
@@ -667,7 +668,7 @@ class Server:
         if top and not logprobs:
             raise ApiError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs", "invalid_value")
         job = self._job(body, prompt_ids, top if logprobs else None, skip_special=False, prompt_param="messages",
-                        tool_calls=held)
+                        held=held)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         choices = self._choices(job, request.environ.get("werkzeug.socket"))
         # each choice parses its own answer; the head (a forced start) is already fed to the parser
@@ -703,15 +704,17 @@ class Server:
                      prefill: str = "", **extra: Any
                      ) -> tuple[list[int], chat.StreamParser, list[chat.Delta], dict | None]:
         """The prompt's token ids for checked messages and tools, the parser of the answer, what the parser
-        already made of a forced start of the answer, and the tools its calls are held to (SamplingParams.tool_calls:
-        where tool_choice forces a call). `prefill`: the start of the answer a client wrote, after a
+        already made of a forced start of the answer, and the SamplingParams fields that hold its calls to their
+        tools' schemas (where tool_choice forces a call, or with "auto" where a tool is strict; else empty). `prefill`: the start of the answer a client wrote, after a
         closed think block; parsed but not returned (the client has it)."""
         if tool_choice not in ("auto", "none", "required") and not _named_choice(tool_choice):
             raise ApiError(400, "'tool_choice' must be 'auto', 'none', 'required' or "
                                 "{'type': 'function', 'function': {'name': ...}}", "tool_choice", "invalid_value")
         if tool_choice != "none" and not tools:
             raise ApiError(400, f"'tool_choice' {json.dumps(tool_choice)} needs 'tools'", "tool_choice", "invalid_value")
-        forced, held = "", None
+        forced, held = "", {}
+        if tool_choice == "auto" and any(t["function"].get("strict") for t in tools or []):
+            held = {"tool_calls": _held_tools(tools, "", strict_only=True), "tool_calls_optional": True}
         if tool_choice == "required" or _named_choice(tool_choice):
             # The answer is started with <tool_call>, which closes the think block first (these turns have no
             # reasoning), and the engine holds the calls to the tools' schemas (toolmode.py).
@@ -719,7 +722,7 @@ class Server:
             if name and name not in [t["function"]["name"] for t in tools]:
                 raise ApiError(400, f"tool_choice names '{name}', which is not in 'tools'", "tool_choice", "invalid_value")
             thinking = chat.Thinking(enabled=False, effort=thinking.effort)
-            forced, held = chat.TOOL_START, _held_tools(tools, name)
+            forced, held = chat.TOOL_START, {"tool_calls": _held_tools(tools, name)}
         if forced and prefill:
             raise ApiError(400, f"tool_choice {json.dumps(tool_choice)} starts the answer with a tool call, so the "
                                 "final assistant message cannot start it too", "tool_choice", "invalid_value")
@@ -822,7 +825,7 @@ class Server:
             # Anthropic clients ask for one large max_tokens whatever the model's context (a maximum there,
             # not a promise): what the context leaves is the most this request can get.
             req.options["max_tokens"] = min(req.options["max_tokens"], left)
-        job = self._job(req.options, prompt_ids, None, skip_special=False, prompt_param="messages", tool_calls=held)
+        job = self._job(req.options, prompt_ids, None, skip_special=False, prompt_param="messages", held=held)
         outputs = self._outputs(job, request.environ.get("werkzeug.socket"))
         events = self._stream_events(messages_api.MessageStream(self.model_name, len(prompt_ids)), outputs,
                                      parser, head)
@@ -855,7 +858,7 @@ class Server:
 
     def responses(self):
         req, prompt_ids, parser, head, held = self._translated_prompt(responses_api.to_chat, self._body(), "input")
-        job = self._job(req.options, prompt_ids, None, skip_special=False, prompt_param="input", tool_calls=held)
+        job = self._job(req.options, prompt_ids, None, skip_special=False, prompt_param="input", held=held)
         outputs = self._outputs(job, request.environ.get("werkzeug.socket"))
         events = self._stream_events(responses_api.ResponseStream(self.model_name, req.echo), outputs, parser, head)
         if job.stream:
@@ -1087,20 +1090,23 @@ class Server:
             self.loop.stop()
 
 
-def _held_tools(tools: list[dict], name: str) -> dict:
-    """The tools a forced call is held to (all of them, or the one tool_choice names): name -> parameters, each
-    checked by toolmode (a schema it cannot enforce is a 400 naming where)."""
+def _held_tools(tools: list[dict], name: str, strict_only: bool = False) -> dict:
+    """SamplingParams.tool_calls: the tools a call may be of (all of them, or the one tool_choice names): name ->
+    parameters, each checked by toolmode (a schema it cannot enforce is a 400 naming where); with strict_only,
+    a tool not marked strict as True (its calls are not held)."""
     held = {}
     for i, t in enumerate(tools):
         fn = t["function"]
-        if name in ("", fn["name"]):
+        if strict_only and not fn.get("strict"):
+            held[fn["name"]] = True
+        elif name in ("", fn["name"]):
             try:
                 toolmode.compile_tools({fn["name"]: fn.get("parameters")})
             except jsonmode.SchemaError as e:
                 at = e.path.removeprefix(fn["name"])  # "" (the name) or ".parameters..."
                 param = f"tools[{i}].function{at or '.name'}"
-                raise ApiError(400, f"'{param}': {e.reason} (a call tool_choice forces is held to its tool's "
-                                    f"schema)", param, "unsupported")
+                raise ApiError(400, f"'{param}': {e.reason} (a call is held to its tool's schema where tool_choice "
+                                    f"forces one or the tool is strict)", param, "unsupported")
             held[fn["name"]] = fn.get("parameters")
     return held
 

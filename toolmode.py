@@ -1,10 +1,11 @@
-"""Tool calls held to their tools' schemas (OpenAI's tool_choice "required" or a named function): the answer is
-GLM's XML tool calls, `<tool_call>name<arg_key>k</arg_key><arg_value>v</arg_value>...</tool_call>` (serving.md
+"""Tool calls held to their tools' schemas (OpenAI's tool_choice "required" or a named function; with "auto", the
+calls of strict tools, after any text): the answer is GLM's XML tool calls, `<tool_call>name<arg_key>k</arg_key><arg_value>v</arg_value>...</tool_call>` (serving.md
 §1.3), each naming one of the tools, with each key once, every required key, and values as the chat template
 writes them and chat.parse_tool_call reads them back: a parameter typed string as its text (verbatim), any other
 as JSON of its schema (jsonmode's automaton). Keys are the schema's properties; where its additionalProperties
 allow others, any other key of ASCII letters, digits and `_.-` (a key's value type must be known to hold it: such
-a value is JSON of the additionalProperties schema, which the parser reads as JSON).
+a value is JSON of the additionalProperties schema, which the parser reads as JSON). A tool given as True is not
+held: any key and any value text.
 
 The tags are special tokens, not text: `tagged_bytes` gives each of them one byte that UTF-8 text never has (F8-FD;
 text tokens with such bytes are left out) and each stop token FE, so that jsonmode.pick and jsonmode.allowed, which
@@ -35,20 +36,27 @@ ESCAPE = {b: f"\\u{b:04x}".encode() for b in range(0x20)} | {
 @dataclass(frozen=True)
 class Tool:
     """A tool's parameters: each key's node, the keys written verbatim, the required keys, and the node of any
-    other key (None: no other key)."""
+    other key (None: no other key); or `free`: its calls are not held (any key, any value text)."""
     params: dict[bytes, Node]
     verbatim: frozenset[bytes]
     required: frozenset[bytes]
     extra: Node | None
+    free: bool = False
+
+
+FREE = Tool({}, frozenset(), frozenset(), None, free=True)
 
 
 def compile_tools(tools: dict[str, Any]) -> dict[bytes, Tool]:
-    """name -> its parameters' JSON Schema (an object's, or None for no parameters) as Tools; a SchemaError
-    names what jsonmode cannot enforce, under `<name>.parameters`."""
+    """name -> its parameters' JSON Schema (an object's, None for no parameters, True for calls not held) as
+    Tools; a SchemaError names what jsonmode cannot enforce, under `<name>.parameters`."""
     out = {}
     for name, schema in tools.items():
         if not name or re.search(r"\s|<", name):
             raise SchemaError(name, "a tool's name must be non-empty, with no whitespace or '<'")
+        if schema is True:
+            out[name.encode()] = FREE
+            continue
         schema = {"type": "object", "properties": {}, "additionalProperties": False} if schema is None else schema
         at = f"{name}.parameters"
         try:
@@ -81,19 +89,20 @@ def tagged_bytes(vocab_bytes: list[bytes | None], tag_ids: dict[str, int], stop_
 class ToolCallPrefix:
     """The state after some bytes (tagged_bytes) of an answer that must be tool calls of `tools`. `feed` returns
     False (and leaves the state unusable) at the first byte that no such answer can have there. `parallel`:
-    after a call, another may come (else the answer is done)."""
+    after a call, another may come (else the answer is done). Starting at mode "text" (tool_choice auto), text
+    may come first, and the answer may end without a call."""
 
     tools: dict[bytes, Tool]
     parallel: bool = True
-    # "call" (a <tool_call>, or a stop after a call), "name", "next" (a key or </tool_call>), "key",
-    # "value_tag" (<arg_value>), "value", "done"
+    # "text" (text, a <tool_call> or a stop), "call" (a <tool_call>, or a stop after a call), "name", "next" (a
+    # key or </tool_call>), "key", "value_tag" (<arg_value>), "value", "done"
     mode: str = "call"
     text: bytes = b""  # the name or key so far
     tool: Tool | None = None
     used: frozenset[bytes] = frozenset()  # the call's keys so far
-    value: JsonPrefix | None = None  # the value being read (a verbatim one as its JSON string)
+    value: JsonPrefix | None = None  # the value being read (a verbatim one as its JSON string; None if free)
     verbatim: bool = False
-    tail: bytes = b""  # a verbatim value's last bytes, where a tag's text would show
+    tail: bytes = b""  # the last bytes of text written as itself, where a tag's text would show
     calls: int = 0
 
     def copy(self) -> ToolCallPrefix:
@@ -110,6 +119,11 @@ class ToolCallPrefix:
         m = self.mode
         if m == "value":
             return self._value_byte(b)
+        if m == "text":
+            if b in (CALL, STOP):
+                self.mode = "name" if b == CALL else "done"
+                return True
+            return self._text_byte(b)
         if m == "call":
             self.mode = "done" if b == STOP else "name"
             return b == STOP and self.calls > 0 or b == CALL
@@ -124,34 +138,47 @@ class ToolCallPrefix:
                 self.calls, self.text = self.calls + 1, b""
                 self.mode = "call" if self.parallel else "done"
                 return True
-            self.mode, self.text = "key", b""
-            return b == KEY and (self.tool.extra is not None or not self.tool.params.keys() <= self.used)
+            self.mode, self.text, self.tail = "key", b"", b""
+            return b == KEY and (self.tool.free or self.tool.extra is not None or
+                                 not self.tool.params.keys() <= self.used)
         if m == "key":
             if b == KEY_END:
                 return self._key_done()
             self.text += bytes([b])
+            if self.tool.free:
+                return self._text_byte(b)
             return self.tool.extra is not None and b in EXTRA_KEY or any(
                 k.startswith(self.text) and k not in self.used for k in self.tool.params)
         if m == "value_tag":
             key, self.mode = self.text, "value"
-            self.value = JsonPrefix(self.tool.params.get(key, self.tool.extra))
+            self.value = None if self.tool.free else JsonPrefix(self.tool.params.get(key, self.tool.extra))
             self.verbatim, self.tail = key in self.tool.verbatim, b""
             return b == VALUE and (not self.verbatim or self.value.feed(b'"'))
         return False  # "done"
 
     def _key_done(self) -> bool:
         key = self.text
-        if key in self.used or not (key in self.tool.params or self.tool.extra is not None and key):
+        known = key in self.tool.params or (self.tool.free or self.tool.extra is not None) and key
+        if key in self.used or not known:
             return False
         self.used, self.mode = self.used | {key}, "value_tag"
         return True
 
     def _value_byte(self, b: int) -> bool:
         if b == VALUE_END:
-            end = self.value.copy()
             self.mode = "next"
+            if self.value is None:  # a free tool's
+                return True
+            end = self.value.copy()
             return end.feed(b'"') and end.done if self.verbatim else self.value.complete
+        if self.value is None:
+            return self._text_byte(b)
         if not self.verbatim:
             return self.value.feed(bytes([b]))
+        return self._text_byte(b) and self.value.feed(ESCAPE.get(b, bytes([b])))
+
+    def _text_byte(self, b: int) -> bool:
+        """A byte of text written as itself (free text, a verbatim value, a free tool's key or value): no tag,
+        and no tag's text (the parser reads the text, and would take it for the tag)."""
         self.tail = (self.tail + bytes([b]))[-max(map(len, TAG_TEXTS)):]
-        return not any(self.tail.endswith(t) for t in TAG_TEXTS) and self.value.feed(ESCAPE.get(b, bytes([b])))
+        return b < CALL and not any(self.tail.endswith(t) for t in TAG_TEXTS)

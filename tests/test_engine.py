@@ -791,6 +791,14 @@ def test_tool_calls_are_held_to_their_schemas(parts):
         assert got and all(c is not None and c.name in ("now", "today") and not c.arguments for c in got)
         assert r.finish_reason == "length" or r.token_ids[-1] == EOS
     assert any(r.finish_reason == "stop" for r in outs)
+    # optional calls (tool_choice auto with a strict tool): text first, then calls or the end; each call held
+    outs = eng.generate([ids] * 4, [E.SamplingParams(temperature=1.0, seed=s, max_tokens=60, logit_bias={call: 4.0},
+                                                     tool_calls={"get_weather": weather}, tool_calls_optional=True,
+                                                     parallel_tool_calls=False) for s in range(4)])
+    made = [calls(r.token_ids) for r in outs]
+    assert any(m and r.token_ids[0] != call for r, m in zip(outs, made)), made  # a call after text
+    for got in made:
+        assert all(set(c.arguments) == {"city", "days"} and 1 <= c.arguments["days"] <= 14 for c in got)
     with pytest.raises(ValueError, match=r"tool_calls needs .* as tokens; this tokenizer lacks \['<tool_call>'"):
         E.Engine(model, make_tokenizer(model.config.vocab_size, THINK_TOKENS), eos_token_ids=[EOS], num_blocks=8,
                  block_size=BS).add_request(ids, E.SamplingParams(tool_calls={"now": None}))

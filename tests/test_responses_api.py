@@ -28,7 +28,9 @@ def test_items_become_the_same_chat():
         {"role": "tool", "tool_call_id": "call_1", "content": "sun"},
         {"role": "assistant", "content": "Sunny."},
         {"role": "user", "content": "Thanks!"}]
-    assert req.tools == [{"type": "function", "function": {k: TOOL[k] for k in ("name", "description", "parameters")}}]
+    assert req.tools == [{"type": "function", "function": {**{k: TOOL[k] for k in ("name", "description", "parameters")},
+                                                           "strict": True}}]  # the Responses API's default
+    assert r.to_chat({"input": "x", "tools": [{**TOOL, "strict": False}]}).tools[0]["function"]["strict"] is False
     assert req.tool_choice == "auto" and req.options == {"max_tokens": 40}
     assert req.thinking.enabled  # the chat path's default: the template thinks
 

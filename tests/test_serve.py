@@ -529,6 +529,35 @@ def test_forced_tool_calls_are_held_to_their_schemas_on_every_api(server, url, c
         client.chat.completions.create(model=default_model.NAME, messages=q, tools=[NOW, odd], tool_choice="required")
     assert e.value.body["param"] == "tools[1].function.parameters.properties.x" and "oneOf" in e.value.body["message"]
     client.chat.completions.create(model=default_model.NAME, messages=q, tools=[NOW, odd], max_tokens=2)
+    with pytest.raises(openai.BadRequestError) as e:  # strict: held under "auto" too
+        client.chat.completions.create(model=default_model.NAME, messages=q, max_tokens=2, tools=[
+            NOW, {"type": "function", "function": {**odd["function"], "strict": True}}])
+    assert e.value.body["param"] == "tools[1].function.parameters.properties.x"
+
+
+def test_strict_tools_hold_their_calls_under_auto(server, client, monkeypatch):
+    """tool_choice "auto": the answer may be text, and the calls of a strict tool are held to its schema (a tool
+    not strict is called as the model writes it: toolmode's tests); the Responses API's tools are strict unless
+    they say not."""
+    q = [{"role": "user", "content": "Weather in Oslo?"}]
+    strict = {"type": "function", "function": {**STRICT["function"], "strict": True}}
+    tok = server.engine.tokenizer
+    push = {str(tok.token_to_id(chat.TOOL_START)): 100}  # (the small model seldom calls by itself)
+    made = []
+    for seed in range(4):
+        r = client.chat.completions.create(model=default_model.NAME, messages=q, tools=[strict], max_tokens=60,
+                                           seed=seed, logit_bias=push, reasoning_effort="none",
+                                           parallel_tool_calls=False)
+        made += [(c.function.name, json.loads(c.function.arguments)) for c in r.choices[0].message.tool_calls or []]
+    assert all(held_call(*c) for c in made if c[0] == "get_weather") and any(c[0] == "get_weather" for c in made), made
+    submitted = []
+    submit = server.loop.submit
+    monkeypatch.setattr(server.loop, "submit", lambda ids, sp, out: (submitted.append(sp), submit(ids, sp, out))[1])
+    for tool in ({}, {"strict": False}):
+        client.responses.create(model=default_model.NAME, input=q, tools=[{"type": "function", **STRICT["function"],
+                                                                           **tool}], max_output_tokens=2)
+    assert submitted[0].tool_calls == {"get_weather": STRICT["function"]["parameters"]}
+    assert submitted[0].tool_calls_optional and submitted[1].tool_calls is None
 
 
 def test_prefix_cache_hits_are_reported(url, client):
@@ -807,7 +836,8 @@ def test_messages_errors_in_anthropics_shape(url):
 
 # --- OpenAI's Responses API --------------------------------------------------------------------
 
-RESPONSES_WEATHER = {"type": "function", "name": "get_weather", "parameters": WEATHER["function"]["parameters"]}
+RESPONSES_WEATHER = {"type": "function", "name": "get_weather", "parameters": WEATHER["function"]["parameters"],
+                     "strict": False}  # (scripted answers: a strict tool's calls would be held, drawn by the model)
 
 
 def test_responses_reasoning_and_function_call_whole_and_streamed(server, client, scripted):

@@ -17,7 +17,7 @@ WEATHER = {"type": "object", "properties": {
     "opts": {"type": "object", "properties": {"lang": {"type": "string"}}, "additionalProperties": False}},
     "required": ["city"], "additionalProperties": False}
 TAGS = {"search": {"type": "object", "properties": {"q": {"type": ["string", "null"]}}},  # other keys allowed
-        "get_weather": WEATHER, "now": None}
+        "get_weather": WEATHER, "now": None, "shell": True}  # shell: not held
 TOOLS = toolmode.compile_tools(TAGS)
 MARKS = {tag: bytes([toolmode.CALL + i]) for i, tag in enumerate(toolmode.TAGS)} | {"<stop>": bytes([toolmode.STOP])}
 
@@ -33,13 +33,14 @@ def tagged(text: str) -> bytes:
 def untagged(data: bytes) -> str:
     for tag, mark in MARKS.items():
         data = data.replace(mark, tag.encode() if tag != "<stop>" else b"")
-    return data.decode()
+    return data.decode(errors="replace")  # (text and a free tool's arguments are not held to UTF-8)
 
 
 def calls_of(text: str) -> list[chat.ToolCall]:
     """The calls chat's parser reads from an answer (the serving path's reading of it)."""
     bodies = text.split(chat.TOOL_START)[1:]
-    tools = [{"type": "function", "function": {"name": n, "parameters": s}} for n, s in TAGS.items()]
+    tools = [{"type": "function", "function": {"name": n, "parameters": s if s is not True else None}}
+             for n, s in TAGS.items()]
     return [chat.parse_tool_call(b.split(chat.TOOL_END)[0], tools) for b in bodies]
 
 
@@ -105,6 +106,22 @@ def test_what_the_tools_forbid_is_refused_at_its_first_byte(text, refused_at):
     assert not s.copy().feed(bad[:1]), (text, refused_at)
 
 
+@pytest.mark.parametrize("text, ok", [
+    ("Let me check.<tool_call>now</tool_call><stop>", True), ("Just text, no call.<stop>", True), ("<stop>", True),
+    ("I'll run it.<tool_call>shell<arg_key>cmd line</arg_key><arg_value>ls -l | wc</arg_value></tool_call><stop>", True),
+    ("Text<tool_call>now</tool_call>more text", False),  # after a call: another call or the end
+    ("Text</tool_call>", False), ("Text «tool_call", True), ("Text «tool_call>", False),  # «: a tag's text as text
+    ("<tool_call>shell<arg_key>a«/arg_key>", False), ("<tool_call>shell<arg_key></arg_key>", False),
+    ("<tool_call>shell<arg_key>a</arg_key><arg_value>x</arg_value><arg_key>a</arg_key>", False),
+    ("<tool_call>get_weather<arg_key>city</arg_key><arg_value>Rome</arg_value><arg_key>days</arg_key>"
+     "<arg_value>20", False)])  # held as ever
+def test_text_may_come_first_where_a_call_is_optional_and_free_tools_are_not_held(text, ok):
+    s = toolmode.ToolCallPrefix(TOOLS, mode="text")  # tool_choice auto
+    assert s.feed(tagged(text).replace("«".encode(), b"<")) == ok, text
+    if ok and text.endswith("<stop>"):
+        assert s.done and all(c is not None and valid_call(c) for c in calls_of(text))
+
+
 def test_one_call_unless_parallel_calls_are_allowed():
     s = toolmode.ToolCallPrefix(TOOLS, parallel=False)
     assert s.feed(tagged("<tool_call>now</tool_call>")) and s.done
@@ -141,8 +158,8 @@ def test_no_accepted_prefix_is_a_dead_end_and_every_answer_reads_back_valid():
     sorted_vocab = jsonmode.Vocabulary.of(vocab)
     weight = [40 if i >= len(pieces) else 1 for i in range(len(vocab))]
     rng, finished = random.Random(3), 0
-    for _ in range(60):
-        s, text = toolmode.ToolCallPrefix(TOOLS), b""
+    for walk in range(60):
+        s, text = toolmode.ToolCallPrefix(TOOLS, mode="text" if walk % 3 == 0 else "call"), b""
         for _ in range(300):
             fits = jsonmode.allowed(s, sorted_vocab)
             assert fits, ("a dead end", untagged(text))
@@ -154,5 +171,6 @@ def test_no_accepted_prefix_is_a_dead_end_and_every_answer_reads_back_valid():
         if s.done:
             finished += 1
             calls = calls_of(untagged(text))
-            assert calls and all(c is not None and valid_call(c) for c in calls), untagged(text)
+            assert (calls or s.mode == "done" and walk % 3 == 0) and all(c is not None and valid_call(c)
+                                                                        for c in calls), untagged(text)
     assert finished > 20, finished
