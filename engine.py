@@ -104,7 +104,7 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     json_object: bool = False
     json_schema: dict | None = None
-    tool_calls: dict[str, dict | None] | None = None
+    tool_calls: dict[str, dict | bool | None] | None = None
     parallel_tool_calls: bool = True
     tool_calls_optional: bool = False
 
@@ -804,7 +804,8 @@ class Engine:
         self.waiting.append(seq)
         return request_id
 
-    def _grammar(self, p: SamplingParams, prompt_ids: list[int]) -> jsonmode.JsonPrefix | toolmode.ToolCallPrefix | None:
+    def _grammar(self, p: SamplingParams,
+                 prompt_ids: list[int]) -> jsonmode.JsonPrefix | toolmode.ToolCallPrefix | None:
         """The automaton that holds the answer (JSON mode, tool calls), fed the first call's tag where the prompt
         has started it."""
         if p.json_schema is not None:
@@ -978,7 +979,7 @@ class Engine:
         up to k + 1 tokens)."""
         seq.k = 0
         if self.speculator is None or seq.num_computed != len(seq.token_ids) - 1 or seq.grammar is not None:
-            return 0  # (a JSON answer's tokens are each picked by _sample)
+            return 0  # (a held answer's tokens are each picked by _draw)
         room = min(budget, self._tokens_left(seq) - 1, self.speculator.max_draft)
         left = self._thinking_left(seq)
         if left is not None:  # no draft past the budget: the token after it is forced (_sample)

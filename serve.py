@@ -677,7 +677,7 @@ class Server:
             return self._sse(self._chat_chunks(choices, parsers, head, job, rid, created), choices)
         return self._chat_response(choices, parsers, head, job, rid, created)
 
-    def _openai_chat_prompt(self, body: dict) -> tuple[list[int], chat.StreamParser, list[chat.Delta], dict | None]:
+    def _openai_chat_prompt(self, body: dict) -> tuple[list[int], chat.StreamParser, list[chat.Delta], dict]:
         """_chat_prompt for a chat completions request (messages, tools, tool_choice and the thinking fields)."""
         if not self.engine.chat_template:
             raise ApiError(400, "this checkpoint has no chat template; use /v1/completions", "messages", "unsupported")
@@ -702,11 +702,12 @@ class Server:
 
     def _chat_prompt(self, messages: list[dict], tools: list[dict] | None, tool_choice: Any, thinking: chat.Thinking,
                      prefill: str = "", **extra: Any
-                     ) -> tuple[list[int], chat.StreamParser, list[chat.Delta], dict | None]:
+                     ) -> tuple[list[int], chat.StreamParser, list[chat.Delta], dict]:
         """The prompt's token ids for checked messages and tools, the parser of the answer, what the parser
         already made of a forced start of the answer, and the SamplingParams fields that hold its calls to their
-        tools' schemas (where tool_choice forces a call, or with "auto" where a tool is strict; else empty). `prefill`: the start of the answer a client wrote, after a
-        closed think block; parsed but not returned (the client has it)."""
+        tools' schemas (where tool_choice forces a call, or with "auto" where a tool is strict; else empty).
+        `prefill`: the start of the answer a client wrote, after a closed think block; parsed but not returned
+        (the client has it)."""
         if tool_choice not in ("auto", "none", "required") and not _named_choice(tool_choice):
             raise ApiError(400, "'tool_choice' must be 'auto', 'none', 'required' or "
                                 "{'type': 'function', 'function': {'name': ...}}", "tool_choice", "invalid_value")
@@ -806,7 +807,7 @@ class Server:
     # --- /v1/messages (Anthropic) -----------------------------------------------------------
 
     def _translated_prompt(self, to_chat: Callable[[dict], chat.ChatRequest], body: dict, prompt_param: str
-                           ) -> tuple[chat.ChatRequest, list[int], chat.StreamParser, list[chat.Delta], dict | None]:
+                           ) -> tuple[chat.ChatRequest, list[int], chat.StreamParser, list[chat.Delta], dict]:
         """A Messages or Responses request (`to_chat` of messages_api or responses_api) in the chat path's terms,
         checked and rendered as chat completions are."""
         if not self.engine.chat_template:

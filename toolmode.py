@@ -1,11 +1,12 @@
 """Tool calls held to their tools' schemas (OpenAI's tool_choice "required" or a named function; with "auto", the
-calls of strict tools, after any text): the answer is GLM's XML tool calls, `<tool_call>name<arg_key>k</arg_key><arg_value>v</arg_value>...</tool_call>` (serving.md
-§1.3), each naming one of the tools, with each key once, every required key, and values as the chat template
-writes them and chat.parse_tool_call reads them back: a parameter typed string as its text (verbatim), any other
-as JSON of its schema (jsonmode's automaton). Keys are the schema's properties; where its additionalProperties
-allow others, any other key of ASCII letters, digits and `_.-` (a key's value type must be known to hold it: such
-a value is JSON of the additionalProperties schema, which the parser reads as JSON). A tool given as True is not
-held: any key and any value text.
+calls of strict tools, after any text): the answer is GLM's XML tool calls,
+`<tool_call>name<arg_key>k</arg_key><arg_value>v</arg_value>...</tool_call>` (serving.md §1.3), each naming one of
+the tools, with each key once, every required key, and values as the chat template writes them and
+chat.parse_tool_call reads them back: a parameter typed string as its text (verbatim), any other as JSON of its
+schema (jsonmode's automaton). Keys are the schema's properties; where its additionalProperties allow others, any
+other key of ASCII letters, digits and `_.-` (a key's value type must be known to hold it: such a value is JSON of
+the additionalProperties schema, which the parser reads as JSON). A tool given as True is not held: any key and any
+value text.
 
 The tags are special tokens, not text: `tagged_bytes` gives each of them one byte that UTF-8 text never has (F8-FD;
 text tokens with such bytes are left out) and each stop token FE, so that jsonmode.pick and jsonmode.allowed, which
