@@ -18,6 +18,7 @@ import uuid
 from typing import Any, Iterator
 
 import chat
+import jsonmode
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                413: "request_too_large"}  # the statuses this server sends; others are "api_error"
@@ -199,6 +200,25 @@ def _thinking(body: dict) -> tuple[chat.Thinking, int | None]:
     return chat.resolve_thinking(enable_thinking=kind != "disabled"), budget
 
 
+def _output_format(body: dict) -> tuple[str, dict] | None:
+    """Structured output: `output_config.format` (or the beta's `output_format`), {"type": "json_schema",
+    "schema": {...}}, as (the field's name, the schema), checked by jsonmode; None if the request has none."""
+    config = body.get("output_config")
+    if config is not None and not isinstance(config, dict):
+        raise chat.ChatError("output_config must be an object", "output_config")
+    name, fmt = ("output_config.format", config.get("format")) if config and "format" in config else \
+        ("output_format", body.get("output_format"))
+    if fmt is None:
+        return None
+    if not (isinstance(fmt, dict) and fmt.get("type") == "json_schema" and isinstance(fmt.get("schema"), dict)):
+        raise chat.ChatError(f"{name} must be {{'type': 'json_schema', 'schema': {{...}}}}", name)
+    try:
+        jsonmode.object_schema(fmt["schema"])
+    except jsonmode.SchemaError as e:
+        raise chat.ChatError(f"{name}.schema: {e}", f"{name}.schema", "unsupported") from None
+    return name, fmt["schema"]
+
+
 def to_chat(body: dict) -> chat.ChatRequest:
     """The Messages request `body` in the chat path's terms; chat.ChatError names what is wrong."""
     if body.get("max_tokens") is None:
@@ -224,8 +244,17 @@ def to_chat(body: dict) -> chat.ChatRequest:
             raise chat.ChatError(f"thinking.budget_tokens ({budget}) must be less than max_tokens "
                                  f"({body['max_tokens']})", "thinking.budget_tokens")
         options["thinking_token_budget"] = budget
+    tool_choice = _tool_choice(body, tools)
+    structured = _output_format(body)
+    if structured is not None:  # as chat completions' response_format
+        if tool_choice not in ("auto", "none"):
+            raise chat.ChatError(f"{structured[0]} cannot go with a tool_choice that forces a tool call", structured[0])
+        options["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": structured[1]}}
     messages, prefill = _prefill(_messages(body), thinking)
-    return chat.ChatRequest(messages, tools, _tool_choice(body, tools), thinking, options, prefill)
+    if structured is not None and prefill:
+        raise chat.ChatError(f"{structured[0]} cannot go with a final assistant message (the answer must be the "
+                             f"JSON from its start)", "messages")
+    return chat.ChatRequest(messages, tools, tool_choice, thinking, options, prefill)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -60,8 +60,30 @@ def test_tool_choice(choice, chat_choice):
         m.to_chat({**CONVERSATION, "tool_choice": {**choice, "disable_parallel_tool_use": "yes"}})
 
 
+SHAPE = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("field", [{"output_config": {"format": {"type": "json_schema", "schema": SHAPE}}},
+                                   {"output_format": {"type": "json_schema", "schema": SHAPE}}])
+def test_structured_output_is_chat_completions_json_schema(field):
+    r = m.to_chat({**CONVERSATION, **field})
+    assert r.options["response_format"] == {"type": "json_schema", "json_schema": {"name": "output", "schema": SHAPE}}
+    name = "output_config.format" if "output_config" in field else "output_format"
+    with pytest.raises(chat.ChatError, match=f"{name} cannot go with a tool_choice") as e:
+        m.to_chat({**CONVERSATION, **field, "tool_choice": {"type": "any"}})
+    assert e.value.param == name
+    with pytest.raises(chat.ChatError, match="cannot go with a final assistant message"):
+        m.to_chat({"max_tokens": 5, **field, "messages": [U[0], {"role": "assistant", "content": "{"}]})
+
+
 U = [{"role": "user", "content": "hi"}]
 BAD = [  # (body, param, code)
+    ({"max_tokens": 5, "messages": U, "output_config": {"format": {"type": "json_object"}}}, "output_config.format",
+     "invalid_value"),
+    ({"max_tokens": 5, "messages": U, "output_format": {"type": "json_schema", "schema": {
+        "type": "object", "properties": {"a": {"type": "string", "format": "email"}}}}}, "output_format.schema",
+     "unsupported"),
+    ({"max_tokens": 5, "messages": U, "output_config": "json"}, "output_config", "invalid_value"),
     ({"messages": U}, "max_tokens", "invalid_value"),
     ({"max_tokens": 5}, "messages", "invalid_value"),
     ({"max_tokens": 5, "messages": [{"role": "system", "content": "x"}]}, "messages[0].role", "invalid_value"),

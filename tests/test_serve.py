@@ -748,6 +748,20 @@ def test_messages_thinking_and_tool_use_nonstream_and_stream(server, url, script
     assert events[-2][1]["delta"]["stop_reason"] == "tool_use"
 
 
+def test_messages_structured_output(server, url):
+    """output_config.format (the beta's output_format): the answer's text is a JSON object of the schema."""
+    shape = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+             "additionalProperties": False}
+    fmt = {"type": "json_schema", "schema": shape}
+    for field in ({"output_config": {"format": fmt}}, {"output_format": fmt}):
+        status, msg, _ = post_messages(url, {"max_tokens": 200, "messages": M, **field})
+        assert status == 200, msg
+        (block,) = msg["content"]
+        assert block["type"] == "text"
+        assert jsonmode.JsonPrefix(jsonmode.object_schema(shape)).feed(block["text"].encode()), block
+        assert msg["stop_reason"] == "max_tokens" or isinstance(json.loads(block["text"])["ok"], bool), msg
+
+
 def test_messages_tool_result_turn_renders_like_chat(server, url):
     anthropic = [{"role": "user", "content": "Weather in Paris?"},
                  {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather",
