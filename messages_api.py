@@ -8,7 +8,8 @@ Anthropic's content blocks (thinking, text, tool_use) as the SSE events of a str
 
 Where the two APIs differ in meaning, Anthropic's holds: thinking is off unless `thinking` turns it on
 (GLM's template thinks by default), `temperature` is in [0, 1], `max_tokens` is required, and usage counts
-prompt tokens served from the prefix cache as `cache_read_input_tokens`, not in `input_tokens`. A bad request
+prompt tokens served from the prefix cache as `cache_read_input_tokens`, not in `input_tokens`. Structured output
+(`output_config.format`) and strict tools become chat completions' json_schema and strict tools. A bad request
 raises chat.ChatError whose message starts with the field it names: Anthropic's error object has no `param`.
 """
 from __future__ import annotations
