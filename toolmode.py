@@ -16,6 +16,7 @@ not appear in it (the parser would end the value there).
 """
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, replace
 from typing import Any
@@ -66,10 +67,12 @@ def compile_tools(tools: dict[str, Any]) -> dict[bytes, Tool]:
             raise SchemaError(f"{at}.{e.path}" if e.path else at, e.reason) from None
         if node.types != frozenset({"object"}) or node.options:
             raise SchemaError(at, "a tool's parameters must be {'type': 'object', ...}")
+        keys = {k: json.loads(b'"' + k + b'"').encode() for k in node.props}  # a key as written between quotes
+        # written verbatim as the parser reads it back: by the type in parameters.properties (chat._param_schema)
         props = schema.get("properties", {})
-        keys = {jsonmode._key(k): k.encode() for k in props}
         out[name.encode()] = Tool({keys[k]: n for k, n in node.props.items()},
-                                  frozenset(k.encode() for k, s in props.items() if chat.written_verbatim(s)),
+                                  frozenset(keys[k] for k in node.props
+                                            if chat.written_verbatim(props.get(keys[k].decode()))),
                                   frozenset(keys[k] for k in node.required), node.extra)
     return out
 

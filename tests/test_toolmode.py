@@ -136,6 +136,16 @@ def test_a_verbatim_value_keeps_its_bytes_and_refuses_a_tags_text():
                     "</tool_call>")[0].arguments == {"city": 'a\t\x01"\\</arg_valu'}
 
 
+def test_parameters_through_a_root_ref_and_keys_that_json_escapes():
+    defs = {"Args": {"type": "object", "properties": {"n": {"type": "integer"}, "caf\u00e9 \"x\"": {"type": "boolean"}},
+                     "required": ["n"], "additionalProperties": False}}
+    tools = toolmode.compile_tools({"f": {"$defs": defs, "$ref": "#/$defs/Args"}})
+    s = toolmode.ToolCallPrefix(tools)
+    assert s.feed(tagged('<tool_call>f<arg_key>caf\u00e9 "x"</arg_key><arg_value>true</arg_value><arg_key>n'
+                         '</arg_key><arg_value>-3</arg_value></tool_call>')) and s.mode == "call"
+    assert not toolmode.ToolCallPrefix(tools).feed(tagged("<tool_call>f</tool_call>"))  # n is required
+
+
 def test_what_cannot_be_enforced_is_refused_by_name():
     with pytest.raises(jsonmode.SchemaError, match=r"f\.parameters\.properties\.x: \['oneOf'\] not supported"):
         toolmode.compile_tools({"f": {"type": "object", "properties": {"x": {"oneOf": [{"type": "string"}]}}}})
