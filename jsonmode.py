@@ -300,8 +300,12 @@ class _Compiler:
 def _in_alternatives(target: Node, n: Node, seen: set[int]) -> bool:
     """target is among n's anyOf alternatives, or theirs, and so on (a value of it would start with itself)."""
     for a in n.alternatives:
-        if a is target or id(a) not in seen and (seen.add(id(a)) or _in_alternatives(target, a, seen)):
+        if a is target:
             return True
+        if id(a) not in seen:
+            seen.add(id(a))
+            if _in_alternatives(target, a, seen):
+                return True
     return False
 
 
