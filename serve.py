@@ -556,6 +556,8 @@ class Server:
                          "must be >= 0 (-1 or 0 is off)")
         stream_options = field_of(body, "stream_options", "dict", {})
         json_object, json_schema = _json_format(body)
+        if json_object and held and held.get("tool_calls_optional"):
+            held = None  # strict tools under "auto" beside a JSON answer: it writes no call, held or not
         try:
             sampling = self.engine_mod.SamplingParams(
                 max_tokens=max_tokens,

@@ -558,6 +558,10 @@ def test_strict_tools_hold_their_calls_under_auto(server, client, monkeypatch):
                                                                            **tool}], max_output_tokens=2)
     assert submitted[0].tool_calls == {"get_weather": STRICT["function"]["parameters"]}
     assert submitted[0].tool_calls_optional and submitted[1].tool_calls is None
+    # beside a JSON answer (which writes no call) strict tools hold nothing
+    r = client.chat.completions.create(model=default_model.NAME, messages=q, tools=[strict], max_tokens=8,
+                                       response_format={"type": "json_object"}, reasoning_effort="none")
+    assert submitted[-1].json_object and submitted[-1].tool_calls is None and r.choices[0].message.tool_calls is None
 
 
 def test_prefix_cache_hits_are_reported(url, client):
