@@ -1235,10 +1235,10 @@ class Engine:
         x = process_rows(logits, params, [s.prompt_tensor for s in seqs], [s.output_ids for s in seqs])
         scores = race_scores(x, race_noise(params, [s.generator for s in seqs], x.shape[1], x.device))
         lead = scores.topk(min(GRAMMAR_CANDIDATES, x.shape[1]), -1)  # one of them usually fits: no full sort
-        ids, kept = lead.indices.tolist(), torch.isfinite(lead.values).tolist()
+        ids = torch.where(torch.isfinite(lead.values), lead.indices, -1).tolist()  # -1: a token the filters removed
         tokens = []
         for j, seq in enumerate(seqs):
-            head = [t for t, k in zip(ids[j], kept[j]) if k]  # (a token the filters removed never wins)
+            head = [t for t in ids[j] if t >= 0]
             token = jsonmode.pick(head, seq.grammar, self._grammar_bytes(seq.grammar))
             tokens.append(token if token is not None else self._held_fallback(seq, scores[j], logits[j]))
         return tokens
