@@ -935,12 +935,14 @@ def test_api_key(server, url):
 # --- disconnects and load ---------------------------------------------------------------------------
 
 
-def wait_idle(url, timeout=60.0) -> dict:
+def wait_idle(url, timeout=60.0, reported: dict[str, float] | None = None) -> dict:
+    """The metrics once nothing runs, waits or holds cache and each counter in `reported` has reached its value: a
+    cancelled request leaves the running batch at once but is counted by the engine step after."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         m = metrics(url)
         if m["glm53_num_requests_running"] == 0 and m["glm53_num_requests_waiting"] == 0 \
-                and m["glm53_cache_blocks_used"] == 0:
+                and m["glm53_cache_blocks_used"] == 0 and all(m.get(k, 0) >= v for k, v in (reported or {}).items()):
             return m
         time.sleep(0.2)
     raise AssertionError(f"engine not idle after {timeout} s: {m}")
@@ -959,8 +961,9 @@ def test_client_disconnect_cancels_every_choice(server, url, n, stream, monkeypa
               b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
     time.sleep(0.25)
     s.close()
-    m = wait_idle(url)
-    assert m['glm53_requests_finished_total{reason="cancelled"}'] == before + n
+    cancelled = 'glm53_requests_finished_total{reason="cancelled"}'
+    m = wait_idle(url, reported={cancelled: before + n})
+    assert m[cancelled] == before + n
 
 
 def test_load_32_streaming_clients_a_third_disconnect(url):
@@ -1002,9 +1005,9 @@ def test_load_32_streaming_clients_a_third_disconnect(url):
         t.join(timeout=180)
     quitters = [i for i in range(32) if i % 3 == 0]
     assert {i: results.get(i) for i in range(32)} == {i: "quit" if i in quitters else "done length" for i in range(32)}
-    after = wait_idle(url)
     cancelled = 'glm53_requests_finished_total{reason="cancelled"}'
     length = 'glm53_requests_finished_total{reason="length"}'
+    after = wait_idle(url, reported={cancelled: before.get(cancelled, 0) + len(quitters)})
     assert after[cancelled] - before.get(cancelled, 0) == len(quitters)
     assert after[length] - before.get(length, 0) == 32 - len(quitters)
     assert not [k for k, v in after.items()
