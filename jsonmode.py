@@ -61,7 +61,8 @@ MAX_WS = 32  # a newline and 31 spaces: indentation eight levels deep at four sp
 TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
 FIRST = {"object": b"{", "array": b"[", "string": b'"', "number": b"-0123456789", "integer": b"-0123456789",
          "boolean": b"tf", "null": b"n"}  # the bytes a value of each type can start with
-ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$schema", "$comment"})
+# (an OpenAPI discriminator names the property that tells oneOf's alternatives apart: the alternatives say it too)
+ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$schema", "$comment", "discriminator"})
 
 
 @dataclass(frozen=True)
@@ -167,7 +168,7 @@ object.__setattr__(ANY, "extra", ANY)  # any value: any property, any items
 object.__setattr__(ANY, "items", ANY)
 OBJECT = Node(frozenset({"object"}), extra=ANY)  # json_object: an object of anything
 KEYWORDS = frozenset({"type", "properties", "required", "additionalProperties", "items", "enum", "const", "anyOf",
-                      "allOf", "$ref", "$defs", "definitions", "minItems", "maxItems", "minLength", "maxLength",
+                      "oneOf", "allOf", "$ref", "$defs", "definitions", "minItems", "maxItems", "minLength", "maxLength",
                       "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "pattern", "format"})
 
 
@@ -177,7 +178,8 @@ def compile_schema(schema: Any) -> Node:
     pattern (pattern.py's subset) or format (FORMATS) but not with a length, minimum / maximum /
     exclusiveMinimum / exclusiveMaximum (a bounded number is written without an exponent),
     enum and const (of strings, numbers, booleans or null, matched as json.dumps writes them), anyOf (pydantic's
-    Optional and Union: a value is read with every alternative that can start with its first byte), and $ref to
+    Optional and Union: a value is read with every alternative that can start with its first byte), oneOf whose
+    alternatives no value meets two of (`_disjoint`: pydantic's discriminated unions; then it is their anyOf), $ref to
     the root's $defs / definitions (what the openai client sends for pydantic models; recursive ones too, where a
     finite value meets them), allOf of one schema. Title, description, default, examples are annotations.
     Anything else is a SchemaError, not ignored."""
@@ -185,6 +187,7 @@ def compile_schema(schema: Any) -> Node:
     compiler = _Compiler(defs if isinstance(defs, dict) else {})
     root = compiler.node(schema, "")
     compiler.check_finite(root)
+    compiler.check_one_of()
     return root
 
 
@@ -195,6 +198,7 @@ class _Compiler:
     open: set[str] = field(default_factory=set)  # $defs being compiled (a $ref back to one is recursion)
     # a recursive $def's node, handed to the $refs inside it before it is compiled and filled in after
     holders: dict[str, Node] = field(default_factory=dict)
+    one_of: list[tuple[Node, str]] = field(default_factory=list)  # oneOf's nodes and paths, checked once all are
 
     def node(self, schema: Any, path: str) -> Node:
         if schema is True or schema == {}:
@@ -206,7 +210,7 @@ class _Compiler:
             raise SchemaError(path, f"{unknown} not supported ({', '.join(sorted(KEYWORDS))} are)")
         if "$ref" in schema:
             return self._ref(schema, path)
-        if "anyOf" in schema:
+        if "anyOf" in schema or "oneOf" in schema:
             return self._any_of(schema, path)
         if "allOf" in schema:  # of one schema: how pydantic once wrapped a $ref to give it a description
             if not (isinstance(schema["allOf"], list) and len(schema["allOf"]) == 1) or \
@@ -290,11 +294,29 @@ class _Compiler:
                 raise SchemaError(_join("$defs", name), "it is one of its own anyOf alternatives")
 
     def _any_of(self, schema: dict, path: str) -> Node:
-        alts, others = schema["anyOf"], sorted(set(schema) - ANNOTATIONS - {"anyOf"})
+        """anyOf, or oneOf (held the same: check_one_of refuses one whose alternatives may overlap)."""
+        word = "anyOf" if "anyOf" in schema else "oneOf"
+        alts, others = schema[word], sorted(set(schema) - ANNOTATIONS - {word})
         if others or not isinstance(alts, list) or not alts:
-            raise SchemaError(_join(path, "anyOf"), "anyOf takes a list of schemas, with no other keyword beside it")
-        nodes = tuple(self.node(a, _join(path, "anyOf", str(i))) for i, a in enumerate(alts))
-        return Node(frozenset(k for n in nodes for k in n.types), alternatives=nodes)
+            raise SchemaError(_join(path, word), f"{word} takes a list of schemas, with no other keyword beside it")
+        nodes = tuple(self.node(a, _join(path, word, str(i))) for i, a in enumerate(alts))
+        node = Node(frozenset(k for n in nodes for k in n.types), alternatives=nodes)
+        if word == "oneOf":
+            self.one_of.append((node, _join(path, word)))
+        return node
+
+    def check_one_of(self) -> None:
+        """A value of a oneOf meets exactly one alternative. The automaton reads it as anyOf (at least one), so
+        a oneOf is held only where no value can meet two of its alternatives; once every $def is compiled
+        (a recursive one's node is filled in last)."""
+        for node, path in self.one_of:
+            alts = node.alternatives
+            for i, j in ((i, j) for i in range(len(alts)) for j in range(i + 1, len(alts))):
+                if not _disjoint(alts[i], alts[j], {}):
+                    raise SchemaError(path, f"alternatives {i} and {j} may both meet a value, which oneOf forbids; "
+                                            "a oneOf is held where its alternatives are of different types or "
+                                            "objects that require a property whose values differ (a "
+                                            "discriminator); anyOf takes any")
 
 
 def _in_alternatives(target: Node, n: Node, seen: set[int]) -> bool:
@@ -307,6 +329,43 @@ def _in_alternatives(target: Node, n: Node, seen: set[int]) -> bool:
             if _in_alternatives(target, a, seen):
                 return True
     return False
+
+
+def _disjoint(a: Node, b: Node, known: dict[tuple[int, int], bool]) -> bool:
+    """No value meets both nodes, by a sufficient rule (False where it cannot tell): of no common type, or enums
+    of no common value, or objects where one requires a property the other, closed, cannot have, or both
+    require a property whose nodes are disjoint (a discriminator's consts). `known`: pairs compared so far (one
+    being compared counts as not disjoint: recursive $defs)."""
+    pair = (id(a), id(b))
+    if pair not in known:
+        known[pair] = False
+        known[pair] = _disjoint_now(a, b, known)
+    return known[pair]
+
+
+def _disjoint_now(a: Node, b: Node, known: dict[tuple[int, int], bool]) -> bool:
+    if a.alternatives or b.alternatives:
+        return all(_disjoint(x, y, known) for x in a.alternatives or (a,) for y in b.alternatives or (b,))
+    common = _kinds(a) & _kinds(b)
+    if not common:
+        return True
+    if a.options or b.options:
+        return bool(a.options and b.options) and not {_value(t) for t in a.options} & {_value(t) for t in b.options}
+    if common != {"object"}:
+        return False
+    return any(x.extra is None and y.required - x.props.keys() for x, y in ((a, b), (b, a))) or any(
+        _disjoint(a.props[k], b.props[k], known) for k in a.required & b.required)
+
+
+def _kinds(n: Node) -> frozenset[str]:
+    """The JSON types of n's values, a number's "integer" among them (an integer is a number too)."""
+    return n.types | {"integer"} if "number" in n.types else n.types
+
+
+def _value(text: bytes) -> tuple[str, Any]:
+    """An enum value as a validator compares them: 1 and 1.0 equal, true and 1 not."""
+    v = json.loads(text)
+    return ("number", Fraction(v)) if json_type(v) in ("integer", "number") else (json_type(v), v)
 
 
 def _has_finite_value(n: Node, finite: set[int]) -> bool:

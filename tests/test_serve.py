@@ -366,7 +366,8 @@ def test_json_mode(server, client):
                                    text={"format": {"type": "json_schema", "name": "answer", "schema": shape}})
     assert jsonmode.JsonPrefix(jsonmode.object_schema(shape)).feed(resp.output_text.encode()), resp.output_text
     # the openai client's parse() with a pydantic model ($defs, $ref, anyOf for Optional and for a Union of models,
-    # bounds, lengths, a Literal of numbers, a pattern, a date), read back and validated by the client through pydantic
+    # oneOf for a discriminated one, bounds, lengths, a Literal of numbers, a pattern, a date), read back and
+    # validated by the client through pydantic
     import datetime
     import typing
 
@@ -391,6 +392,7 @@ def test_json_mode(server, client):
         born: datetime.date
         owner: Owner | None
         friend: Cat | Dog
+        rival: typing.Annotated[Cat | Dog, pydantic.Field(discriminator="kind")]
 
     # The small model likes whitespace (32 bytes in a row at every turn): whitespace-only tokens pushed down. It
     # may also write a number's digits or a string's characters until max_tokens: an answer cut short is not an
