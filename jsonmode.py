@@ -168,8 +168,8 @@ object.__setattr__(ANY, "extra", ANY)  # any value: any property, any items
 object.__setattr__(ANY, "items", ANY)
 OBJECT = Node(frozenset({"object"}), extra=ANY)  # json_object: an object of anything
 KEYWORDS = frozenset({"type", "properties", "required", "additionalProperties", "items", "enum", "const", "anyOf",
-                      "oneOf", "allOf", "$ref", "$defs", "definitions", "minItems", "maxItems", "minLength", "maxLength",
-                      "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "pattern", "format"})
+                      "oneOf", "allOf", "$ref", "$defs", "definitions", "minItems", "maxItems", "minLength",
+                      "maxLength", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "pattern", "format"})
 
 
 def compile_schema(schema: Any) -> Node:
