@@ -42,16 +42,50 @@ ESCAPED = {ord('"'): 0x22, ord("\\"): 0x5C, ord("/"): 0x2F, ord("b"): 8, ord("f"
            ord("t"): 9}  # a simple escape's character
 UTF8_BITS = {1: 0x1F, 2: 0x0F, 3: 0x07}  # a lead byte's bits of its code point, by continuation bytes after it
 # JSON Schema formats as patterns (pattern.py): RFC 3339 dates and times (years 0001-9999, the days each month
-# has, leap years; upper-case T and Z; up to 6 fraction digits, what Python's datetime reads), UUIDs, IPv4.
+# has, leap years; upper-case T and Z; up to 6 fraction digits, what Python's datetime reads) and durations
+# (its appendix A), UUIDs, IPv4 and IPv6 (RFC 4291's text forms, what Python's ipaddress reads, no zone),
+# hostnames (RFC 1123: labels of 1-63 letters, digits and inner hyphens, 253 characters in all), e-mail
+# addresses (RFC 5321's Mailbox with a dot-atom local part and a domain of two or more such labels: no quoted
+# local part, no address literal) and URIs (RFC 3986's absolute URI; where "//" opens an authority, a host
+# name that is not empty and a port of 0-65535 written without leading zeros, as URL readers such as pydantic's
+# take them; no IP literal).
 _YEAR = r"(?:000[1-9]|00[1-9]\d|0[1-9]\d\d|[1-9]\d\d\d)"
 _LEAP = r"(?:\d\d(?:0[48]|[2468][048]|[13579][26])|(?:0[48]|[2468][048]|[13579][26])00)"
 _DAYS = r"(?:(?:0[13578]|1[02])-(?:0[1-9]|[12]\d|3[01])|(?:0[469]|11)-(?:0[1-9]|[12]\d|30)|02-(?:0[1-9]|1\d|2[0-8]))"
 _DATE = rf"(?:{_YEAR}-{_DAYS}|{_LEAP}-02-29)"
 _TIME = r"(?:[01]\d|2[0-3]):[0-5]\d:[0-5]\d(?:\.\d{1,6})?(?:Z|[+-](?:[01]\d|2[0-3]):[0-5]\d)"
+_DUR_TIME = r"T(?:\d+H(?:\d+M(?:\d+S)?)?|\d+M(?:\d+S)?|\d+S)"
+_DURATION = rf"P(?:(?:\d+D|\d+M(?:\d+D)?|\d+Y(?:\d+M(?:\d+D)?)?)(?:{_DUR_TIME})?|{_DUR_TIME}|\d+W)"
 _OCTET = r"(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)"
+_IPV4 = rf"{_OCTET}(?:\.{_OCTET}){{3}}"
+_H16 = r"[0-9a-fA-F]{1,4}"
+
+
+def _ipv6() -> str:
+    """RFC 4291 2.2: eight groups, or fewer around one "::" (at least one zero group), the last two groups
+    possibly an IPv4 address: one alternative per count of groups before and after the "::"."""
+    def groups(n: int) -> str:
+        return "" if n == 0 else rf"(?:{_H16}:){{{n - 1}}}{_H16}"
+    forms = [rf"(?:{_H16}:){{7}}{_H16}", rf"(?:{_H16}:){{6}}{_IPV4}"]
+    forms += [f"{groups(a)}::{groups(b)}" for a in range(8) for b in range(8 - a)]
+    forms += [f"{groups(a)}::{rf'(?:{_H16}:){{{b}}}' if b else ''}{_IPV4}" for a in range(6) for b in range(6 - a)]
+    return "(?:" + "|".join(forms) + ")"
+
+
+_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+_ATOM = r"[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]+"
+_PCT = r"%[0-9A-Fa-f]{2}"
+_PCHAR = rf"(?:[A-Za-z0-9._~!$&'()*+,;=:@-]|{_PCT})"
+_PORT = r"(?:6553[0-5]|655[0-2]\d|65[0-4]\d\d|6[0-4]\d{3}|[1-5]\d{4}|[1-9]\d{0,3}|0)"
+_AUTHORITY = rf"(?:(?:[A-Za-z0-9._~!$&'()*+,;=:-]|{_PCT})*@)?(?:[A-Za-z0-9._~!$&'()*+,;=-]|{_PCT})+(?::{_PORT}?)?"
+_HIER = rf"(?://{_AUTHORITY}(?:/{_PCHAR}*)*|/(?:{_PCHAR}+(?:/{_PCHAR}*)*)?|{_PCHAR}+(?:/{_PCHAR}*)*)?"
 FORMATS = {"date": rf"^{_DATE}$", "time": rf"^{_TIME}$", "date-time": rf"^{_DATE}T{_TIME}$",
+           "duration": rf"^{_DURATION}$",
            "uuid": r"^[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$",
-           "ipv4": rf"^{_OCTET}(?:\.{_OCTET}){{3}}$"}
+           "ipv4": rf"^{_IPV4}$", "ipv6": rf"^{_ipv6()}$",
+           "hostname": rf"^{_LABEL}(?:\.{_LABEL})*$", "email": rf"^{_ATOM}(?:\.{_ATOM})*@{_LABEL}(?:\.{_LABEL})+$",
+           "uri": rf"^[A-Za-z][A-Za-z0-9+.-]*:{_HIER}(?:\?(?:{_PCHAR}|[/?])*)?(?:#(?:{_PCHAR}|[/?])*)?$"}
+FORMAT_MAX_LENGTH = {"hostname": 253}
 # A UTF-8 lead byte -> (continuation bytes after it, the range of the first of them); the others are 80..BF.
 # E0, ED, F0 and F4 narrow the first one: no overlong forms, no surrogates, nothing past U+10FFFF.
 UTF8_LEADS = ({b: (1, 0x80, 0xBF) for b in range(0xC2, 0xE0)} | {b: (2, 0x80, 0xBF) for b in range(0xE1, 0xF0)}
@@ -134,7 +168,8 @@ class Node:
     """What a value may be. `types`: its JSON types. For an object: `props` (a property's name as written
     between the quotes -> its node), `required`, and `extra`, the node of any other property (None: no other
     property). For an array: `items`, `min_items`, `max_items`. For a string: `min_length`, `max_length` (in
-    characters), `pattern` (a compiled pattern or format the string must match). For a number: `range` (None:
+    characters), `pattern` (a compiled pattern or format the string must match; with a length, `reach`). For a
+    number: `range` (None:
     any). `options`: the JSON texts of an enum's values (then only
     those). `alternatives`: anyOf's nodes (a value is read with each that can start with its first byte, until
     it ends)."""
@@ -152,6 +187,7 @@ class Node:
     max_length: int | None = None
     range: Range | None = None
     pattern: Pattern | None = None
+    reach: tuple[int, ...] = ()  # where a length bounds a pattern: its states' `Pattern.lengths`
 
     @property
     def first(self) -> frozenset[int]:
@@ -175,7 +211,7 @@ KEYWORDS = frozenset({"type", "properties", "required", "additionalProperties", 
 def compile_schema(schema: Any) -> Node:
     """The Node of a JSON Schema: type (one or a list), properties, required, additionalProperties (a boolean or
     a schema; absent means allowed, as JSON Schema says), items, minItems / maxItems, minLength / maxLength,
-    pattern (pattern.py's subset) or format (FORMATS) but not with a length, minimum / maximum /
+    pattern (pattern.py's subset) or format (FORMATS), with or without a length, minimum / maximum /
     exclusiveMinimum / exclusiveMaximum (a bounded number is written without an exponent),
     enum and const (of strings, numbers, booleans or null, matched as json.dumps writes them), anyOf (pydantic's
     Optional and Union: a value is read with every alternative that can start with its first byte), oneOf whose
@@ -242,9 +278,9 @@ class _Compiler:
                     frozenset(_key(r) for r in required),
                     None if extra is False else self.node(extra, _join(path, "additionalProperties")),
                     self.node(schema.get("items", True), _join(path, "items")),
-                    range=_range(schema, path, "number" not in kinds), pattern=_pattern(schema, path),
+                    range=_range(schema, path, "number" not in kinds),
                     **dict(zip(("min_items", "max_items"), _limits(schema, path, "minItems", "maxItems"))),
-                    **dict(zip(("min_length", "max_length"), _limits(schema, path, "minLength", "maxLength"))))
+                    **_string(schema, path))
 
     def _ref(self, schema: dict, path: str) -> Node:
         ref = schema["$ref"]
@@ -393,13 +429,47 @@ def _limits(schema: dict, path: str, low: str, high: str) -> tuple[int, int | No
     return lo, hi
 
 
+def _string(schema: dict, path: str) -> dict[str, Any]:
+    """A string's Node fields: minLength / maxLength, a pattern or a format (a format's own limit,
+    FORMAT_MAX_LENGTH, joins maxLength) and, where a length bounds the pattern, the pattern's `lengths` under it:
+    a string may then take a character only where the pattern can still match in as many characters as the
+    length leaves."""
+    lo, hi = _limits(schema, path, "minLength", "maxLength")
+    pattern = _pattern(schema, path)
+    if schema.get("format") in FORMAT_MAX_LENGTH:
+        hi = min(FORMAT_MAX_LENGTH[schema["format"]], hi if hi is not None else math.inf)
+    fields = dict(min_length=lo, max_length=hi, pattern=pattern)
+    if pattern is None or lo == 0 and hi is None:
+        return fields
+    try:
+        reach = tuple(pattern.lengths(hi if hi is not None else lo + len(pattern.states)))
+    except PatternError as e:
+        raise SchemaError(_join(path, "pattern"), str(e)) from None
+    node = Node(frozenset({"string"}), reach=reach, **fields)
+    if not _length_fits(node, pattern.begin(), 0):
+        raise SchemaError(path, f"no string of {lo} to {hi if hi is not None else 'any number of'} characters "
+                                f"matches the {'format' if 'format' in schema else 'pattern'}")
+    return fields | {"reach": reach}
+
+
+def _length_fits(node: Node, states: Iterable[int], consumed: int) -> bool:
+    """A string of `consumed` characters, its pattern in `states`, can still match within node's lengths. With
+    no maxLength, minLength + (the pattern's states) characters are as many as need looking at: a longer match
+    has a loop that can be left out."""
+    if not node.reach:
+        return True
+    top = (node.max_length if node.max_length is not None else node.min_length + len(node.reach)) - consumed
+    bottom = max(node.min_length - consumed, 0)
+    window = (1 << top + 1) - (1 << bottom) if top >= bottom else 0
+    return any(node.reach[i] & window for i in states)
+
+
 def _pattern(schema: dict, path: str) -> Pattern | None:
-    """A string's pattern, or its format's; not with minLength / maxLength (a pattern that needs more characters
-    than the length leaves would be a dead end)."""
+    """A string's pattern, or its format's."""
     if "pattern" not in schema and "format" not in schema:
         return None
-    if len({"pattern", "format", "minLength", "maxLength"} & set(schema)) > 1:
-        raise SchemaError(path, "pattern, format, minLength and maxLength: one of them at a time is supported")
+    if "pattern" in schema and "format" in schema:
+        raise SchemaError(path, "pattern and format: one of them at a time is supported")
     if "format" in schema and schema["format"] not in FORMATS:
         raise SchemaError(_join(path, "format"), f"{json.dumps(schema['format'])} is not supported ({sorted(FORMATS)} "
                                                  "are)")
@@ -648,14 +718,15 @@ class JsonPrefix:
         if self.key or self.node.pattern is None:
             return True
         self.nfa = self.node.pattern.step(self.nfa, code)
-        return bool(self.nfa)
+        return bool(self.nfa) and _length_fits(self.node, self.nfa, self.chars)
 
     def _may_read(self, lo: int, hi: int) -> bool:
         """A character still being written will be one of lo..hi (no surrogate): can the pattern read one?"""
         p = None if self.key else self.node.pattern
         if p is None:
             return True
-        return p.can_step(self.nfa, lo, min(hi, 0xD7FF)) or hi >= 0xE000 and p.can_step(self.nfa, max(lo, 0xE000), hi)
+        states = frozenset(i for i in self.nfa if _length_fits(self.node, (i,), self.chars - 1))  # (chars: with it)
+        return p.can_step(states, lo, min(hi, 0xD7FF)) or hi >= 0xE000 and p.can_step(states, max(lo, 0xE000), hi)
 
     def _matched(self) -> bool:
         return self.node.pattern is None or self.node.pattern.matches(self.nfa)

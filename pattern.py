@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 MAX_REPEAT = 1000  # {n,m} copies its atom m times: bounds on the NFA's size
 MAX_STATES = 20000
+MAX_LENGTH_WORK = 4_000_000  # states x lengths that `lengths` may walk (a string's length bounds its pattern)
 
 
 class PatternError(ValueError):
@@ -84,6 +85,7 @@ class Pattern:
             raise PatternError(f"pattern {source!r}: {len(self.states)} NFA states, more than {MAX_STATES}")
         self.index = {id(s): i for i, s in enumerate(self.states)}
         self.start = frag.start
+        self._lengths: dict[int, list[int]] = {}
 
     def begin(self) -> frozenset[int]:
         return self._closure([self.start])
@@ -99,6 +101,37 @@ class Pattern:
 
     def matches(self, states: frozenset[int]) -> bool:
         return self.index[id(self.match)] in states
+
+    def lengths(self, cap: int) -> list[int]:
+        """Per state, how many more characters (up to `cap`) it can read to a match, as a bit mask: bit L of
+        lengths[i] is set where state i reaches the match after exactly L characters (the match itself: bit 0).
+        Layer L+1 is the states that read a character into layer L; the layers repeat once one comes again."""
+        if cap not in self._lengths:
+            if len(self.states) * (cap + 1) > MAX_LENGTH_WORK:
+                raise PatternError(f"pattern {self.source!r}: {len(self.states)} NFA states under a length of up to "
+                                   f"{cap} characters: more than {MAX_LENGTH_WORK} states x lengths to follow")
+            into: list[set[int]] = [set() for _ in self.states]  # state -> the states that read a character into it
+            for i, s in enumerate(self.states):
+                if s.chars is not None:
+                    for t in self._closure(list(s.out)):
+                        into[t].add(i)
+            layers = [frozenset({self.index[id(self.match)]})]
+            first = {layers[0]: 0}
+            while len(layers) <= cap:
+                layer = frozenset(i for t in layers[-1] for i in into[t])
+                if layer in first:  # from here the layers cycle
+                    period_start = first[layer]
+                    period = len(layers) - period_start
+                    layers += [layers[period_start + k % period] for k in range(cap + 1 - len(layers))]
+                    break
+                first[layer] = len(layers)
+                layers.append(layer)
+            masks = [0] * len(self.states)
+            for n, layer in enumerate(layers):
+                for i in layer:
+                    masks[i] |= 1 << n
+            self._lengths[cap] = masks
+        return self._lengths[cap]
 
     def test(self, text: str) -> bool:
         """Does the whole of `text` match (as ECMA-262's `test` reads the pattern: anchored or not)?"""
@@ -354,15 +387,17 @@ def _star(a: Fragment) -> Fragment:
 
 
 def _repeat(atom, lo: int, hi: int | None) -> Fragment:
-    """lo copies of the atom, then hi - lo optional ones (or a star for no upper bound); `atom` builds a fresh
-    copy (an NFA fragment can be linked once)."""
+    """lo copies of the atom, then hi - lo optional ones nested, (x(x(x)?)?)? (or a star for no upper bound);
+    `atom` builds a fresh copy (an NFA fragment can be linked once). Nested, a string k copies in is in one of
+    them; written x?x?x? it would be in each later one too (it may have skipped any), a set as long as the count."""
     frag = _empty()
     for _ in range(lo):
         frag = _concat(frag, atom())
     if hi is None:
         return _concat(frag, _star(atom()))
+    tail = _empty()
     for _ in range(hi - lo):
-        opt = atom()
-        skip = State(out=[opt.start])
-        frag = _concat(frag, Fragment(skip, opt.ends + [skip]))
-    return frag
+        body = _concat(atom(), tail)
+        skip = State(out=[body.start])
+        tail = Fragment(skip, body.ends + [skip])
+    return _concat(frag, tail)

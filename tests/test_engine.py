@@ -746,7 +746,7 @@ def test_json_object_answers_are_json_objects(parts, monkeypatch):
             assert isinstance(v["a"], bool) and set(v) <= {"a", "n"} and isinstance(v.get("n", 0), int), r.text
     assert any(r.finish_reason == "stop" for r in outs), [r.text for r in outs]
     with pytest.raises(ValueError, match="SamplingParams.json_schema .*format"):
-        E.SamplingParams(json_schema={"type": "object", "properties": {"a": {"type": "string", "format": "email"}}})
+        E.SamplingParams(json_schema={"type": "object", "properties": {"a": {"type": "string", "format": "idn-email"}}})
     # after a think block: reasoning is free, the answer after </think> is held
     r = eng.generate([ids + [eng.think_start]], E.SamplingParams(temperature=0, max_tokens=10, json_object=True,
                                                                   logit_bias=braces, thinking_token_budget=2))[0]

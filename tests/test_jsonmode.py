@@ -1,9 +1,11 @@
 """jsonmode.py: the JSON-object prefix automaton against Python's json module, and the pick."""
 import datetime
 import ipaddress
+import itertools
 import json
 import random
 import re
+import string
 import uuid
 from fractions import Fraction
 
@@ -198,11 +200,16 @@ PATTERNED = {"type": "object", "additionalProperties": False, "required": ["code
     "code": {"type": "string", "pattern": "^[A-Z]{2}\\d{2}$"}, "word": {"type": "string", "pattern": "é+"},
     "day": {"type": "string", "format": "date"}, "at": {"type": "string", "format": "date-time"},
     "id": {"type": "string", "format": "uuid"},
-    "ip": {"anyOf": [{"type": "string", "format": "ipv4"}, {"type": "null"}]}}}
+    "ip": {"anyOf": [{"type": "string", "format": "ipv4"}, {"type": "null"}]},
+    "slug": {"type": "string", "pattern": "^[a-z]+(-[a-z]+)*$", "minLength": 3, "maxLength": 8},
+    "mail": {"type": "string", "format": "email"}, "url": {"type": "string", "format": "uri", "maxLength": 40},
+    "wait": {"type": "string", "format": "duration"}}}
 PATTERNED_VALID = [{"code": "AB12"}, {"code": "ZZ00", "word": "xéy", "day": "2024-02-29", "ip": None},
                    {"at": "1999-12-31T23:59:59.123456+05:30", "code": "QQ99",
                     "id": "123e4567-e89b-12d3-a456-426614174000", "ip": "255.0.10.1", "word": "\u00e9"},
-                   {"code": "AA11", "day": "0001-01-01", "at": "2000-02-29T00:00:00Z"}]
+                   {"code": "AA11", "day": "0001-01-01", "at": "2000-02-29T00:00:00Z"},
+                   {"code": "AB12", "slug": "ab-cd", "mail": "a@b.co", "url": "https://x.org/a?b#c", "wait": "PT5M"},
+                   {"wait": "P1W", "slug": "abc", "code": "CD34", "url": "a:b"}]
 
 
 class Num(Fraction):
@@ -250,9 +257,10 @@ def _valid(v, s, defs: dict | None = None) -> bool:
     if kind == "array":
         return s.get("minItems", 0) <= len(v) <= s.get("maxItems", len(v)) and \
             all(_valid(x, s.get("items", True), defs) for x in v)
-    if kind == "string" and ("minLength" in s or "maxLength" in s):  # (no surrogates escaped in them)
-        return s.get("minLength", 0) <= len(v) <= s.get("maxLength", len(v)) and \
-            not any(0xD800 <= ord(c) <= 0xDFFF for c in v)
+    if kind == "string" and ("minLength" in s or "maxLength" in s) and not (  # (no surrogates escaped in them)
+            s.get("minLength", 0) <= len(v) <= s.get("maxLength", len(v))
+            and not any(0xD800 <= ord(c) <= 0xDFFF for c in v)):
+        return False
     bounds = [(k, Fraction(repr(s[k]))) for k in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum")
               if k in s]
     if kind == "string" and ("pattern" in s or "format" in s):  # formats as Python reads them, patterns as re
@@ -266,6 +274,8 @@ def _valid(v, s, defs: dict | None = None) -> bool:
 
 
 def _formatted(v: str, name: str) -> bool:
+    if name in PLAIN_FORMATS:
+        return PLAIN_FORMATS[name](v)
     read = {"date": datetime.date.fromisoformat, "date-time": datetime.datetime.fromisoformat, "uuid": uuid.UUID,
             "ipv4": ipaddress.IPv4Address}[name]
     try:
@@ -274,6 +284,119 @@ def _formatted(v: str, name: str) -> bool:
         return False
     # Python reads more than the format (other separators, no offset, 7+ digits): the format's own shape too
     return pattern_of(name).test(v)
+
+
+def _hostname(v: str, least: int = 1) -> bool:
+    """RFC 1123 2.1 read plainly: `least` or more dot-separated labels of 1-63 letters, digits and hyphens, no
+    hyphen first or last."""
+    labels = v.split(".")
+    return len(labels) >= least and all(
+        0 < len(x) <= 63 and x[0] != "-" != x[-1] and all(c.isascii() and (c.isalnum() or c == "-") for c in x)
+        for x in labels)
+
+
+ATEXT = frozenset(string.ascii_letters + string.digits + "!#$%&'*+/=?^_`{|}~-")
+UNRESERVED = frozenset(string.ascii_letters + string.digits + "-._~")
+SUB_DELIMS = frozenset("!$&'()*+,;=")
+PCHAR = UNRESERVED | SUB_DELIMS | {":", "@"}
+
+
+def _email(v: str) -> bool:
+    """A dot-atom, "@", a domain of two or more labels (RFC 5321 4.1.2, the subset the format holds)."""
+    local, at, domain = v.rpartition("@")
+    return bool(at) and all(part and set(part) <= ATEXT for part in local.split(".")) and _hostname(domain, 2)
+
+
+def _escaped(text: str, allowed: frozenset) -> bool:
+    """Each character allowed, or a % and two hex digits."""
+    return re.fullmatch(r"(?:[^%]|%[0-9A-Fa-f]{2})*", text) is not None and set(re.sub("%..", "", text)) <= allowed
+
+
+def _uri(v: str) -> bool:
+    """RFC 3986 4.3's absolute URI read part by part (with the format's host and port: see jsonmode.FORMATS)."""
+    scheme, colon, rest = v.partition(":")
+    rest, _, fragment = rest.partition("#")
+    rest, _, query = rest.partition("?")
+    if not (colon and re.fullmatch(r"[A-Za-z][A-Za-z0-9+.-]*", scheme) and _escaped(query, PCHAR | {"/", "?"})
+            and _escaped(fragment, PCHAR | {"/", "?"})):
+        return False
+    if not rest.startswith("//"):
+        return _escaped(rest, PCHAR | {"/"})
+    authority, slash, path = rest[2:].partition("/")
+    userinfo, at, host_port = authority.rpartition("@")
+    host, _, port = host_port.partition(":")
+    port_ok = port == "" or port.isdigit() and int(port) <= 65535 and str(int(port)) == port
+    return (_escaped(userinfo, UNRESERVED | SUB_DELIMS | {":"}) and host != ""
+            and _escaped(host, UNRESERVED | SUB_DELIMS) and port_ok and _escaped(slash + path, PCHAR | {"/"}))
+
+
+def _duration(v: str) -> bool:
+    """RFC 3339 appendix A read plainly: P, then weeks alone, or date units then T and time units (not both
+    empty, no T with nothing after it), each a run of numbers with units in a row of Y M D / H M S."""
+    def units(text: str, order: str) -> bool:
+        parts = re.findall(r"(\d+)([A-Z])", text)
+        return "".join(n + u for n, u in parts) == text and "".join(u for _, u in parts) in order
+
+    date, t, time = v[1:].partition("T")
+    return v.startswith("P") and (re.fullmatch(r"\d+W", v[1:]) is not None or (
+        (date or time) != "" and not (t and not time) and units(date, "YMD") and units(time, "HMS")))
+
+
+def _ipv6(v: str) -> bool:
+    try:
+        ipaddress.IPv6Address(v)
+    except ValueError:
+        return False
+    return "%" not in v  # (a zone is no part of the format)
+
+
+PLAIN_FORMATS = {"hostname": lambda v: len(v) <= 253 and _hostname(v), "email": _email, "uri": _uri,
+                 "duration": _duration, "ipv6": _ipv6}
+FORMAT_SEEDS = {
+    "hostname": (["a", "example.com", "a-b.c-d.e9", "x" * 63 + ".com", ".".join(["abcdefghi"] * 25) + ".abc",
+                  ".".join(["abcdefghi"] * 25) + ".abcd"], "ab-.0Z_"),
+    "email": (["a@b.co", "john.doe+x@mail.example.com", "!#$%&'*+/=?^_`{|}~-@x-y.z"], "ab.@-+_0%"),
+    "uri": (["ftp://ftp.is.co.za/rfc/rfc1808.txt", "http://www.ietf.org/rfc/rfc2396.txt",
+             "mailto:John.Doe@example.com", "news:comp.infosystems.www.servers.unix", "tel:+1-816-555-1212",
+             "telnet://192.0.2.16:80/", "urn:oasis:names:specification:docbook:dtd:xml:4.1.2",
+             "https://u:p@x.org:65535/a%20b/?q=1&r=/?#frag/?"], "ab:/?#@%.0F5-_~![]= "),
+    "duration": (["P1D", "PT1H", "P1Y2M3DT4H5M6S", "P2W", "PT10M", "P3M4DT5S"], "P0123TYMWDHS"),
+    "ipv6": (["::", "::1", "1::", "fe80::1:2", "2001:db8::ff00:42:8329", "1:2:3:4:5:6:7:8", "::ffff:192.0.2.128",
+              "1:2:3:4:5:6:1.2.3.4", "a:b::c:d:1.2.3.4", "1:2:3:4:5:6:7::"], "0123456789abcdefABCDEF:.%g")}
+
+
+@pytest.mark.parametrize("name", sorted(FORMAT_SEEDS))
+def test_a_format_takes_what_its_rfc_read_plainly_takes(name):
+    """Mutated instances of each format, as a string's value: taken exactly where the format's plain reading
+    (PLAIN_FORMATS) takes them; the closing quote as well (hostname's 253 characters are a length it holds)."""
+    seeds, alphabet = FORMAT_SEEDS[name]
+    node = jsonmode.compile_schema({"type": "object", "properties": {"v": {"type": "string", "format": name}}})
+    rng = random.Random(3)
+    seen = [0, 0]
+    assert all(PLAIN_FORMATS[name](v) for v in seeds[:-1])
+    for _ in range(2000):
+        v = _mutated(rng, rng.choice(seeds), alphabet)
+        ok = PLAIN_FORMATS[name](v)
+        s = jsonmode.JsonPrefix(node)
+        assert (s.feed(b'{"v": "' + v.encode() + b'"}') and s.done) == ok, v
+        seen[ok] += 1
+    assert min(seen) > 100, seen
+
+
+def test_durations_and_uris_the_formats_take_are_what_pydantic_reads():
+    """Every duration and every URI with an authority ("scheme://") the format takes among mutated instances,
+    read by pydantic (timedelta, AnyUrl): a model's answer with such a field validates. (pydantic reads URLs as
+    WHATWG does, where http, ftp and a few other schemes must have an authority: RFC 3986's `ftp:x` is not one.)"""
+    pydantic = pytest.importorskip("pydantic")
+    rng = random.Random(4)
+    for name, kind in (("duration", datetime.timedelta), ("uri", pydantic.AnyUrl)):
+        seeds, alphabet = FORMAT_SEEDS[name]
+        read, form = pydantic.TypeAdapter(kind), pattern_of(name)
+        taken = {v for v in (_mutated(rng, rng.choice(seeds), alphabet) for _ in range(1500))
+                 if form.test(v) and (name == "duration" or re.match(r"[^:/?#]+://", v))}
+        for v in sorted(taken):
+            read.validate_python(v)
+        assert len(taken) > 50, (name, len(taken))
 
 
 def pattern_of(name: str) -> pattern.Pattern:
@@ -341,6 +464,27 @@ def test_bounds_lengths_and_number_enums_are_refused_at_their_first_byte(text):
     where the length is counted, number enums matched as written (2.50 is not 2.5, 1. no option)."""
     s = jsonmode.JsonPrefix(jsonmode.compile_schema(BOUNDED))
     assert s.copy().feed(text[:-1].encode()) and not s.copy().feed(text.encode())
+
+
+@pytest.mark.parametrize("source, low, high", [
+    ("^(ab)*$", 3, None), ("^(ab)*$", 0, 5), ("b", 2, 4), ("^a+b?$", 0, 3), ("^(?:a|bb)+$", 4, 5), ("a$", 5, None),
+    ("^[ab]{2,3}(?:\\.b)?$", 0, 4), ("^.*$", 1, 1)])
+def test_a_length_bounds_a_pattern_exactly(source, low, high):
+    """A pattern under minLength / maxLength: a string prefix (up to 5 characters over a, b, .) is taken exactly
+    when some string that starts with it (up to 8 characters) matches and has a length in range, against
+    Python's re; the closing quote exactly when the string itself does."""
+    bounds = {"minLength": low} | ({"maxLength": high} if high is not None else {})
+    schema = {"type": "object", "properties": {"s": {"type": "string", "pattern": source, **bounds}}}
+    node = jsonmode.compile_schema(schema)
+    strings = ["".join(t) for n in range(9) for t in itertools.product("ab.", repeat=n)]
+    inside = [t for t in strings if _valid({"s": t}, schema)]
+    assert inside and all(re.search(source, t) and low <= len(t) <= (high or 99) for t in inside)
+    for prefix in (t for t in strings if len(t) <= 5):
+        fits = any(t.startswith(prefix) for t in inside)
+        s = jsonmode.JsonPrefix(node)
+        assert s.feed(b'{"s": "' + prefix.encode()) == fits, (source, prefix)
+        if fits:
+            assert s.feed(b'"') == (prefix in inside), (source, prefix)
 
 
 @pytest.mark.parametrize("text", [
@@ -412,8 +556,10 @@ def test_a_schema_agrees_with_its_plain_statement_on_mutated_instances(which):
 @pytest.mark.parametrize("schema, path, words", [
     ({"type": "object", "properties": {"x": {"type": "string", "pattern": "(?=a)"}}}, "properties.x.pattern",
      "lookaround"),
-    ({"type": "string", "format": "email"}, "format", "not supported"),
-    ({"type": "string", "pattern": "a", "maxLength": 3}, "", "one of them at a time"),
+    ({"type": "string", "format": "idn-email"}, "format", "not supported"),
+    ({"type": "string", "pattern": "a", "format": "date"}, "", "one of them at a time"),
+    ({"type": "string", "pattern": "^(ab)+$", "minLength": 3, "maxLength": 3}, "", "no string of 3 to 3"),
+    ({"type": "string", "format": "date", "maxLength": 9}, "", "matches the format"),
     ({"type": "object", "required": ["y"]}, "", "required"),
     ({"type": "array", "items": {"enum": [[1]]}}, "items", "enum"), ({"const": {"a": 1}}, "", "enum"),
     ({"type": "integer", "multipleOf": 2}, "", "multipleOf"),

@@ -81,7 +81,7 @@ BAD = [  # (body, param, code)
     ({"max_tokens": 5, "messages": U, "output_config": {"format": {"type": "json_object"}}}, "output_config.format",
      "invalid_value"),
     ({"max_tokens": 5, "messages": U, "output_format": {"type": "json_schema", "schema": {
-        "type": "object", "properties": {"a": {"type": "string", "format": "email"}}}}}, "output_format.schema",
+        "type": "object", "properties": {"a": {"type": "string", "format": "idn-email"}}}}}, "output_format.schema",
      "unsupported"),
     ({"max_tokens": 5, "messages": U, "output_config": "json"}, "output_config", "invalid_value"),
     ({"messages": U}, "max_tokens", "invalid_value"),
