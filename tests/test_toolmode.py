@@ -13,7 +13,7 @@ WEATHER = {"type": "object", "properties": {
     "city": {"type": "string", "minLength": 2},
     "days": {"type": "integer", "minimum": 1, "maximum": 14},
     "unit": {"type": "string", "enum": ["C", "F"]},
-    "metric": {"type": "boolean"},
+    "metric": {"type": "boolean"}, "station": {"type": "string", "pattern": "^(ab)+$", "maxLength": 4},
     "opts": {"type": "object", "properties": {"lang": {"type": "string"}}, "additionalProperties": False}},
     "required": ["city"], "additionalProperties": False}
 TAGS = {"search": {"type": "object", "properties": {"q": {"type": ["string", "null"]}}},  # other keys allowed
@@ -95,6 +95,7 @@ def test_calls_are_accepted_tag_by_tag_and_read_back_as_their_schemas_say(text):
     ("<tool_call>search<arg_key>page ", " "),  # another key: ASCII letters, digits, _.-
     ("<tool_call>search<arg_key></arg_key>", "</arg_key>"),  # not empty
     ("<tool_call>now<arg_key>", "<arg_key>"),  # no parameters
+    ("<tool_call>get_weather<arg_key>station</arg_key><arg_value>ababa", "a"),  # no match within 4 characters
     ("<tool_call>now</tool_call><tool_call>now</tool_call><stop><tool_call>", "<tool_call>"),  # done
 ])
 def test_what_the_tools_forbid_is_refused_at_its_first_byte(text, refused_at):
