@@ -102,11 +102,13 @@ ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$schema
 @dataclass(frozen=True)
 class Range:
     """A number's bounds (minimum, maximum, exclusiveMinimum, exclusiveMaximum) as exact fractions, None where
-    unbounded; an integer's as the closed integer bounds they leave."""
+    unbounded; an integer's as the closed integer bounds they leave. `step`: multipleOf (an integer's: the
+    integers that are multiples of it, the multiples of its numerator), the values' spacing from 0."""
     lo: Fraction | None = None
     lo_closed: bool = True
     hi: Fraction | None = None
     hi_closed: bool = True
+    step: Fraction | None = None
 
     def holds(self, v: Fraction) -> bool:
         return self.meets(v, True, v, True)
@@ -115,7 +117,14 @@ class Range:
         """Some value between a and b (None: unbounded; closed: the end belongs) is in the range."""
         lo, lo_closed = _tighter(a, a_closed, self.lo, self.lo_closed, max)
         hi, hi_closed = _tighter(b, b_closed, self.hi, self.hi_closed, min)
-        return lo is None or hi is None or lo < hi or lo == hi and lo_closed and hi_closed
+        if lo is None or hi is None:
+            return True
+        if self.step is not None:  # the first multiple in the interval stands for its low end
+            first = math.ceil(lo / self.step) * self.step
+            if first == lo and not lo_closed:
+                first += self.step
+            lo, lo_closed = first, True
+        return lo < hi or lo == hi and lo_closed and hi_closed
 
     def reachable(self, text: str, integer: bool) -> bool:
         """Can a number whose JSON text starts with `text` (no exponent) end in the range? The text's
@@ -205,14 +214,15 @@ object.__setattr__(ANY, "items", ANY)
 OBJECT = Node(frozenset({"object"}), extra=ANY)  # json_object: an object of anything
 KEYWORDS = frozenset({"type", "properties", "required", "additionalProperties", "items", "enum", "const", "anyOf",
                       "oneOf", "allOf", "$ref", "$defs", "definitions", "minItems", "maxItems", "minLength",
-                      "maxLength", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "pattern", "format"})
+                      "maxLength", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf",
+                      "pattern", "format"})
 
 
 def compile_schema(schema: Any) -> Node:
     """The Node of a JSON Schema: type (one or a list), properties, required, additionalProperties (a boolean or
     a schema; absent means allowed, as JSON Schema says), items, minItems / maxItems, minLength / maxLength,
     pattern (pattern.py's subset) or format (FORMATS), with or without a length, minimum / maximum /
-    exclusiveMinimum / exclusiveMaximum (a bounded number is written without an exponent),
+    exclusiveMinimum / exclusiveMaximum and multipleOf (such a number is written without an exponent),
     enum and const (of strings, numbers, booleans or null, matched as json.dumps writes them), anyOf (pydantic's
     Optional and Union: a value is read with every alternative that can start with its first byte), oneOf whose
     alternatives no value meets two of (`_disjoint`: pydantic's discriminated unions; then it is their anyOf), $ref to
@@ -494,14 +504,19 @@ def _is_count(v: Any) -> bool:
 
 def _range(schema: dict, path: str, integer: bool) -> Range | None:
     """The bounds of minimum, maximum, exclusiveMinimum, exclusiveMaximum (numbers, as draft 2020-12 writes
-    them), closed integer bounds for an integer; None without any. An empty range is a SchemaError."""
-    given = {k: schema[k] for k in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum") if k in schema}
+    them), closed integer bounds for an integer, and multipleOf; None without any. An empty range is a
+    SchemaError."""
+    given = {k: schema[k] for k in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum", "multipleOf")
+             if k in schema}
     if not given:
         return None
     bad = [k for k, v in given.items()
            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)]
     if bad:
         raise SchemaError(_join(path, bad[0]), "must be a finite number")
+    step = _end(given, "multipleOf")[0]
+    if step is not None and step <= 0:
+        raise SchemaError(_join(path, "multipleOf"), "must be greater than 0")
     lo, lo_closed = _tighter(*_end(given, "minimum"), *_end(given, "exclusiveMinimum", False), max)
     hi, hi_closed = _tighter(*_end(given, "maximum"), *_end(given, "exclusiveMaximum", False), min)
     if integer:  # the integers in the range, as closed bounds
@@ -509,7 +524,7 @@ def _range(schema: dict, path: str, integer: bool) -> Range | None:
             lo, lo_closed = Fraction(math.ceil(lo) if lo_closed else math.floor(lo) + 1), True
         if hi is not None:
             hi, hi_closed = Fraction(math.floor(hi) if hi_closed else math.ceil(hi) - 1), True
-    r = Range(lo, lo_closed, hi, hi_closed)
+    r = Range(lo, lo_closed, hi, hi_closed, Fraction(step.numerator) if integer and step is not None else step)
     if lo is not None and hi is not None and not r.meets(lo, lo_closed, hi, hi_closed):
         raise SchemaError(path, f"no {'integer' if integer else 'number'} meets {json.dumps(given)}")
     return r

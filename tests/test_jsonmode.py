@@ -190,9 +190,11 @@ BOUNDED = {"type": "object", "additionalProperties": False, "required": ["n"], "
     "x": {"type": "number", "exclusiveMinimum": 0, "maximum": 2.5},
     "s": {"type": "string", "minLength": 2, "maxLength": 4},
     "l": {"type": "array", "items": {"enum": [1, 12, 2.5, "a"]}, "minItems": 1, "maxItems": 3},
-    "e": {"type": "array", "maxItems": 0}}}
+    "e": {"type": "array", "maxItems": 0},
+    "m": {"type": "number", "multipleOf": 0.25, "maximum": 3}, "k": {"type": "integer", "multipleOf": 15}}}
 BOUNDED_VALID = [{"n": 0}, {"n": -5, "x": 2.5, "s": "ab", "l": [1]}, {"e": [], "x": 0.001, "n": 119, "s": "wxyz",
-                 "l": [12, 2.5, "a"]}, {"n": 7, "s": "é中", "l": [12, 1]}, {"n": -0, "x": 1.25, "s": "\t\"x"}]
+                 "l": [12, 2.5, "a"]}, {"n": 7, "s": "é中", "l": [12, 1]}, {"n": -0, "x": 1.25, "s": "\t\"x"},
+                 {"n": 1, "m": 2.75, "k": -45}, {"m": -10, "k": 0, "n": 2}, {"k": 150, "n": 3, "m": 3}]
 
 
 # Patterns and formats: matched on the decoded characters (escapes and UTF-8 alike).
@@ -266,10 +268,10 @@ def _valid(v, s, defs: dict | None = None) -> bool:
     if kind == "string" and ("pattern" in s or "format" in s):  # formats as Python reads them, patterns as re
         return _formatted(v, s["format"]) if "format" in s else \
             re.search(re.sub(r"\$$", r"\\Z", s["pattern"]), v, re.ASCII) is not None
-    if kind in ("integer", "number") and bounds:
+    if kind in ("integer", "number") and (bounds or "multipleOf" in s):
         return not any(c in v.text for c in "eE") and all(
             {"minimum": v >= b, "exclusiveMinimum": v > b, "maximum": v <= b, "exclusiveMaximum": v < b}[k]
-            for k, b in bounds)
+            for k, b in bounds) and ("multipleOf" not in s or (v / Fraction(repr(s["multipleOf"]))).denominator == 1)
     return True
 
 
@@ -438,30 +440,40 @@ def test_what_a_schema_forbids_is_refused_at_its_first_byte(text, refused_at):
     ({"exclusiveMinimum": -31, "maximum": -7}, True), ({"minimum": 0}, True), ({"maximum": 3}, True),
     ({"minimum": 1, "maximum": 5}, True),
     ({"exclusiveMinimum": 0, "maximum": 2.5}, False), ({"minimum": -1.5, "exclusiveMaximum": 0.5}, False),
-    ({"minimum": 10}, False), ({"minimum": 0.25, "maximum": 0.25}, False)])
+    ({"minimum": 10}, False), ({"minimum": 0.25, "maximum": 0.25}, False),
+    ({"multipleOf": 7}, True), ({"multipleOf": 2.5}, True),
+    ({"multipleOf": 3, "minimum": 4, "exclusiveMaximum": 201}, True),
+    ({"multipleOf": 0.25, "minimum": -999, "maximum": 999}, False),
+    ({"multipleOf": 2.5, "minimum": -10, "maximum": 40}, False),
+    ({"multipleOf": 0.05, "exclusiveMinimum": 0, "maximum": 1}, False),
+    ({"multipleOf": 30, "minimum": -990, "maximum": 100}, False)])
 def test_a_range_reaches_what_some_continuation_ends_in(bounds, integer):
     """Range.reachable against brute force: a number prefix of up to 3 characters is reachable exactly when some
-    number text that starts with it (up to 3 integer digits, up to 2 fraction digits) has a value in range."""
-    r = jsonmode.compile_schema({"type": "integer" if integer else "number", **bounds}).range
-    texts = [f"{sign}{i}{frac}" for sign in ("", "-") for i in range(1000)
+    number text that starts with it (up to 3 integer digits, up to 2 fraction digits; an integer up to 4 digits)
+    has a value in range (and a multiple of multipleOf), as the plain statement reads it."""
+    schema = {"type": "integer" if integer else "number", **bounds}
+    r = jsonmode.compile_schema(schema).range
+    texts = [f"{sign}{i}{frac}" for sign in ("", "-") for i in range(10000 if integer else 1000)
              for frac in ([""] if integer else [""] + [f".{f}" for f in range(10)] + [f".{f:02}" for f in range(100)])]
-    inside = [t for t in texts if r.holds(Fraction(t))]
-    assert all(_valid(loads(t), {"type": "number", **bounds}) for t in inside) and inside
-    prefixes = {t[:n] for t in texts for n in range(1, 4)}
-    for prefix in prefixes:
-        assert r.reachable(prefix, integer) == any(t.startswith(prefix) for t in inside), (bounds, prefix)
+    inside = {t for t in texts if r.holds(Fraction(t))}
+    assert inside and all(_valid(loads(t), schema) == (t in inside) for t in [*inside, *texts[::11]])
+    reached = {t[:n] for t in inside for n in range(1, 4)}
+    for prefix in {t[:n] for t in texts for n in range(1, 4)}:
+        assert r.reachable(prefix, integer) == (prefix in reached), (bounds, prefix)
 
 
 @pytest.mark.parametrize("text", [
     '{"n": 120', '{"n": -6', '{"n": 1e', '{"n": 7.', '{"n": 0, "x": 0,', '{"n": 0, "x": -', '{"n": 0, "x": 2.6',
     '{"n": 0, "x": 3', '{"n": 0, "x": 1e', '{"n": 0, "x": 0.0}', '{"n": 0, "s": "a"', '{"n": 0, "s": "abcde',
     '{"n": 0, "s": "\\ud8', '{"n": 0, "l": []', '{"n": 0, "l": [1, 1, 1,', '{"n": 0, "l": [13',
-    '{"n": 0, "l": [2.50', '{"n": 0, "l": [1.', '{"n": 0, "e": [1', '{"x": 1}'])
+    '{"n": 0, "l": [2.50', '{"n": 0, "l": [1.', '{"n": 0, "e": [1', '{"x": 1}', '{"n": 0, "m": 0.3',
+    '{"n": 0, "m": 3.1', '{"n": 0, "m": 1e', '{"n": 0, "m": 0.755', '{"n": 0, "k": 7}', '{"n": 0, "k": 1.'])
 def test_bounds_lengths_and_number_enums_are_refused_at_their_first_byte(text):
     """BOUNDED: each text's last byte is the first refused. An integer's bounds as soon as no continuation can
     meet them (120 past 119, -6 below -5), a number's exclusive bound at its end (0), a bounded number's
     exponent, string and array lengths (a quote before minLength, a comma at maxItems), an escaped surrogate
-    where the length is counted, number enums matched as written (2.50 is not 2.5, 1. no option)."""
+    where the length is counted, number enums matched as written (2.50 is not 2.5, 1. no option); a multiple's
+    digits as soon as no continuation is one (0.3 of quarters, 3.1 past 3, 0.755), an integer's at its end."""
     s = jsonmode.JsonPrefix(jsonmode.compile_schema(BOUNDED))
     assert s.copy().feed(text[:-1].encode()) and not s.copy().feed(text.encode())
 
@@ -562,7 +574,9 @@ def test_a_schema_agrees_with_its_plain_statement_on_mutated_instances(which):
     ({"type": "string", "format": "date", "maxLength": 9}, "", "matches the format"),
     ({"type": "object", "required": ["y"]}, "", "required"),
     ({"type": "array", "items": {"enum": [[1]]}}, "items", "enum"), ({"const": {"a": 1}}, "", "enum"),
-    ({"type": "integer", "multipleOf": 2}, "", "multipleOf"),
+    ({"type": "integer", "multipleOf": 0}, "multipleOf", "greater than 0"),
+    ({"type": "integer", "multipleOf": 7, "minimum": 1, "maximum": 6}, "", "no integer meets"),
+    ({"type": "number", "multipleOf": 0.5, "exclusiveMinimum": 1, "exclusiveMaximum": 1.5}, "", "no number meets"),
     ({"type": "string", "minLength": -1}, "minLength", ">= 0"),
     ({"type": "array", "minItems": 3, "maxItems": 2}, "maxItems", "minItems <= maxItems"),
     ({"type": "integer", "minimum": 0.5, "maximum": 0.7}, "", "no integer meets"),
