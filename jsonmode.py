@@ -176,18 +176,19 @@ class SchemaError(ValueError):
 class Node:
     """What a value may be. `types`: its JSON types. For an object: `props` (a property's name as written
     between the quotes -> its node), `required`, and `extra`, the node of any other property (None: no other
-    property). For an array: `items`, `min_items`, `max_items`. For a string: `min_length`, `max_length` (in
+    property). For an array: `prefix_items` (the first items' nodes, a tuple's), `items` (the node of each item
+    after them; None: no more), `min_items`, `max_items`. For a string: `min_length`, `max_length` (in
     characters), `pattern` (a compiled pattern or format the string must match; with a length, `reach`). For a
-    number: `range` (None:
-    any). `options`: the JSON texts of an enum's values (then only
-    those). `alternatives`: anyOf's nodes (a value is read with each that can start with its first byte, until
-    it ends)."""
+    number: `range` (None: any). `options`: the JSON texts of an enum's values (then only those).
+    `alternatives`: anyOf's nodes (a value is read with each that can start with its first byte, until it
+    ends)."""
 
     types: frozenset[str]
     props: dict[bytes, Node] = field(default_factory=dict)
     required: frozenset[bytes] = frozenset()
     extra: Node | None = None
     items: Node | None = None
+    prefix_items: tuple[Node, ...] = ()
     options: tuple[bytes, ...] = ()
     alternatives: tuple[Node, ...] = ()
     min_items: int = 0
@@ -207,15 +208,19 @@ class Node:
             return frozenset().union(*(a.first for a in self.alternatives))
         return frozenset(b for k in self.types for b in FIRST[k])
 
+    def item(self, i: int) -> Node | None:
+        """The node of an array's item i (from 0); None where the array takes no such item."""
+        return self.prefix_items[i] if i < len(self.prefix_items) else self.items
+
 
 ANY = Node(frozenset(TYPES))
 object.__setattr__(ANY, "extra", ANY)  # any value: any property, any items
 object.__setattr__(ANY, "items", ANY)
 OBJECT = Node(frozenset({"object"}), extra=ANY)  # json_object: an object of anything
-KEYWORDS = frozenset({"type", "properties", "required", "additionalProperties", "items", "enum", "const", "anyOf",
-                      "oneOf", "allOf", "$ref", "$defs", "definitions", "minItems", "maxItems", "minLength",
-                      "maxLength", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf",
-                      "pattern", "format"})
+KEYWORDS = frozenset({"type", "properties", "required", "additionalProperties", "items", "prefixItems", "enum",
+                      "const", "anyOf", "oneOf", "allOf", "$ref", "$defs", "definitions", "minItems", "maxItems",
+                      "minLength", "maxLength", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
+                      "multipleOf", "pattern", "format"})
 
 
 def compile_schema(schema: Any) -> Node:
@@ -287,10 +292,24 @@ class _Compiler:
                     {_key(name): self.node(s, _join(path, "properties", name)) for name, s in props.items()},
                     frozenset(_key(r) for r in required),
                     None if extra is False else self.node(extra, _join(path, "additionalProperties")),
-                    self.node(schema.get("items", True), _join(path, "items")),
-                    range=_range(schema, path, "number" not in kinds),
-                    **dict(zip(("min_items", "max_items"), _limits(schema, path, "minItems", "maxItems"))),
+                    range=_range(schema, path, "number" not in kinds), **self._array(schema, path),
                     **_string(schema, path))
+
+    def _array(self, schema: dict, path: str) -> dict[str, Any]:
+        """An array's Node fields: prefixItems (a tuple's items, in order), items (each after them; false: none),
+        minItems / maxItems."""
+        low, high = _limits(schema, path, "minItems", "maxItems")
+        prefix = schema.get("prefixItems", [])
+        if not isinstance(prefix, list):
+            raise SchemaError(_join(path, "prefixItems"), "must be a list of schemas")
+        items = schema.get("items", True)
+        firsts = tuple(self.node(x, _join(path, "prefixItems", str(i))) for i, x in enumerate(prefix))
+        fields = dict(items=None if items is False else self.node(items, _join(path, "items")), prefix_items=firsts,
+                      min_items=low, max_items=high)
+        if items is False and low > len(prefix):
+            raise SchemaError(_join(path, "minItems"), f"{low} items, where prefixItems and items false allow "
+                                                       f"{len(prefix)}")
+        return fields
 
     def _ref(self, schema: dict, path: str) -> Node:
         ref = schema["$ref"]
@@ -324,7 +343,8 @@ class _Compiler:
             n = todo.pop()
             if id(n) not in nodes:
                 nodes[id(n)] = n
-                todo += [*n.props.values(), *n.alternatives, *(c for c in (n.extra, n.items) if c is not None)]
+                todo += [*n.props.values(), *n.alternatives, *n.prefix_items,
+                         *(c for c in (n.extra, n.items) if c is not None)]
         finite: set[int] = set()
         grew = True
         while grew:
@@ -423,7 +443,7 @@ def _has_finite_value(n: Node, finite: set[int]) -> bool:
     for kind in n.types:
         if kind == "object" and all(id(n.props[k]) in finite for k in n.required):
             return True
-        if kind == "array" and (n.min_items == 0 or id(n.items) in finite):
+        if kind == "array" and all(n.item(i) is not None and id(n.item(i)) in finite for i in range(n.min_items)):
             return True
         if kind not in ("object", "array"):
             return True
@@ -571,9 +591,10 @@ class Frame:
     @property
     def full(self) -> bool:
         """A container that can take no other member (after a comma, or a quote in an object, it would be a
-        dead end): an object with no other key it may have, an array at its maxItems."""
+        dead end): an object with no other key it may have, an array at its maxItems or past its items."""
         if self.open == ord("["):
-            return self.node.max_items is not None and self.count >= self.node.max_items
+            n = self.node
+            return n.max_items is not None and self.count >= n.max_items or n.item(self.count) is None
         return self.node.extra is None and self.node.props.keys() <= self.used
 
 
@@ -681,7 +702,7 @@ class JsonPrefix:
                 top = self.stack[-1]
                 if top.full:
                     return False
-                self.mode, self.node = ("key", None) if top.open == ord("{") else ("value", top.node.items)
+                self.mode, self.node = ("key", None) if top.open == ord("{") else ("value", top.node.item(top.count))
                 return True
             return self._close(b)
         return False  # "done": nothing may follow the object
@@ -798,7 +819,7 @@ class JsonPrefix:
         if b in (ord("{"), ord("[")):
             self.stack.append(Frame(b, node))
             self.mode = "key_or_end" if b == ord("{") else "value_or_end"
-            self.node = node.items if b == ord("[") else None
+            self.node = node.item(0) if b == ord("[") else None
             return True
         if b == ord('"'):
             self.mode, self.key, self.chars = "string", False, 0

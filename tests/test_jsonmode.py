@@ -191,10 +191,13 @@ BOUNDED = {"type": "object", "additionalProperties": False, "required": ["n"], "
     "s": {"type": "string", "minLength": 2, "maxLength": 4},
     "l": {"type": "array", "items": {"enum": [1, 12, 2.5, "a"]}, "minItems": 1, "maxItems": 3},
     "e": {"type": "array", "maxItems": 0},
-    "m": {"type": "number", "multipleOf": 0.25, "maximum": 3}, "k": {"type": "integer", "multipleOf": 15}}}
+    "m": {"type": "number", "multipleOf": 0.25, "maximum": 3}, "k": {"type": "integer", "multipleOf": 15},
+    "t": {"type": "array", "prefixItems": [{"type": "integer"}, {"enum": ["a", "b"]}], "items": False, "minItems": 1},
+    "u": {"type": "array", "prefixItems": [{"type": "boolean"}], "items": {"type": "string"}, "maxItems": 3}}}
 BOUNDED_VALID = [{"n": 0}, {"n": -5, "x": 2.5, "s": "ab", "l": [1]}, {"e": [], "x": 0.001, "n": 119, "s": "wxyz",
                  "l": [12, 2.5, "a"]}, {"n": 7, "s": "é中", "l": [12, 1]}, {"n": -0, "x": 1.25, "s": "\t\"x"},
-                 {"n": 1, "m": 2.75, "k": -45}, {"m": -10, "k": 0, "n": 2}, {"k": 150, "n": 3, "m": 3}]
+                 {"n": 1, "m": 2.75, "k": -45}, {"m": -10, "k": 0, "n": 2}, {"k": 150, "n": 3, "m": 3},
+                 {"n": 4, "t": [5], "u": []}, {"t": [-1, "b"], "u": [False, "x", "y"], "n": 5}, {"u": [True], "n": 6}]
 
 
 # Patterns and formats: matched on the decoded characters (escapes and UTF-8 alike).
@@ -257,8 +260,10 @@ def _valid(v, s, defs: dict | None = None) -> bool:
             _valid(x, props[k], defs) if k in props else extra is not False and _valid(x, extra, defs)
             for k, x in v.items())
     if kind == "array":
-        return s.get("minItems", 0) <= len(v) <= s.get("maxItems", len(v)) and \
-            all(_valid(x, s.get("items", True), defs) for x in v)
+        firsts = s.get("prefixItems", [])
+        return s.get("minItems", 0) <= len(v) <= s.get("maxItems", len(v)) and all(
+            _valid(x, firsts[i], defs) if i < len(firsts) else s.get("items", True) is not False
+            and _valid(x, s.get("items", True), defs) for i, x in enumerate(v))
     if kind == "string" and ("minLength" in s or "maxLength" in s) and not (  # (no surrogates escaped in them)
             s.get("minLength", 0) <= len(v) <= s.get("maxLength", len(v))
             and not any(0xD800 <= ord(c) <= 0xDFFF for c in v)):
@@ -467,13 +472,16 @@ def test_a_range_reaches_what_some_continuation_ends_in(bounds, integer):
     '{"n": 0, "x": 3', '{"n": 0, "x": 1e', '{"n": 0, "x": 0.0}', '{"n": 0, "s": "a"', '{"n": 0, "s": "abcde',
     '{"n": 0, "s": "\\ud8', '{"n": 0, "l": []', '{"n": 0, "l": [1, 1, 1,', '{"n": 0, "l": [13',
     '{"n": 0, "l": [2.50', '{"n": 0, "l": [1.', '{"n": 0, "e": [1', '{"x": 1}', '{"n": 0, "m": 0.3',
-    '{"n": 0, "m": 3.1', '{"n": 0, "m": 1e', '{"n": 0, "m": 0.755', '{"n": 0, "k": 7}', '{"n": 0, "k": 1.'])
+    '{"n": 0, "m": 3.1', '{"n": 0, "m": 1e', '{"n": 0, "m": 0.755', '{"n": 0, "k": 7}', '{"n": 0, "k": 1.',
+    '{"n": 0, "t": []', '{"n": 0, "t": [1, "a",', '{"n": 0, "t": ["', '{"n": 0, "u": [true, 1',
+    '{"n": 0, "u": [true, "x", "y",'])
 def test_bounds_lengths_and_number_enums_are_refused_at_their_first_byte(text):
     """BOUNDED: each text's last byte is the first refused. An integer's bounds as soon as no continuation can
     meet them (120 past 119, -6 below -5), a number's exclusive bound at its end (0), a bounded number's
     exponent, string and array lengths (a quote before minLength, a comma at maxItems), an escaped surrogate
     where the length is counted, number enums matched as written (2.50 is not 2.5, 1. no option); a multiple's
-    digits as soon as no continuation is one (0.3 of quarters, 3.1 past 3, 0.755), an integer's at its end."""
+    digits as soon as no continuation is one (0.3 of quarters, 3.1 past 3, 0.755), an integer's at its end; a
+    tuple's items by place (none past a closed one's, an item after the prefix of its items' node)."""
     s = jsonmode.JsonPrefix(jsonmode.compile_schema(BOUNDED))
     assert s.copy().feed(text[:-1].encode()) and not s.copy().feed(text.encode())
 
@@ -575,6 +583,8 @@ def test_a_schema_agrees_with_its_plain_statement_on_mutated_instances(which):
     ({"type": "object", "required": ["y"]}, "", "required"),
     ({"type": "array", "items": {"enum": [[1]]}}, "items", "enum"), ({"const": {"a": 1}}, "", "enum"),
     ({"type": "integer", "multipleOf": 0}, "multipleOf", "greater than 0"),
+    ({"type": "array", "prefixItems": [{}], "items": False, "minItems": 2}, "minItems", "allow 1"),
+    ({"type": "array", "prefixItems": {"type": "string"}}, "prefixItems", "list of schemas"),
     ({"type": "integer", "multipleOf": 7, "minimum": 1, "maximum": 6}, "", "no integer meets"),
     ({"type": "number", "multipleOf": 0.5, "exclusiveMinimum": 1, "exclusiveMaximum": 1.5}, "", "no number meets"),
     ({"type": "string", "minLength": -1}, "minLength", ">= 0"),
@@ -629,6 +639,27 @@ def test_pydantic_schemas_through_defs_refs_and_any_of(value, ok):
     text = json.dumps(value).encode()
     s = jsonmode.JsonPrefix(jsonmode.object_schema(PET))
     assert (s.feed(text) and s.done) == ok == _valid_pet(value)
+
+
+@pytest.mark.parametrize("text", ['{"pair": [1, "a"], "rest": []}', '{"pair": [1, "a", 2], "rest": []}',
+                                  '{"pair": [1], "rest": [1]}', '{"pair": ["1", "a"], "rest": []}',
+                                  '{"rest": [1, 2, 3], "pair": [-4, ""]}', '{"pair": [1, "a"], "rest": [1, "2"]}'])
+def test_pydantic_tuples_are_prefix_items(text):
+    """tuple[int, str] (prefixItems, two items) and tuple[int, ...] (items): what the automaton takes is what
+    pydantic reads strictly."""
+    pydantic = pytest.importorskip("pydantic")
+
+    class T(pydantic.BaseModel):
+        pair: tuple[int, str]
+        rest: tuple[int, ...]
+
+    try:
+        T.model_validate_json(text, strict=True)
+        ok = True
+    except pydantic.ValidationError:
+        ok = False
+    s = jsonmode.JsonPrefix(jsonmode.object_schema(T.model_json_schema()))
+    assert (s.feed(text.encode()) and s.done) == ok
 
 
 # anyOf whose alternatives start alike (pydantic's Union of models): read with each until the value ends
