@@ -177,7 +177,8 @@ class Node:
     """What a value may be. `types`: its JSON types. For an object: `props` (a property's name as written
     between the quotes -> its node), `required`, and `extra`, the node of any other property (None: no other
     property). For an array: `prefix_items` (the first items' nodes, a tuple's), `items` (the node of each item
-    after them; None: no more), `min_items`, `max_items`. For a string: `min_length`, `max_length` (in
+    after them; None: no more), `min_items`, `max_items`, `unique` (uniqueItems; `distinct`: how many values
+    its items can take, None: any number). For a string: `min_length`, `max_length` (in
     characters), `pattern` (a compiled pattern or format the string must match; with a length, `reach`). For a
     number: `range` (None: any). `options`: the JSON texts of an enum's values (then only those).
     `alternatives`: anyOf's nodes (a value is read with each that can start with its first byte, until it
@@ -193,6 +194,8 @@ class Node:
     alternatives: tuple[Node, ...] = ()
     min_items: int = 0
     max_items: int | None = None
+    unique: bool = False
+    distinct: int | None = None
     min_length: int = 0
     max_length: int | None = None
     range: Range | None = None
@@ -220,7 +223,7 @@ OBJECT = Node(frozenset({"object"}), extra=ANY)  # json_object: an object of any
 KEYWORDS = frozenset({"type", "properties", "required", "additionalProperties", "items", "prefixItems", "enum",
                       "const", "anyOf", "oneOf", "allOf", "$ref", "$defs", "definitions", "minItems", "maxItems",
                       "minLength", "maxLength", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
-                      "multipleOf", "pattern", "format"})
+                      "multipleOf", "pattern", "format", "uniqueItems"})
 
 
 def compile_schema(schema: Any) -> Node:
@@ -309,6 +312,8 @@ class _Compiler:
         if items is False and low > len(prefix):
             raise SchemaError(_join(path, "minItems"), f"{low} items, where prefixItems and items false allow "
                                                        f"{len(prefix)}")
+        if schema.get("uniqueItems", False) is not False:
+            fields |= _unique(schema, fields["items"], low, path)
         return fields
 
     def _ref(self, schema: dict, path: str) -> Node:
@@ -482,6 +487,26 @@ def _string(schema: dict, path: str) -> dict[str, Any]:
     return fields | {"reach": reach}
 
 
+def _unique(schema: dict, items: Node | None, low: int, path: str) -> dict[str, Any]:
+    """uniqueItems' Node fields. Held over items of an enum, or of strings, numbers, booleans and null with no
+    bound or pattern: there a prefix of an item can always go on to a value the array has not had (another
+    character or digit), or its literal is left out once had; a repeat is refused where it ends."""
+    where = _join(path, "uniqueItems")
+    if schema["uniqueItems"] is not True:
+        raise SchemaError(where, "must be a boolean")
+    scalar = items is not None and not items.alternatives and not items.prefix_items and items.types <= {
+        "string", "number", "integer", "boolean", "null"} and items.pattern is None and items.max_length is None \
+        and items.range is None
+    if "prefixItems" in schema or not (items is not None and items.options or scalar):
+        raise SchemaError(where, "uniqueItems is held over items of an enum, or of strings, numbers, booleans "
+                                 "and null with no bound, length limit or pattern")
+    distinct = len({_value(t) for t in items.options}) if items.options else None if items.types & {
+        "string", "number", "integer"} else len(items.types & {"boolean"}) * 2 + len(items.types & {"null"})
+    if distinct is not None and low > distinct:
+        raise SchemaError(_join(path, "minItems"), f"{low} distinct items, of {distinct} values")
+    return dict(unique=True, distinct=distinct)
+
+
 def _length_fits(node: Node, states: Iterable[int], consumed: int) -> bool:
     """A string of `consumed` characters, its pattern in `states`, can still match within node's lengths. With
     no maxLength, minLength + (the pattern's states) characters are as many as need looking at: a longer match
@@ -581,12 +606,13 @@ def _key(name: str) -> bytes:
 @dataclass
 class Frame:
     """An open container: its opening byte, its node, the keys it has had, the key being read, the items it
-    has had."""
+    has had (and a uniqueItems array's item values, as `_value` gives them)."""
     open: int
     node: Node
     used: set[bytes] = field(default_factory=set)
     key: bytes = b""
     count: int = 0
+    seen: set[tuple[str, Any]] = field(default_factory=set)
 
     @property
     def full(self) -> bool:
@@ -594,7 +620,8 @@ class Frame:
         dead end): an object with no other key it may have, an array at its maxItems or past its items."""
         if self.open == ord("["):
             n = self.node
-            return n.max_items is not None and self.count >= n.max_items or n.item(self.count) is None
+            return n.max_items is not None and self.count >= n.max_items or n.item(self.count) is None or \
+                n.distinct is not None and len(self.seen) >= n.distinct
         return self.node.extra is None and self.node.props.keys() <= self.used
 
 
@@ -622,12 +649,14 @@ class JsonPrefix:
     code: int = 0  # the code point of the UTF-8 character being read
     nfa: frozenset[int] = frozenset()  # the states of the string value's pattern
     ws: int = 0  # whitespace bytes in a row, outside strings
+    text: str = ""  # a uniqueItems array's string item, decoded, so far
+    literal: bytes = b""  # a uniqueItems array's literal or enum item, so far
     # "union": a value of an anyOf whose first byte several alternatives can start with, read by one automaton
     # per alternative that has fit it so far (JSON's syntax is the same in each: they end at the same byte)
     branches: list[JsonPrefix] = field(default_factory=list)
 
     def copy(self) -> JsonPrefix:
-        return replace(self, stack=[replace(f, used=set(f.used)) for f in self.stack],
+        return replace(self, stack=[replace(f, used=set(f.used), seen=set(f.seen)) for f in self.stack],
                        branches=[b.copy() for b in self.branches])
 
     @property
@@ -659,12 +688,11 @@ class JsonPrefix:
         if m == "literal":
             left = tuple(t[1:] for t in self.left if t and t[0] == b)
             if left:
-                self.left = left
+                self.left, self.literal = left, self.literal + bytes([b])
                 return self._value_done() if left == (b"",) else True
             if b"" not in self.left:
                 return False
-            self._value_done()  # a number option ended (as "1" of 1 and 12): b comes after it
-            return self._byte(b)
+            return self._value_done() and self._byte(b)  # a number option ended (as "1" of 1 and 12): b after it
         if m == "number":
             if self._number(b):
                 return True
@@ -672,8 +700,7 @@ class JsonPrefix:
                 return False
             if self.node.range is not None and not self.node.range.holds(Fraction(self.digits)):
                 return False
-            self._value_done()
-            return self._byte(b)  # the byte that ended the number
+            return self._value_done() and self._byte(b)  # the byte that ended the number
         if b in WS:
             self.ws += 1
             return m != "done" and self.ws <= MAX_WS
@@ -740,7 +767,8 @@ class JsonPrefix:
     def _reads_chars(self) -> bool:
         """The string value's characters are counted (minLength, maxLength) or matched (a pattern)."""
         n = self.node
-        return not self.key and (n.min_length > 0 or n.max_length is not None or n.pattern is not None)
+        return not self.key and (n.min_length > 0 or n.max_length is not None or n.pattern is not None
+                                 or self._unique_item())
 
     def _char(self) -> bool:
         """A character of a string begins: counted against the value's maxLength."""
@@ -750,7 +778,9 @@ class JsonPrefix:
         return self.node.max_length is None or self.chars <= self.node.max_length
 
     def _read(self, code: int) -> bool:
-        """A character of a string is complete: the value's pattern reads it."""
+        """A character of a string is complete: the value's pattern reads it (a uniqueItems item keeps it)."""
+        if self._unique_item():
+            self.text += chr(code)
         if self.key or self.node.pattern is None:
             return True
         self.nfa = self.node.pattern.step(self.nfa, code)
@@ -810,8 +840,9 @@ class JsonPrefix:
             if len(fits) != 1:
                 return self._union(fits, b)
             node = self.node = fits[0]
+        self.text, self.literal = "", b""
         if node.options:
-            self.mode, self.left = "literal", node.options
+            self.mode, self.left = "literal", self._unused(node.options)
             return self._byte(b)
         kinds = [k for k in node.types if b in FIRST[k]]
         if not kinds:
@@ -826,7 +857,7 @@ class JsonPrefix:
             self.nfa = node.pattern.begin() if node.pattern is not None else frozenset()
             return True
         if b in LITERALS:
-            self.mode, self.left = "literal", (LITERALS[b],)
+            self.mode, self.left = "literal", self._unused((LITERALS[b],))
             return self._byte(b)
         self.mode, self.number = "number", "-" if b == ord("-") else "0" if b == ord("0") else "int"
         self.digits = chr(b)
@@ -875,8 +906,20 @@ class JsonPrefix:
         return self._in_range()
 
     def _in_range(self) -> bool:
-        r = self.node.range
-        return r is None or r.reachable(self.digits, "number" not in self.node.types)
+        r, whole = self.node.range, "number" not in self.node.types
+        if self.digits in ("0", "-0") and whole and self._unique_item() and ("number", 0) in self.stack[-1].seen:
+            return False  # (an integer 0 cannot go on: another 0 would be a dead end)
+        return r is None or r.reachable(self.digits, whole)
+
+    def _unique_item(self) -> bool:
+        """The value being read is an item of a uniqueItems array (a scalar: compile_schema holds no other)."""
+        return not self.key and bool(self.stack) and self.stack[-1].open == ord("[") and self.stack[-1].node.unique
+
+    def _unused(self, texts: tuple[bytes, ...]) -> tuple[bytes, ...]:
+        """Of a literal's or enum's texts, those a uniqueItems array has not had (all, elsewhere)."""
+        if not self._unique_item():
+            return texts
+        return tuple(t for t in texts if _value(t) not in self.stack[-1].seen)
 
     def _close(self, b: int) -> bool:
         top = self.stack[-1] if self.stack else None
@@ -890,6 +933,13 @@ class JsonPrefix:
         return self._value_done()
 
     def _value_done(self) -> bool:
+        """A value ended (a uniqueItems array refuses one it has had)."""
+        if self._unique_item():
+            v = ("number", Fraction(self.digits)) if self.mode == "number" else _value(self.literal) \
+                if self.mode == "literal" else ("string", self.text)
+            if v in self.stack[-1].seen:
+                return False
+            self.stack[-1].seen.add(v)
         self.mode = "after" if self.stack else "done"
         if self.stack and self.stack[-1].open == ord("["):
             self.stack[-1].count += 1

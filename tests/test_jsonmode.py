@@ -259,6 +259,8 @@ def _valid(v, s, defs: dict | None = None) -> bool:
         return set(s.get("required", [])) <= set(v) and all(
             _valid(x, props[k], defs) if k in props else extra is not False and _valid(x, extra, defs)
             for k, x in v.items())
+    if kind == "array" and s.get("uniqueItems") and len({_scalar(x) for x in v}) < len(v):
+        return False
     if kind == "array":
         firsts = s.get("prefixItems", [])
         return s.get("minItems", 0) <= len(v) <= s.get("maxItems", len(v)) and all(
@@ -278,6 +280,11 @@ def _valid(v, s, defs: dict | None = None) -> bool:
             {"minimum": v >= b, "exclusiveMinimum": v > b, "maximum": v <= b, "exclusiveMaximum": v < b}[k]
             for k, b in bounds) and ("multipleOf" not in s or (v / Fraction(repr(s["multipleOf"]))).denominator == 1)
     return True
+
+
+def _scalar(v) -> tuple:
+    """A scalar as JSON compares them: numbers by value, whatever their text."""
+    return ("number", Fraction(v)) if isinstance(v, Num) else (type(v).__name__, v)
 
 
 def _formatted(v: str, name: str) -> bool:
@@ -551,11 +558,12 @@ def test_formats_accept_only_what_python_reads():
     assert taken == 3
 
 
-@pytest.mark.parametrize("which", ["SCHEMA", "PET", "BOUNDED", "PATTERNED", "UNION", "TREE", "ONE_OF"])
+@pytest.mark.parametrize("which", ["SCHEMA", "PET", "BOUNDED", "PATTERNED", "UNION", "TREE", "ONE_OF", "UNIQUE"])
 def test_a_schema_agrees_with_its_plain_statement_on_mutated_instances(which):
     schema, instances = {"SCHEMA": (SCHEMA, VALID), "PET": (PET, PETS), "BOUNDED": (BOUNDED, BOUNDED_VALID),
                          "PATTERNED": (PATTERNED, PATTERNED_VALID), "UNION": (UNION, UNION_VALID),
-                         "TREE": (TREE, TREE_VALID), "ONE_OF": (ONE_OF, ONE_OF_VALID)}[which]
+                         "TREE": (TREE, TREE_VALID), "ONE_OF": (ONE_OF, ONE_OF_VALID),
+                         "UNIQUE": (UNIQUE, UNIQUE_VALID)}[which]
     rng = random.Random(1)
     node = jsonmode.compile_schema(schema)
     texts = dumped(instances)
@@ -585,6 +593,11 @@ def test_a_schema_agrees_with_its_plain_statement_on_mutated_instances(which):
     ({"type": "integer", "multipleOf": 0}, "multipleOf", "greater than 0"),
     ({"type": "array", "prefixItems": [{}], "items": False, "minItems": 2}, "minItems", "allow 1"),
     ({"type": "array", "prefixItems": {"type": "string"}}, "prefixItems", "list of schemas"),
+    ({"type": "array", "items": {"type": "string", "maxLength": 3}, "uniqueItems": True}, "uniqueItems", "held over"),
+    ({"type": "array", "items": {"type": "object"}, "uniqueItems": True}, "uniqueItems", "held over"),
+    ({"type": "array", "uniqueItems": True}, "uniqueItems", "held over"),
+    ({"type": "array", "items": {"type": "boolean"}, "uniqueItems": True, "minItems": 3}, "minItems", "of 2 values"),
+    ({"type": "array", "items": {"type": "string"}, "uniqueItems": 1}, "uniqueItems", "boolean"),
     ({"type": "integer", "multipleOf": 7, "minimum": 1, "maximum": 6}, "", "no integer meets"),
     ({"type": "number", "multipleOf": 0.5, "exclusiveMinimum": 1, "exclusiveMaximum": 1.5}, "", "no number meets"),
     ({"type": "string", "minLength": -1}, "minLength", ">= 0"),
@@ -700,6 +713,18 @@ ONE_OF_VALID = [{"pet": {"kind": "cat"}}, {"pet": {"kind": "dog", "good": True},
                 {"o": {"b": False, "a": "x"}, "v": None, "pet": {"good": False, "kind": "dog"}}]
 
 
+# uniqueItems (pydantic's sets): strings by their decoded characters, numbers by value
+UNIQUE = {"type": "object", "properties": {
+    "tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": True},
+    "ns": {"type": "array", "items": {"type": "integer"}, "uniqueItems": True},
+    "xs": {"type": "array", "items": {"type": "number"}, "uniqueItems": True, "maxItems": 4},
+    "e": {"type": "array", "items": {"enum": ["a", "b", 1, 12]}, "uniqueItems": True},
+    "b": {"type": "array", "items": {"type": ["boolean", "null"]}, "uniqueItems": True, "minItems": 1}},
+    "additionalProperties": False}
+UNIQUE_VALID = [{}, {"tags": ["a", "b", "ab", ""], "ns": [0, 1, -1, 10], "xs": [0, 0.5, 1e3, -2.25]},
+                {"e": [12, "a", 1, "b"], "b": [None, True, False]}, {"b": [False], "e": [], "tags": ["\u00e9x"]}]
+
+
 # a recursive $def (pydantic's self-referencing model)
 TREE = {"$defs": {"Node": {"type": "object", "properties": {
     "v": {"type": "integer"}, "kids": {"type": "array", "items": {"$ref": "#/$defs/Node"}},
@@ -764,6 +789,35 @@ SOME_VALUES = ['"a"', '"b"', '"x"', "1", "1.0", "2.5", "3", "-7", "null", "true"
                '{"k": 2}', '{"k": "z"}', '{"k": 1}', '{"n": "q"}']
 
 
+@pytest.mark.parametrize("text", [
+    '{"ns": [0, 0', '{"ns": [0, 1, 10, -0', '{"ns": [1, 12, 1]', '{"ns": [1, 12, 1 ', '{"e": ["a", "a',
+    '{"e": [1, 1]', '{"e": [12, 1, 1', '{"b": [true, false, null,', '{"b": [true, t', '{"b": [null, n',
+    '{"tags": ["x", "x"', '{"tags": ["\\u0061", "a"', '{"tags": ["", ""', '{"xs": [1, 1.0,', '{"xs": [1, 10e-1]',
+    '{"xs": [0.5, 5e-1 ', '{"tags": ["\\ud8'])
+def test_a_unique_arrays_repeat_is_refused_where_it_ends(text):
+    """UNIQUE: each text's last byte is the first refused. A repeated string at its closing quote (escapes read
+    as what they stand for), a number where it ends (1.0 and 10e-1 are 1), an integer 0 at once (it cannot go
+    on), an enum's or literal's repeat at the byte that leaves only it, a comma where every value was had; an
+    escaped surrogate (characters compared are written as themselves)."""
+    s = jsonmode.JsonPrefix(jsonmode.compile_schema(UNIQUE))
+    assert s.copy().feed(text[:-1].encode()) and not s.copy().feed(text.encode())
+
+
+def test_pydantic_sets_are_unique_items():
+    pydantic = pytest.importorskip("pydantic")
+
+    class S(pydantic.BaseModel):
+        tags: set[str]
+        ids: frozenset[int]
+
+    node = jsonmode.object_schema(S.model_json_schema())
+    for text, ok in (('{"tags": ["a", "b"], "ids": [1, 2]}', True), ('{"tags": ["a", "a"], "ids": []}', False),
+                     ('{"tags": [], "ids": [3, 3]}', False)):
+        s = jsonmode.JsonPrefix(node)
+        assert (s.feed(text.encode()) and s.done) == ok
+    S.model_validate_json('{"tags": ["a", "b"], "ids": [1, 2]}', strict=True)
+
+
 def test_a_one_of_is_held_only_where_no_value_meets_two_alternatives():
     """Every pair of SOME as a oneOf: where it is held, no value of SOME_VALUES meets both (the plain
     statement); over half the pairs are held, the pairs of types apart, enums apart and discriminated objects."""
@@ -800,13 +854,14 @@ CLOSED = {"type": "object", "properties": {"e": {"type": "object", "additionalPr
 
 
 @pytest.mark.parametrize("which", ["OBJECT", "SCHEMA", "PET", "CLOSED", "BOUNDED", "PATTERNED", "UNION", "TREE",
-                                   "ONE_OF"])
+                                   "ONE_OF", "UNIQUE"])
 def test_no_accepted_prefix_is_a_dead_end(which):
     """Random walks, each step a byte the automaton accepts there (structural bytes favoured so that objects
     get written and closed): until the object is done, some byte always continues."""
     root = jsonmode.OBJECT if which == "OBJECT" else \
         jsonmode.object_schema({"SCHEMA": SCHEMA, "PET": PET, "CLOSED": CLOSED, "BOUNDED": BOUNDED,
-                                "PATTERNED": PATTERNED, "UNION": UNION, "TREE": TREE, "ONE_OF": ONE_OF}[which])
+                                "PATTERNED": PATTERNED, "UNION": UNION, "TREE": TREE, "ONE_OF": ONE_OF,
+                                "UNIQUE": UNIQUE}[which])
     rng = random.Random(2)
     alphabet = [bytes([b]) for b in range(0x20, 0x7f)] + [b"\n", b"\xc3", b"\xa9", b"\xe2", b"\x82", b"\xf0", b"\x9f"]
     weight = {c: 25 if c in b'{}[],:"tfn0123456789' else 1 for c in range(256)}
