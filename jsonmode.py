@@ -86,6 +86,10 @@ FORMATS = {"date": rf"^{_DATE}$", "time": rf"^{_TIME}$", "date-time": rf"^{_DATE
            "hostname": rf"^{_LABEL}(?:\.{_LABEL})*$", "email": rf"^{_ATOM}(?:\.{_ATOM})*@{_LABEL}(?:\.{_LABEL})+$",
            "uri": rf"^[A-Za-z][A-Za-z0-9+.-]*:{_HIER}(?:\?(?:{_PCHAR}|[/?])*)?(?:#(?:{_PCHAR}|[/?])*)?$"}
 FORMAT_MAX_LENGTH = {"hostname": 253}
+# formats that bound no string: pydantic's SecretStr ("password") and bytes ("binary"), and OpenAPI's number
+# formats; of these an integer's bound its value (int32, int64: that many bits, two's complement)
+OPEN_FORMATS = frozenset({"password", "binary", "float", "double", "int32", "int64"})
+INTEGER_BITS = {"int32": 32, "int64": 64}
 # A UTF-8 lead byte -> (continuation bytes after it, the range of the first of them); the others are 80..BF.
 # E0, ED, F0 and F4 narrow the first one: no overlong forms, no surrogates, nothing past U+10FFFF.
 UTF8_LEADS = ({b: (1, 0x80, 0xBF) for b in range(0xC2, 0xE0)} | {b: (2, 0x80, 0xBF) for b in range(0xE1, 0xF0)}
@@ -96,7 +100,8 @@ TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
 FIRST = {"object": b"{", "array": b"[", "string": b'"', "number": b"-0123456789", "integer": b"-0123456789",
          "boolean": b"tf", "null": b"n"}  # the bytes a value of each type can start with
 # (an OpenAPI discriminator names the property that tells oneOf's alternatives apart: the alternatives say it too)
-ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$schema", "$comment", "discriminator"})
+ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$schema", "$comment", "discriminator",
+                         "readOnly", "writeOnly", "deprecated"})
 
 
 @dataclass(frozen=True)
@@ -521,14 +526,16 @@ def _length_fits(node: Node, states: Iterable[int], consumed: int) -> bool:
 
 def _pattern(schema: dict, path: str) -> Pattern | None:
     """A string's pattern, or its format's."""
-    if "pattern" not in schema and "format" not in schema:
+    fmt = schema.get("format")
+    fmt = None if isinstance(fmt, str) and fmt in OPEN_FORMATS else fmt
+    if "pattern" not in schema and fmt is None:
         return None
-    if "pattern" in schema and "format" in schema:
+    if "pattern" in schema and fmt is not None:
         raise SchemaError(path, "pattern and format: one of them at a time is supported")
-    if "format" in schema and schema["format"] not in FORMATS:
-        raise SchemaError(_join(path, "format"), f"{json.dumps(schema['format'])} is not supported ({sorted(FORMATS)} "
-                                                 "are)")
-    source = FORMATS[schema["format"]] if "format" in schema else schema["pattern"]
+    if fmt is not None and fmt not in FORMATS:
+        raise SchemaError(_join(path, "format"), f"{json.dumps(fmt)} is not supported "
+                                                 f"({sorted(FORMATS.keys() | OPEN_FORMATS)} are)")
+    source = FORMATS[fmt] if fmt is not None else schema["pattern"]
     if not isinstance(source, str):
         raise SchemaError(_join(path, "pattern"), "must be a string")
     try:
@@ -553,7 +560,8 @@ def _range(schema: dict, path: str, integer: bool) -> Range | None:
     SchemaError."""
     given = {k: schema[k] for k in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum", "multipleOf")
              if k in schema}
-    if not given:
+    bits = INTEGER_BITS.get(schema.get("format")) if isinstance(schema.get("format"), str) else None
+    if not given and bits is None:
         return None
     bad = [k for k, v in given.items()
            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)]
@@ -564,6 +572,9 @@ def _range(schema: dict, path: str, integer: bool) -> Range | None:
         raise SchemaError(_join(path, "multipleOf"), "must be greater than 0")
     lo, lo_closed = _tighter(*_end(given, "minimum"), *_end(given, "exclusiveMinimum", False), max)
     hi, hi_closed = _tighter(*_end(given, "maximum"), *_end(given, "exclusiveMaximum", False), min)
+    if bits is not None:
+        lo, lo_closed = _tighter(lo, lo_closed, Fraction(-2 ** (bits - 1)), True, max)
+        hi, hi_closed = _tighter(hi, hi_closed, Fraction(2 ** (bits - 1) - 1), True, min)
     if integer:  # the integers in the range, as closed bounds
         if lo is not None:
             lo, lo_closed = Fraction(math.ceil(lo) if lo_closed else math.floor(lo) + 1), True
@@ -571,7 +582,8 @@ def _range(schema: dict, path: str, integer: bool) -> Range | None:
             hi, hi_closed = Fraction(math.floor(hi) if hi_closed else math.ceil(hi) - 1), True
     r = Range(lo, lo_closed, hi, hi_closed, Fraction(step.numerator) if integer and step is not None else step)
     if lo is not None and hi is not None and not r.meets(lo, lo_closed, hi, hi_closed):
-        raise SchemaError(path, f"no {'integer' if integer else 'number'} meets {json.dumps(given)}")
+        raise SchemaError(path, f"no {'integer' if integer else 'number'} meets "
+                                f"{json.dumps(given | ({'format': schema['format']} if bits else {}))}")
     return r
 
 

@@ -534,6 +534,24 @@ def test_patterns_and_formats_are_refused_at_their_first_character(text):
     assert s.copy().feed(text[:-1].encode()) and not s.copy().feed(text.encode())
 
 
+@pytest.mark.parametrize("schema, text, ok", [
+    ({"type": "integer", "format": "int32"}, "2147483647", True),
+    ({"type": "integer", "format": "int32"}, "2147483648", False),
+    ({"type": "integer", "format": "int32"}, "-2147483648", True),
+    ({"type": "integer", "format": "int32"}, "-2147483649", False),
+    ({"type": "integer", "format": "int64", "minimum": 0}, "9223372036854775807", True),
+    ({"type": "integer", "format": "int64", "minimum": 0}, "9223372036854775808", False),
+    ({"type": "integer", "format": "int64", "minimum": 0}, "-1", False),
+    ({"type": "number", "format": "double"}, "1e300", True), ({"type": "number", "format": "float"}, "-0.5", True),
+    ({"type": "string", "format": "password", "writeOnly": True}, '"x y"', True),
+    ({"type": "string", "format": "binary"}, '"\\u0000"', True), ({"type": "string", "format": "binary"}, "1", False)])
+def test_open_formats_bound_no_string_and_integer_formats_bound_their_bits(schema, text, ok):
+    """OpenAPI's int32 / int64 are integers of that many bits; float, double, password (pydantic's SecretStr)
+    and binary (its bytes) leave a value as its type has it."""
+    s = jsonmode.JsonPrefix(jsonmode.compile_schema({"type": "object", "properties": {"v": schema}}))
+    assert (s.feed(b'{"v": ' + text.encode() + b"}") and s.done) == ok
+
+
 def test_formats_accept_only_what_python_reads():
     """date: every day of months 0-13 x days 0-32 in ten years (leap or not: 4, 100, 400, 1900, 2000, 2023,
     2024...) exactly as datetime.date.fromisoformat reads them; date-time: what the format takes of some times,
@@ -592,6 +610,7 @@ def test_a_schema_agrees_with_its_plain_statement_on_mutated_instances(which):
     ({"type": "array", "items": {"enum": [[1]]}}, "items", "enum"), ({"const": {"a": 1}}, "", "enum"),
     ({"type": "integer", "multipleOf": 0}, "multipleOf", "greater than 0"),
     ({"type": "array", "prefixItems": [{}], "items": False, "minItems": 2}, "minItems", "allow 1"),
+    ({"type": "integer", "format": "int32", "minimum": 2 ** 40}, "", "no integer meets"),
     ({"type": "array", "prefixItems": {"type": "string"}}, "prefixItems", "list of schemas"),
     ({"type": "array", "items": {"type": "string", "maxLength": 3}, "uniqueItems": True}, "uniqueItems", "held over"),
     ({"type": "array", "items": {"type": "object"}, "uniqueItems": True}, "uniqueItems", "held over"),
