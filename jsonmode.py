@@ -86,9 +86,9 @@ FORMATS = {"date": rf"^{_DATE}$", "time": rf"^{_TIME}$", "date-time": rf"^{_DATE
            "hostname": rf"^{_LABEL}(?:\.{_LABEL})*$", "email": rf"^{_ATOM}(?:\.{_ATOM})*@{_LABEL}(?:\.{_LABEL})+$",
            "uri": rf"^[A-Za-z][A-Za-z0-9+.-]*:{_HIER}(?:\?(?:{_PCHAR}|[/?])*)?(?:#(?:{_PCHAR}|[/?])*)?$"}
 FORMAT_MAX_LENGTH = {"hostname": 253}
-# formats that bound no string: pydantic's SecretStr ("password") and bytes ("binary"), and OpenAPI's number
-# formats; of these an integer's bound its value (int32, int64: that many bits, two's complement)
-OPEN_FORMATS = frozenset({"password", "binary", "float", "double", "int32", "int64"})
+# formats that bound no string: pydantic's SecretStr ("password"), bytes ("binary") and Path ("path"), and
+# OpenAPI's number formats; of these an integer's bound its value (int32, int64: that many bits, two's complement)
+OPEN_FORMATS = frozenset({"password", "binary", "path", "float", "double", "int32", "int64"})
 INTEGER_BITS = {"int32": 32, "int64": 64}
 # A UTF-8 lead byte -> (continuation bytes after it, the range of the first of them); the others are 80..BF.
 # E0, ED, F0 and F4 narrow the first one: no overlong forms, no surrogates, nothing past U+10FFFF.
@@ -179,20 +179,21 @@ class SchemaError(ValueError):
 
 @dataclass(frozen=True, eq=False)
 class Node:
-    """What a value may be. `types`: its JSON types. For an object: `props` (a property's name as written
-    between the quotes -> its node), `required`, and `extra`, the node of any other property (None: no other
-    property). For an array: `prefix_items` (the first items' nodes, a tuple's), `items` (the node of each item
-    after them; None: no more), `min_items`, `max_items`, `unique` (uniqueItems; `distinct`: how many values
-    its items can take, None: any number). For a string: `min_length`, `max_length` (in
-    characters), `pattern` (a compiled pattern or format the string must match; with a length, `reach`). For a
-    number: `range` (None: any). `options`: the JSON texts of an enum's values (then only those).
-    `alternatives`: anyOf's nodes (a value is read with each that can start with its first byte, until it
-    ends)."""
+    """What a value may be. `types`: its JSON types. For an object: `props` (a property's name as written between the
+    quotes -> its node), `required`, `extra`, the node of any other property (None: no other property),
+    `min_props`, `max_props` (how many properties). For an array: `prefix_items` (the first items' nodes, a
+    tuple's), `items` (the node of each item after them; None: no more), `min_items`, `max_items`, `unique`
+    (uniqueItems; `distinct`: how many values its items can take, None: any number). For a string: `min_length`,
+    `max_length` (in characters), `pattern` (a compiled pattern or format the string must match; with a length,
+    `reach`). For a number: `range` (None: any). `options`: the JSON texts of an enum's values (then only those).
+    `alternatives`: anyOf's nodes (a value is read with each that can start with its first byte, until it ends)."""
 
     types: frozenset[str]
     props: dict[bytes, Node] = field(default_factory=dict)
     required: frozenset[bytes] = frozenset()
     extra: Node | None = None
+    min_props: int = 0
+    max_props: int | None = None
     items: Node | None = None
     prefix_items: tuple[Node, ...] = ()
     options: tuple[bytes, ...] = ()
@@ -228,7 +229,7 @@ OBJECT = Node(frozenset({"object"}), extra=ANY)  # json_object: an object of any
 KEYWORDS = frozenset({"type", "properties", "required", "additionalProperties", "items", "prefixItems", "enum",
                       "const", "anyOf", "oneOf", "allOf", "$ref", "$defs", "definitions", "minItems", "maxItems",
                       "minLength", "maxLength", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
-                      "multipleOf", "pattern", "format", "uniqueItems"})
+                      "multipleOf", "pattern", "format", "uniqueItems", "minProperties", "maxProperties"})
 
 
 def compile_schema(schema: Any) -> Node:
@@ -296,11 +297,16 @@ class _Compiler:
         if not isinstance(required, list) or not all(r in props for r in required):
             raise SchemaError(path, "required must list names in properties")
         extra = schema.get("additionalProperties", True)
+        low, high = _limits(schema, path, "minProperties", "maxProperties")
+        if high is not None and high < len(set(required)):
+            raise SchemaError(_join(path, "maxProperties"), f"{high}, fewer than the {len(set(required))} required")
+        if extra is False and low > len(props):
+            raise SchemaError(_join(path, "minProperties"), f"{low}, more than the {len(props)} properties it may have")
         return Node(frozenset(kinds),
                     {_key(name): self.node(s, _join(path, "properties", name)) for name, s in props.items()},
                     frozenset(_key(r) for r in required),
                     None if extra is False else self.node(extra, _join(path, "additionalProperties")),
-                    range=_range(schema, path, "number" not in kinds), **self._array(schema, path),
+                    low, high, range=_range(schema, path, "number" not in kinds), **self._array(schema, path),
                     **_string(schema, path))
 
     def _array(self, schema: dict, path: str) -> dict[str, Any]:
@@ -451,7 +457,9 @@ def _has_finite_value(n: Node, finite: set[int]) -> bool:
     if n.alternatives:
         return any(id(a) in finite for a in n.alternatives)
     for kind in n.types:
-        if kind == "object" and all(id(n.props[k]) in finite for k in n.required):
+        if kind == "object" and all(id(n.props[k]) in finite for k in n.required) and (
+                n.extra is not None and id(n.extra) in finite
+                or sum(id(p) in finite for p in n.props.values()) >= n.min_props):
             return True
         if kind == "array" and all(n.item(i) is not None and id(n.item(i)) in finite for i in range(n.min_items)):
             return True
@@ -629,12 +637,21 @@ class Frame:
     @property
     def full(self) -> bool:
         """A container that can take no other member (after a comma, or a quote in an object, it would be a
-        dead end): an object with no other key it may have, an array at its maxItems or past its items."""
+        dead end): an object with no other key it may have or at its maxProperties, an array at its maxItems or
+        past its items."""
         if self.open == ord("["):
             n = self.node
             return n.max_items is not None and self.count >= n.max_items or n.item(self.count) is None or \
                 n.distinct is not None and len(self.seen) >= n.distinct
-        return self.node.extra is None and self.node.props.keys() <= self.used
+        n = self.node
+        return n.extra is None and n.props.keys() <= self.used or \
+            n.max_props is not None and len(self.used) >= n.max_props
+
+    @property
+    def only_required(self) -> bool:
+        """An object whose maxProperties leaves room only for the required properties it has not had."""
+        n = self.node
+        return n.max_props is not None and n.max_props - len(self.used) <= len(n.required - self.used)
 
 
 @dataclass
@@ -833,14 +850,16 @@ class JsonPrefix:
         have (any key, where other properties are allowed)."""
         top = self.stack[-1]
         top.key += bytes([b])
+        if top.only_required:
+            return any(k.startswith(top.key) for k in top.node.required - top.used)
         return top.node.extra is not None or any(k.startswith(top.key) and k not in top.used for k in top.node.props)
 
     def _key_done(self) -> bool:
         top = self.stack[-1]
         key, top.key = top.key, b""
         node = top.node.props.get(key, top.node.extra)
-        if node is None or key in top.used:  # not a property it can have, or one it has had
-            return False
+        if node is None or key in top.used or top.only_required and key not in top.node.required:
+            return False  # not a property it can have (or has room for), or one it has had
         top.used.add(key)
         self.mode, self.key, self.node = "colon", False, node
         return True
@@ -937,8 +956,8 @@ class JsonPrefix:
         top = self.stack[-1] if self.stack else None
         if top is None or b != top.open + 2:  # "{" + 2 = "}", "[" + 2 = "]"
             return False
-        if b == ord("}") and not top.node.required <= top.used:
-            return False  # a required property is missing
+        if b == ord("}") and not (top.node.required <= top.used and len(top.used) >= top.node.min_props):
+            return False  # a required property is missing, or minProperties not met
         if b == ord("]") and top.count < top.node.min_items:
             return False
         self.stack.pop()

@@ -193,11 +193,14 @@ BOUNDED = {"type": "object", "additionalProperties": False, "required": ["n"], "
     "e": {"type": "array", "maxItems": 0},
     "m": {"type": "number", "multipleOf": 0.25, "maximum": 3}, "k": {"type": "integer", "multipleOf": 15},
     "t": {"type": "array", "prefixItems": [{"type": "integer"}, {"enum": ["a", "b"]}], "items": False, "minItems": 1},
-    "u": {"type": "array", "prefixItems": [{"type": "boolean"}], "items": {"type": "string"}, "maxItems": 3}}}
+    "u": {"type": "array", "prefixItems": [{"type": "boolean"}], "items": {"type": "string"}, "maxItems": 3},
+    "o": {"type": "object", "additionalProperties": {"type": "integer"}, "minProperties": 1, "maxProperties": 2},
+    "r": {"type": "object", "properties": {"a": {}, "b": {}}, "required": ["a"], "maxProperties": 2}}}
 BOUNDED_VALID = [{"n": 0}, {"n": -5, "x": 2.5, "s": "ab", "l": [1]}, {"e": [], "x": 0.001, "n": 119, "s": "wxyz",
                  "l": [12, 2.5, "a"]}, {"n": 7, "s": "é中", "l": [12, 1]}, {"n": -0, "x": 1.25, "s": "\t\"x"},
                  {"n": 1, "m": 2.75, "k": -45}, {"m": -10, "k": 0, "n": 2}, {"k": 150, "n": 3, "m": 3},
-                 {"n": 4, "t": [5], "u": []}, {"t": [-1, "b"], "u": [False, "x", "y"], "n": 5}, {"u": [True], "n": 6}]
+                 {"n": 4, "t": [5], "u": []}, {"t": [-1, "b"], "u": [False, "x", "y"], "n": 5}, {"u": [True], "n": 6},
+                 {"n": 8, "o": {"x": 1}, "r": {"a": 1}}, {"n": 9, "o": {"x": 1, "y": 2}, "r": {"q": 1, "a": None}}]
 
 
 # Patterns and formats: matched on the decoded characters (escapes and UTF-8 alike).
@@ -256,7 +259,8 @@ def _valid(v, s, defs: dict | None = None) -> bool:
         return False
     if kind == "object":
         props, extra = s.get("properties", {}), s.get("additionalProperties", True)
-        return set(s.get("required", [])) <= set(v) and all(
+        return set(s.get("required", [])) <= set(v) and s.get("minProperties", 0) <= len(v) <= s.get(
+            "maxProperties", len(v)) and all(
             _valid(x, props[k], defs) if k in props else extra is not False and _valid(x, extra, defs)
             for k, x in v.items())
     if kind == "array" and s.get("uniqueItems") and len({_scalar(x) for x in v}) < len(v):
@@ -481,14 +485,17 @@ def test_a_range_reaches_what_some_continuation_ends_in(bounds, integer):
     '{"n": 0, "l": [2.50', '{"n": 0, "l": [1.', '{"n": 0, "e": [1', '{"x": 1}', '{"n": 0, "m": 0.3',
     '{"n": 0, "m": 3.1', '{"n": 0, "m": 1e', '{"n": 0, "m": 0.755', '{"n": 0, "k": 7}', '{"n": 0, "k": 1.',
     '{"n": 0, "t": []', '{"n": 0, "t": [1, "a",', '{"n": 0, "t": ["', '{"n": 0, "u": [true, 1',
-    '{"n": 0, "u": [true, "x", "y",'])
+    '{"n": 0, "u": [true, "x", "y",', '{"n": 0, "o": {}', '{"n": 0, "o": {"x": 1, "y": 2,', '{"n": 0, "r": {"q": 1, "z',
+    '{"n": 0, "r": {"b": 1, "q', '{"n": 0, "r": {"b": 1, "a": 2,'])
 def test_bounds_lengths_and_number_enums_are_refused_at_their_first_byte(text):
     """BOUNDED: each text's last byte is the first refused. An integer's bounds as soon as no continuation can
     meet them (120 past 119, -6 below -5), a number's exclusive bound at its end (0), a bounded number's
     exponent, string and array lengths (a quote before minLength, a comma at maxItems), an escaped surrogate
     where the length is counted, number enums matched as written (2.50 is not 2.5, 1. no option); a multiple's
     digits as soon as no continuation is one (0.3 of quarters, 3.1 past 3, 0.755), an integer's at its end; a
-    tuple's items by place (none past a closed one's, an item after the prefix of its items' node)."""
+    tuple's items by place (none past a closed one's, an item after the prefix of its items' node); an
+    object's count of properties (a close before minProperties, a comma at maxProperties, a key other than a
+    missing required one where only those fit)."""
     s = jsonmode.JsonPrefix(jsonmode.compile_schema(BOUNDED))
     assert s.copy().feed(text[:-1].encode()) and not s.copy().feed(text.encode())
 
@@ -544,10 +551,11 @@ def test_patterns_and_formats_are_refused_at_their_first_character(text):
     ({"type": "integer", "format": "int64", "minimum": 0}, "-1", False),
     ({"type": "number", "format": "double"}, "1e300", True), ({"type": "number", "format": "float"}, "-0.5", True),
     ({"type": "string", "format": "password", "writeOnly": True}, '"x y"', True),
-    ({"type": "string", "format": "binary"}, '"\\u0000"', True), ({"type": "string", "format": "binary"}, "1", False)])
+    ({"type": "string", "format": "binary"}, '"\\u0000"', True), ({"type": "string", "format": "binary"}, "1", False),
+    ({"type": "string", "format": "path"}, '"/a b/../c"', True)])
 def test_open_formats_bound_no_string_and_integer_formats_bound_their_bits(schema, text, ok):
-    """OpenAPI's int32 / int64 are integers of that many bits; float, double, password (pydantic's SecretStr)
-    and binary (its bytes) leave a value as its type has it."""
+    """OpenAPI's int32 / int64 are integers of that many bits; float, double, password (pydantic's SecretStr),
+    binary (its bytes) and path (its Path) leave a value as its type has it."""
     s = jsonmode.JsonPrefix(jsonmode.compile_schema({"type": "object", "properties": {"v": schema}}))
     assert (s.feed(b'{"v": ' + text.encode() + b"}") and s.done) == ok
 
@@ -611,6 +619,10 @@ def test_a_schema_agrees_with_its_plain_statement_on_mutated_instances(which):
     ({"type": "integer", "multipleOf": 0}, "multipleOf", "greater than 0"),
     ({"type": "array", "prefixItems": [{}], "items": False, "minItems": 2}, "minItems", "allow 1"),
     ({"type": "integer", "format": "int32", "minimum": 2 ** 40}, "", "no integer meets"),
+    ({"type": "object", "properties": {"a": {}, "b": {}}, "required": ["a", "b"], "maxProperties": 1},
+     "maxProperties", "fewer than the 2 required"),
+    ({"type": "object", "properties": {"a": {}}, "additionalProperties": False, "minProperties": 2}, "minProperties",
+     "more than the 1"),
     ({"type": "array", "prefixItems": {"type": "string"}}, "prefixItems", "list of schemas"),
     ({"type": "array", "items": {"type": "string", "maxLength": 3}, "uniqueItems": True}, "uniqueItems", "held over"),
     ({"type": "array", "items": {"type": "object"}, "uniqueItems": True}, "uniqueItems", "held over"),

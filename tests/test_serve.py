@@ -531,11 +531,11 @@ def test_forced_tool_calls_are_held_to_their_schemas_on_every_api(server, url, c
     assert calls or r.choices[0].finish_reason == "length"
     # a schema the engine cannot hold is a 400 naming it, where a call is forced; with "auto" it is only rendered
     odd = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
-        "x": {"type": "object", "minProperties": 1}}}}}
+        "x": {"type": "object", "patternProperties": {"^a": {}}}}}}}
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=default_model.NAME, messages=q, tools=[NOW, odd], tool_choice="required")
     assert e.value.body["param"] == "tools[1].function.parameters.properties.x"
-    assert "minProperties" in e.value.body["message"]
+    assert "patternProperties" in e.value.body["message"]
     client.chat.completions.create(model=default_model.NAME, messages=q, tools=[NOW, odd], max_tokens=2)
     with pytest.raises(openai.BadRequestError) as e:  # strict: held under "auto" too
         client.chat.completions.create(model=default_model.NAME, messages=q, max_tokens=2, tools=[
