@@ -97,6 +97,7 @@ UTF8_LEADS = ({b: (1, 0x80, 0xBF) for b in range(0xC2, 0xE0)} | {b: (2, 0x80, 0x
               | {0xE0: (2, 0xA0, 0xBF), 0xED: (2, 0x80, 0x9F), 0xF0: (3, 0x90, 0xBF), 0xF4: (3, 0x80, 0x8F)})
 MAX_WS = 32  # a newline and 31 spaces: indentation eight levels deep at four spaces
 TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
+SCALARS = frozenset(TYPES[2:])
 FIRST = {"object": b"{", "array": b"[", "string": b'"', "number": b"-0123456789", "integer": b"-0123456789",
          "boolean": b"tf", "null": b"n"}  # the bytes a value of each type can start with
 # (an OpenAPI discriminator names the property that tells oneOf's alternatives apart: the alternatives say it too)
@@ -234,15 +235,16 @@ KEYWORDS = frozenset({"type", "properties", "required", "additionalProperties", 
 
 def compile_schema(schema: Any) -> Node:
     """The Node of a JSON Schema: type (one or a list), properties, required, additionalProperties (a boolean or
-    a schema; absent means allowed, as JSON Schema says), items, minItems / maxItems, minLength / maxLength,
-    pattern (pattern.py's subset) or format (FORMATS), with or without a length, minimum / maximum /
-    exclusiveMinimum / exclusiveMaximum and multipleOf (such a number is written without an exponent),
-    enum and const (of strings, numbers, booleans or null, matched as json.dumps writes them), anyOf (pydantic's
-    Optional and Union: a value is read with every alternative that can start with its first byte), oneOf whose
-    alternatives no value meets two of (`_disjoint`: pydantic's discriminated unions; then it is their anyOf), $ref to
-    the root's $defs / definitions (what the openai client sends for pydantic models; recursive ones too, where a
-    finite value meets them), allOf of one schema. Title, description, default, examples are annotations.
-    Anything else is a SchemaError, not ignored."""
+    a schema; absent means allowed, as JSON Schema says), minProperties / maxProperties, items (false: none),
+    prefixItems, minItems / maxItems, uniqueItems (over scalar items: `_unique`), minLength / maxLength, pattern
+    (pattern.py's subset) or format (FORMATS, OPEN_FORMATS), with or without a length, minimum / maximum /
+    exclusiveMinimum / exclusiveMaximum and multipleOf (such a number is written without an exponent), enum and
+    const (of strings, numbers, booleans or null, matched as json.dumps writes them), anyOf (pydantic's Optional
+    and Union: a value is read with every alternative that can start with its first byte), oneOf whose
+    alternatives no value meets two of (`_disjoint`: pydantic's discriminated unions; then it is their anyOf),
+    $ref to the root's $defs / definitions (what the openai client sends for pydantic models; recursive ones
+    too, where a finite value meets them), allOf of one schema. ANNOTATIONS are read past. Anything else is a
+    SchemaError, not ignored."""
     defs = schema.get("$defs", schema.get("definitions", {})) if isinstance(schema, dict) else {}
     compiler = _Compiler(defs if isinstance(defs, dict) else {})
     root = compiler.node(schema, "")
@@ -507,14 +509,17 @@ def _unique(schema: dict, items: Node | None, low: int, path: str) -> dict[str, 
     where = _join(path, "uniqueItems")
     if schema["uniqueItems"] is not True:
         raise SchemaError(where, "must be a boolean")
-    scalar = items is not None and not items.alternatives and not items.prefix_items and items.types <= {
-        "string", "number", "integer", "boolean", "null"} and items.pattern is None and items.max_length is None \
-        and items.range is None
-    if "prefixItems" in schema or not (items is not None and items.options or scalar):
+    open_scalar = items is not None and not items.alternatives and items.types <= SCALARS and \
+        items.pattern is None and items.max_length is None and items.range is None
+    if "prefixItems" in schema or not (open_scalar or items is not None and items.options):
         raise SchemaError(where, "uniqueItems is held over items of an enum, or of strings, numbers, booleans "
                                  "and null with no bound, length limit or pattern")
-    distinct = len({_value(t) for t in items.options}) if items.options else None if items.types & {
-        "string", "number", "integer"} else len(items.types & {"boolean"}) * 2 + len(items.types & {"null"})
+    if items.options:
+        distinct = len({_value(t) for t in items.options})
+    elif items.types & {"string", "number", "integer"}:
+        distinct = None
+    else:
+        distinct = 2 * ("boolean" in items.types) + ("null" in items.types)
     if distinct is not None and low > distinct:
         raise SchemaError(_join(path, "minItems"), f"{low} distinct items, of {distinct} values")
     return dict(unique=True, distinct=distinct)

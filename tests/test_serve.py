@@ -298,6 +298,21 @@ def test_logit_bias(server, client):
     assert tok.encode(banned.choices[0].text, add_special_tokens=False).ids[0] != first
 
 
+def test_stop_token_ids_end_the_answer_without_their_text(server, client):
+    """vLLM's stop_token_ids: the token ends the answer ("stop"), counted but not written."""
+    tok = server.engine.tokenizer
+    the, a = (tok.encode(w, add_special_tokens=False).ids[0] for w in (" the", " a"))
+    kw = dict(model=default_model.NAME, prompt="The", max_tokens=3, temperature=0, logit_bias={str(the): 100})
+    r = client.completions.create(**kw, extra_body={"stop_token_ids": [a, the]})
+    assert (r.choices[0].text, r.choices[0].finish_reason, r.usage.completion_tokens) == ("", "stop", 1)
+    r = client.completions.create(**kw, extra_body={"stop_token_ids": [a]})
+    assert (r.choices[0].text, r.choices[0].finish_reason) == (tok.decode([the] * 3), "length")
+    r = client.chat.completions.create(model=default_model.NAME, messages=HI, max_tokens=3, temperature=0,
+                                       reasoning_effort="none", logit_bias={str(the): 100},
+                                       extra_body={"stop_token_ids": [the]})
+    assert (r.choices[0].message.content, r.choices[0].finish_reason) == (None, "stop")
+
+
 def test_tokenize_and_detokenize(server, url, client):
     post = lambda path, body: requests.post(url + path, json=body, timeout=30)
     ids = server.engine.tokenizer.encode("Hello there, wörld", add_special_tokens=False).ids
@@ -644,6 +659,8 @@ BAD = [  # (path, body: dict or raw str, status, param, code)
      "invalid_type"),
     ("/v1/chat/completions", {"messages": M, "stop": 5}, 400, "stop", "invalid_value"),
     ("/v1/chat/completions", {"messages": M, "stop": [""]}, 400, "stop", "invalid_value"),
+    ("/v1/chat/completions", {"messages": M, "stop_token_ids": [-1]}, 400, "stop_token_ids", "invalid_value"),
+    ("/v1/completions", {"prompt": "x", "stop_token_ids": 3}, 400, "stop_token_ids", "invalid_type"),
     ("/v1/chat/completions", {"messages": M, "logprobs": "true"}, 400, "logprobs", "invalid_type"),
     ("/v1/chat/completions", {"messages": M, "logprobs": True, "top_logprobs": 50}, 400, "top_logprobs",
      "invalid_value"),
