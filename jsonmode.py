@@ -230,21 +230,22 @@ OBJECT = Node(frozenset({"object"}), extra=ANY)  # json_object: an object of any
 KEYWORDS = frozenset({"type", "properties", "required", "additionalProperties", "items", "prefixItems", "enum",
                       "const", "anyOf", "oneOf", "allOf", "$ref", "$defs", "definitions", "minItems", "maxItems",
                       "minLength", "maxLength", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
-                      "multipleOf", "pattern", "format", "uniqueItems", "minProperties", "maxProperties"})
+                      "multipleOf", "pattern", "format", "uniqueItems", "minProperties", "maxProperties",
+                      "propertyNames"})
 
 
 def compile_schema(schema: Any) -> Node:
-    """The Node of a JSON Schema: type (one or a list), properties, required, additionalProperties (a boolean or
-    a schema; absent means allowed, as JSON Schema says), minProperties / maxProperties, items (false: none),
-    prefixItems, minItems / maxItems, uniqueItems (over scalar items: `_unique`), minLength / maxLength, pattern
-    (pattern.py's subset) or format (FORMATS, OPEN_FORMATS), with or without a length, minimum / maximum /
-    exclusiveMinimum / exclusiveMaximum and multipleOf (such a number is written without an exponent), enum and
-    const (of strings, numbers, booleans or null, matched as json.dumps writes them), anyOf (pydantic's Optional
-    and Union: a value is read with every alternative that can start with its first byte), oneOf whose
-    alternatives no value meets two of (`_disjoint`: pydantic's discriminated unions; then it is their anyOf),
-    $ref to the root's $defs / definitions (what the openai client sends for pydantic models; recursive ones
-    too, where a finite value meets them), allOf of one schema. ANNOTATIONS are read past. Anything else is a
-    SchemaError, not ignored."""
+    """The Node of a JSON Schema: type (one or a list), properties, required, additionalProperties (a boolean or a
+    schema; absent means allowed, as JSON Schema says), minProperties / maxProperties, propertyNames (an enum of
+    strings), items (false: none), prefixItems, minItems / maxItems, uniqueItems (over scalar items: `_unique`),
+    minLength / maxLength, pattern (pattern.py's subset) or format (FORMATS, OPEN_FORMATS), with or without a
+    length, minimum / maximum / exclusiveMinimum / exclusiveMaximum and multipleOf (such a number is written
+    without an exponent), enum and const (of strings, numbers, booleans or null, matched as json.dumps writes
+    them), anyOf (pydantic's Optional and Union: a value is read with every alternative that can start with its
+    first byte), oneOf whose alternatives no value meets two of (`_disjoint`: pydantic's discriminated unions;
+    then it is their anyOf), $ref to the root's $defs / definitions (what the openai client sends for pydantic
+    models; recursive ones too, where a finite value meets them), allOf of one schema. ANNOTATIONS are read past.
+    Anything else is a SchemaError, not ignored."""
     defs = schema.get("$defs", schema.get("definitions", {})) if isinstance(schema, dict) else {}
     compiler = _Compiler(defs if isinstance(defs, dict) else {})
     root = compiler.node(schema, "")
@@ -292,6 +293,13 @@ class _Compiler:
         kinds = [kinds] if isinstance(kinds, str) else kinds
         if not isinstance(kinds, list) or not kinds or not all(k in TYPES for k in kinds):
             raise SchemaError(path, f"type must be one of {list(TYPES)} or a list of them")
+        return Node(frozenset(kinds), range=_range(schema, path, "number" not in kinds), **self._object(schema, path),
+                    **self._array(schema, path), **_string(schema, path))
+
+    def _object(self, schema: dict, path: str) -> dict[str, Any]:
+        """An object's Node fields: properties, required, additionalProperties, minProperties / maxProperties,
+        and propertyNames of an enum (pydantic's dict with Literal or Enum keys): the object may then have
+        those names, each with its property's node or else additionalProperties', and no other."""
         props = schema.get("properties", {})
         if not isinstance(props, dict):
             raise SchemaError(path, "properties must be an object")
@@ -299,17 +307,30 @@ class _Compiler:
         if not isinstance(required, list) or not all(r in props for r in required):
             raise SchemaError(path, "required must list names in properties")
         extra = schema.get("additionalProperties", True)
+        nodes = {name: self.node(s, _join(path, "properties", name)) for name, s in props.items()}
+        other = None if extra is False else self.node(extra, _join(path, "additionalProperties"))
+        if "propertyNames" in schema:
+            names = self._names(schema["propertyNames"], _join(path, "propertyNames"))
+            if not set(required) <= set(names):
+                raise SchemaError(_join(path, "propertyNames"), f"required {sorted(set(required) - set(names))} "
+                                                                "not among its names")
+            nodes = {n: nodes.get(n, other) for n in names if n in nodes or other is not None}
+            other = None
         low, high = _limits(schema, path, "minProperties", "maxProperties")
         if high is not None and high < len(set(required)):
             raise SchemaError(_join(path, "maxProperties"), f"{high}, fewer than the {len(set(required))} required")
-        if extra is False and low > len(props):
-            raise SchemaError(_join(path, "minProperties"), f"{low}, more than the {len(props)} properties it may have")
-        return Node(frozenset(kinds),
-                    {_key(name): self.node(s, _join(path, "properties", name)) for name, s in props.items()},
-                    frozenset(_key(r) for r in required),
-                    None if extra is False else self.node(extra, _join(path, "additionalProperties")),
-                    low, high, range=_range(schema, path, "number" not in kinds), **self._array(schema, path),
-                    **_string(schema, path))
+        if other is None and low > len(nodes):
+            raise SchemaError(_join(path, "minProperties"), f"{low}, more than the {len(nodes)} properties it may have")
+        return dict(props={_key(n): v for n, v in nodes.items()}, required=frozenset(_key(r) for r in required),
+                    extra=other, min_props=low, max_props=high)
+
+    def _names(self, schema: Any, path: str) -> list[str]:
+        """propertyNames' names: an enum or const of strings (through a $ref too)."""
+        node = self.node(schema, path)
+        if not node.options or node.types != {"string"}:
+            raise SchemaError(path, "propertyNames is held as an enum or const of strings (pydantic's Literal or "
+                                    "Enum keys)")
+        return [json.loads(t) for t in node.options]
 
     def _array(self, schema: dict, path: str) -> dict[str, Any]:
         """An array's Node fields: prefixItems (a tuple's items, in order), items (each after them; false: none),

@@ -259,6 +259,8 @@ def _valid(v, s, defs: dict | None = None) -> bool:
         return False
     if kind == "object":
         props, extra = s.get("properties", {}), s.get("additionalProperties", True)
+        if "propertyNames" in s and not all(_valid(k, s["propertyNames"], defs) for k in v):
+            return False
         return set(s.get("required", [])) <= set(v) and s.get("minProperties", 0) <= len(v) <= s.get(
             "maxProperties", len(v)) and all(
             _valid(x, props[k], defs) if k in props else extra is not False and _valid(x, extra, defs)
@@ -619,6 +621,9 @@ def test_a_schema_agrees_with_its_plain_statement_on_mutated_instances(which):
     ({"type": "integer", "multipleOf": 0}, "multipleOf", "greater than 0"),
     ({"type": "array", "prefixItems": [{}], "items": False, "minItems": 2}, "minItems", "allow 1"),
     ({"type": "integer", "format": "int32", "minimum": 2 ** 40}, "", "no integer meets"),
+    ({"type": "object", "propertyNames": {"pattern": "^a"}}, "propertyNames", "enum or const of strings"),
+    ({"type": "object", "properties": {"a": {}}, "required": ["a"], "propertyNames": {"enum": ["b"]}},
+     "propertyNames", "required ['a']"),
     ({"type": "object", "properties": {"a": {}, "b": {}}, "required": ["a", "b"], "maxProperties": 1},
      "maxProperties", "fewer than the 2 required"),
     ({"type": "object", "properties": {"a": {}}, "additionalProperties": False, "minProperties": 2}, "minProperties",
@@ -744,16 +749,19 @@ ONE_OF_VALID = [{"pet": {"kind": "cat"}}, {"pet": {"kind": "dog", "good": True},
                 {"o": {"b": False, "a": "x"}, "v": None, "pet": {"good": False, "kind": "dog"}}]
 
 
-# uniqueItems (pydantic's sets): strings by their decoded characters, numbers by value
+# uniqueItems (pydantic's sets): strings by their decoded characters, numbers by value; propertyNames of an enum
 UNIQUE = {"type": "object", "properties": {
     "tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": True},
     "ns": {"type": "array", "items": {"type": "integer"}, "uniqueItems": True},
     "xs": {"type": "array", "items": {"type": "number"}, "uniqueItems": True, "maxItems": 4},
     "e": {"type": "array", "items": {"enum": ["a", "b", 1, 12]}, "uniqueItems": True},
-    "b": {"type": "array", "items": {"type": ["boolean", "null"]}, "uniqueItems": True, "minItems": 1}},
+    "b": {"type": "array", "items": {"type": ["boolean", "null"]}, "uniqueItems": True, "minItems": 1},
+    "d": {"type": "object", "additionalProperties": {"type": "integer"}, "propertyNames": {"enum": ["x", "y", "z"]},
+          "properties": {"y": {"type": "string"}}}},
     "additionalProperties": False}
 UNIQUE_VALID = [{}, {"tags": ["a", "b", "ab", ""], "ns": [0, 1, -1, 10], "xs": [0, 0.5, 1e3, -2.25]},
-                {"e": [12, "a", 1, "b"], "b": [None, True, False]}, {"b": [False], "e": [], "tags": ["\u00e9x"]}]
+                {"e": [12, "a", 1, "b"], "b": [None, True, False]}, {"b": [False], "e": [], "tags": ["\u00e9x"]},
+                {"d": {"x": 1, "y": "s", "z": 2}}, {"d": {}, "b": [True]}]
 
 
 # a recursive $def (pydantic's self-referencing model)
@@ -832,6 +840,28 @@ def test_a_unique_arrays_repeat_is_refused_where_it_ends(text):
     escaped surrogate (characters compared are written as themselves)."""
     s = jsonmode.JsonPrefix(jsonmode.compile_schema(UNIQUE))
     assert s.copy().feed(text[:-1].encode()) and not s.copy().feed(text.encode())
+
+
+def test_pydantic_dicts_with_literal_or_enum_keys_take_only_those_keys():
+    pydantic = pytest.importorskip("pydantic")
+    import enum
+    import typing
+
+    class C(enum.Enum):
+        R = "r"
+        G = "g"
+
+    class D(pydantic.BaseModel):
+        a: dict[typing.Literal["x", "y"], int]
+        b: dict[C, str]
+
+    node = jsonmode.object_schema(D.model_json_schema())
+    for text, ok in (('{"a": {"x": 1, "y": 2}, "b": {"r": "q"}}', True), ('{"a": {"z": 1}, "b": {}}', False),
+                     ('{"a": {}, "b": {"g": "1", "r": ""}}', True), ('{"a": {}, "b": {"g": 1}}', False)):
+        s = jsonmode.JsonPrefix(node)
+        assert (s.feed(text.encode()) and s.done) == ok, text
+        if ok:
+            D.model_validate_json(text, strict=True)
 
 
 def test_pydantic_sets_are_unique_items():
