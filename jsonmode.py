@@ -26,7 +26,7 @@ import bisect
 import functools
 import json
 import math
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 from fractions import Fraction
 from typing import Any, Iterable
 
@@ -660,6 +660,12 @@ class Frame:
     count: int = 0
     seen: set[tuple[str, Any]] = field(default_factory=set)
 
+    def copy(self) -> Frame:
+        new = object.__new__(Frame)
+        new.__dict__ = self.__dict__.copy()
+        new.used, new.seen = set(self.used), set(self.seen)
+        return new
+
     @property
     def full(self) -> bool:
         """A container that can take no other member (after a comma, or a quote in an object, it would be a
@@ -711,8 +717,13 @@ class JsonPrefix:
     branches: list[JsonPrefix] = field(default_factory=list)
 
     def copy(self) -> JsonPrefix:
-        return replace(self, stack=[replace(f, used=set(f.used), seen=set(f.seen)) for f in self.stack],
-                       branches=[b.copy() for b in self.branches])
+        # (field by field, not dataclasses.replace, which runs __init__ again: `allowed` copies the state once
+        # for each byte it tries, and a copy was most of a walk's time)
+        new = object.__new__(JsonPrefix)
+        new.__dict__ = self.__dict__.copy()
+        new.stack = [f.copy() for f in self.stack]
+        new.branches = [b.copy() for b in self.branches]
+        return new
 
     @property
     def done(self) -> bool:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import chat
@@ -110,7 +110,10 @@ class ToolCallPrefix:
     calls: int = 0
 
     def copy(self) -> ToolCallPrefix:
-        return replace(self, value=None if self.value is None else self.value.copy())
+        new = object.__new__(ToolCallPrefix)  # (as JsonPrefix.copy: field by field, `allowed` copies often)
+        new.__dict__ = self.__dict__.copy()
+        new.value = None if self.value is None else self.value.copy()
+        return new
 
     @property
     def done(self) -> bool:

@@ -162,6 +162,16 @@ def test_allowed_lists_exactly_the_tokens_that_keep_a_prefix():
     assert checked > 200, checked
 
 
+def test_a_copy_shares_no_state_with_its_original():
+    """copy (field by field) gives the copy its own frames, keys had and unique items seen."""
+    s = jsonmode.JsonPrefix(jsonmode.compile_schema(UNIQUE))
+    assert s.feed(b'{"tags": ["a", ')
+    c = s.copy()
+    assert c.feed(b'"b"], "ns": [1') and not c.copy().feed(b", 1,")
+    assert s.stack[-1].seen == {("string", "a")} and s.stack[0].used == {b"tags"} and len(s.stack) == 2
+    assert s.feed(b'"b", "c"], "ns": [1, 2]}') and s.done and not c.done
+
+
 def test_pick_takes_the_first_token_in_race_order_that_keeps_a_prefix():
     vocab = [b"{", b"}", b'"a"', b":", b"1", None, b"", b"]", b' {"b": 2}']
     s = jsonmode.JsonPrefix()
