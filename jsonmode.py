@@ -857,7 +857,8 @@ class JsonPrefix:
         p = None if self.key else self.node.pattern
         if p is None:
             return True
-        states = frozenset(i for i in self.nfa if _length_fits(self.node, (i,), self.chars - 1))  # (chars: with it)
+        states = self.nfa if not self.node.reach else frozenset(  # (chars counts the character being written)
+            i for i in self.nfa if _length_fits(self.node, (i,), self.chars - 1))
         return p.can_step(states, lo, min(hi, 0xD7FF)) or hi >= 0xE000 and p.can_step(states, max(lo, 0xE000), hi)
 
     def _matched(self) -> bool:
