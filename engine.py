@@ -32,7 +32,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Sequence as Seq
+from typing import Collection, Iterator, Sequence as Seq
 
 import numpy as np
 import torch
@@ -63,6 +63,14 @@ SCORE_ROWS = 256  # logit rows scored a block (Engine.score_blocks): 151 MiB of 
 # Requests and results
 
 
+class SamplingError(ValueError):
+    """A SamplingParams field out of its range; `field` names it."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
 @dataclass
 class SamplingParams:
     """Per-request sampling. temperature 0 is greedy; top_k 0, top_p 1, min_p 0 switch a filter off.
@@ -70,7 +78,9 @@ class SamplingParams:
     Order: `logit_bias` (added to the model's logits, as OpenAI's field), then as vLLM: penalties,
     temperature, top_k, top_p, min_p. `stop_token_ids` are extra stop ids; the checkpoint's eos ids
     always stop unless `ignore_eos`. A stop string ends the text
-    before it. `logprobs=n` returns the chosen token's log-probability and the n most likely
+    before it (after it with `include_stop_str_in_output`, vLLM's field). `min_tokens=n` (vLLM's): the first n
+    tokens cannot stop the request: its stop tokens are drawn as if their logits were -inf, and a stop string
+    that ends inside them does not count. `logprobs=n` returns the chosen token's log-probability and the n most likely
     tokens, from the model's distribution before any of the processing above.
     `thinking_token_budget=n`: when the prompt ends inside a think block (after `<think>`, with no
     `</think>` since), at most n tokens are generated inside it, counting those the prompt already has
@@ -98,6 +108,8 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    min_tokens: int = 0
     logprobs: int | None = None
     skip_special_tokens: bool = True
     thinking_token_budget: int | None = None
@@ -117,8 +129,8 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
 
-        def bad(name: str, why: str) -> ValueError:
-            return ValueError(f"SamplingParams.{name} = {getattr(self, name)!r}: {why}")
+        def bad(name: str, why: str) -> SamplingError:
+            return SamplingError(name, f"SamplingParams.{name} = {getattr(self, name)!r}: {why}")
 
         def is_int(x) -> bool:
             return isinstance(x, int) and not isinstance(x, bool)
@@ -147,6 +159,10 @@ class SamplingParams:
             raise bad("stop", "must be a non-empty string or a list of non-empty strings")
         if not isinstance(self.stop_token_ids, list) or not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be a list of token ids >= 0")
+        if not (is_int(self.min_tokens) and self.min_tokens >= 0):
+            raise bad("min_tokens", "must be an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", f"must be at most max_tokens ({self.max_tokens})")
         if self.logprobs is not None and not (is_int(self.logprobs) and self.logprobs >= 0):
             raise bad("logprobs", "must be an integer >= 0 (the number of top alternatives) or None")
         if not isinstance(self.logit_bias, dict) or not all(
@@ -157,6 +173,9 @@ class SamplingParams:
                 jsonmode.object_schema(self.json_schema)
             except jsonmode.SchemaError as e:
                 raise bad("json_schema", str(e)) from None
+        if self.min_tokens and (self.json_object or self.json_schema is not None or self.tool_calls is not None):
+            raise bad("min_tokens", "cannot go with an answer a grammar holds (json_object, json_schema, tool_calls): "
+                                    "it ends where the grammar completes it")
         if self.tool_calls is not None:
             if not isinstance(self.tool_calls, dict) or not self.tool_calls:
                 raise bad("tool_calls", "must map tool names to their parameters' schemas (None for none, True "
@@ -345,6 +364,17 @@ def process_logits(logits: torch.Tensor, p: SamplingParams, prompt_ids: torch.Te
                    output_ids: torch.Tensor) -> torch.Tensor:
     """process_rows for one row of fp32 [vocab] logits."""
     return process_rows(logits[None], [p], [prompt_ids], [output_ids])[0]
+
+
+def hold_stops(rows: torch.Tensor, stops: Seq[Collection[int]]) -> torch.Tensor:
+    """fp32 [N, vocab] rows with the tokens of stops[i] at -inf in row i (min_tokens: a request that may not stop
+    yet); a copy where any are, the rows themselves where none are."""
+    at = [(i, t) for i, ts in enumerate(stops) for t in ts]
+    if not at:
+        return rows
+    rows, (i, t) = rows.clone(), zip(*at)
+    rows[fastdecode.to_device(list(i), rows.device), fastdecode.to_device(list(t), rows.device)] = -math.inf
+    return rows
 
 
 def race_noise(params: Seq[SamplingParams], generators: Seq[torch.Generator], vocab: int,
@@ -1036,7 +1066,8 @@ class Engine:
     def _verify(self, seq: Sequence, logits: torch.Tensor) -> list[int]:
         """The tokens one verify emits (accepted drafts, then the target's), with the statistics."""
         p, drafts = seq.params, seq.draft.tokens
-        # Row j is processed as if drafts 1..j had been emitted (penalties see them).
+        # Row j is processed as if drafts 1..j had been emitted (penalties and min_tokens see them).
+        logits = hold_stops(logits, [self._early_stops(seq, j) for j in range(len(logits))])
         x = process_rows(logits, [p] * len(logits), [seq.prompt_tensor] * len(logits),
                          [torch.tensor(seq.output_ids + drafts[:j], dtype=torch.long, device=self.device)
                           for j in range(len(logits))])
@@ -1046,6 +1077,12 @@ class Engine:
         self.counters["spec_draft_tokens"] += len(drafts)
         self.counters["spec_accepted_tokens"] += len(emitted) - 1
         return emitted
+
+    @staticmethod
+    def _early_stops(seq: Sequence, drafted: int = 0) -> frozenset[int]:
+        """The stop tokens seq may not draw next (`drafted`: tokens drafted before it): all of them while it has
+        fewer than min_tokens tokens."""
+        return seq.stop_ids if len(seq.outputs) + drafted < seq.params.min_tokens else frozenset()
 
     def _emit(self, seq: Sequence, tokens: list[int], logits: torch.Tensor) -> RequestOutput:
         """Append tokens until one finishes the request (the rest are dropped); one output for all."""
@@ -1213,6 +1250,7 @@ class Engine:
         grammar holds (JSON, tool calls) by _held_tokens instead (which draws each row's race from its generator:
         once a step, as a free row does, so the grammar changes a seeded draw only where the free token would
         not fit)."""
+        rows = hold_stops(rows, [self._early_stops(seq) for seq in seqs])
         held = [j for j, seq in enumerate(seqs) if seq.grammar is not None and not seq.thinking]
         free = [j for j in range(len(seqs)) if j not in held]  # (a row forced to </think> is still thinking)
         kernel = self.use_kernels and rows.is_cuda
@@ -1290,11 +1328,12 @@ class Engine:
         else:
             old_len = len(seq.text)
             seq.text += seq.detok.push(token)
-            # A stop string can only be new if it ends inside the new text.
-            hit = [(i, s) for i, s in ((seq.text.find(s, max(0, old_len - len(s) + 1)), s) for s in p.stop) if i >= 0]
+            # A stop string can only be new if it ends inside the new text, and counts past min_tokens.
+            hit = [(i, s) for i, s in ((seq.text.find(s, max(0, old_len - len(s) + 1)), s) for s in p.stop)
+                   if i >= 0 and len(seq.outputs) > p.min_tokens]
             if hit:
                 at, seq.stop_string = min(hit, key=lambda h: h[0])
-                seq.text = seq.text[:at]
+                seq.text = seq.text[:at + (len(seq.stop_string) if p.include_stop_str_in_output else 0)]
                 self._finish(seq, "stop")
             elif seq.grammar is not None and seq.grammar.done:
                 self._finish(seq, "stop")

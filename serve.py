@@ -579,6 +579,8 @@ class Server:
                                         lambda v: all(_is_int(t) and 0 <= t < self.engine.vocab_size for t in v),
                                         f"must list token ids below {self.engine.vocab_size}"),
                 ignore_eos=field_of(body, "ignore_eos", "bool", False),
+                include_stop_str_in_output=field_of(body, "include_stop_str_in_output", "bool", False),
+                min_tokens=field_of(body, "min_tokens", "int", 0, lambda v: v >= 0, "must be >= 0"),
                 logprobs=logprobs,
                 skip_special_tokens=skip_special,
                 thinking_token_budget=field_of(body, "thinking_token_budget", "int", self.args.thinking_token_budget,
@@ -589,8 +591,8 @@ class Server:
                 parallel_tool_calls=field_of(body, "parallel_tool_calls", "bool", True),
                 **(held or {}),
             )
-        except ValueError as e:
-            raise ApiError(400, str(e), None, "invalid_value")
+        except ValueError as e:  # (engine.SamplingError names its field)
+            raise ApiError(400, str(e), getattr(e, "field", None), "invalid_value")
         n = field_of(body, "n", "int", 1, lambda v: 1 <= v <= MAX_CHOICES, f"must be between 1 and {MAX_CHOICES}")
         return Job(prompt_ids, sampling, field_of(body, "stream", "bool", False),
                    bool(field_of(stream_options, "include_usage", "bool", False)), logprobs, n)

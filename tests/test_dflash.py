@@ -436,6 +436,19 @@ def test_mixed_batch_and_stops(target, drafters, plain_greedy):
     assert eng.stats().blocks_used == 0
 
 
+def test_min_tokens_under_speculation_equals_plain_greedy(target, drafters):
+    """A verify row sees the drafts before it as generated: with eos made the most likely token everywhere, plain
+    greedy under min_tokens m writes m other tokens, then eos, and speculative greedy writes the same (a row past
+    min_tokens held off eos would accept the draft there instead)."""
+    mins = (0, 3, 5, 8, 11, 16)
+    params = [E.SamplingParams(temperature=0, max_tokens=20, logit_bias={EOS: 100}, min_tokens=m) for m in mins]
+    plain = make_engine(target).generate(TEST_PROMPTS, params)
+    spec = make_engine(target, speculator="dflash2", drafter=drafters["trained"]).generate(TEST_PROMPTS, params)
+    assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
+    assert all(EOS not in r.token_ids[:m] and r.token_ids[m:] == [EOS] for r, m in zip(plain, mins))
+    assert sum(r.acceptance.accepted_tokens for r in spec) > 10
+
+
 def test_no_draft_goes_past_the_thinking_budget(target, drafters):
     """The token after the thinking budget is forced, so a step drafts no further than the budget:
     speculative greedy with budgets is token-identical to plain greedy with them."""

@@ -6,6 +6,7 @@ each prompt alone on an engine whose prefix cache is off (snapshot_bytes=0), so 
 from __future__ import annotations
 
 import json
+import math
 import random
 
 import pytest
@@ -88,7 +89,8 @@ def solo(engine: E.Engine, ids: list[int], p: E.SamplingParams = GREEDY) -> E.Re
     ("frequency_penalty", -2.5), ("max_tokens", 0), ("max_tokens", 1.0), ("seed", "x"), ("stop", [""]),
     ("stop", [3]), ("stop_token_ids", [-1]), ("logprobs", -1), ("temperature", True),
     ("thinking_token_budget", -1), ("thinking_token_budget", 2.0), ("logit_bias", {-1: 1.0}),
-    ("logit_bias", {5: 101}), ("logit_bias", {5: float("inf")}), ("logit_bias", [5])])
+    ("logit_bias", {5: 101}), ("logit_bias", {5: float("inf")}), ("logit_bias", [5]), ("min_tokens", -1),
+    ("min_tokens", 1.5)])
 def test_bad_sampling_params_name_the_field(field, value):
     with pytest.raises(ValueError, match=f"SamplingParams.{field}"):
         E.SamplingParams(**{field: value})
@@ -106,6 +108,23 @@ def test_logit_bias_is_added_to_its_rows_logits_before_the_penalties():
     greedy = E.SamplingParams(temperature=0, logit_bias={int(logits[1].argmin()): 100})
     assert E.draw_on_device(logits[1:], [greedy], [empty], [[]], [torch.Generator()]).tolist() == \
         [int(logits[1].argmin())]  # temperature 0 draws the biased argmax
+
+
+def test_min_tokens_is_checked_against_max_tokens_and_held_answers():
+    with pytest.raises(ValueError, match=r"min_tokens = 5: must be at most max_tokens \(4\)"):
+        E.SamplingParams(min_tokens=5, max_tokens=4)
+    with pytest.raises(ValueError, match="min_tokens = 1: cannot go with an answer a grammar holds"):
+        E.SamplingParams(min_tokens=1, json_object=True)
+    assert E.SamplingParams(min_tokens=4, max_tokens=4).min_tokens == 4
+
+
+def test_hold_stops_puts_minus_inf_at_each_rows_own_tokens():
+    rows = torch.randn(3, 8, generator=torch.Generator().manual_seed(0))
+    held = E.hold_stops(rows, [{1, 5}, set(), {7}])
+    want = rows.clone()
+    want[0, [1, 5]] = want[2, 7] = -math.inf
+    assert torch.equal(held, want) and not torch.equal(rows, want)
+    assert E.hold_stops(rows, [set()] * 3) is rows
 
 
 def test_stop_string_becomes_a_list():
@@ -658,6 +677,38 @@ def test_stop_token_max_tokens_and_stop_strings(make_engine):
     deltas = list(eng.stream(ids, E.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[stop])))
     assert "".join(d.text for d in deltas) == r.text and deltas[-1].finished
     assert [t for d in deltas for t in d.token_ids] == r.token_ids
+
+
+def test_min_tokens_holds_off_stop_tokens_and_stop_strings(make_engine):
+    eng = make_engine(snapshot_bytes=0)
+    ids = prompt(61, 10)
+    eos_first = dict(temperature=0, max_tokens=12, logit_bias={EOS: 100})
+    assert eng.generate([ids], E.SamplingParams(**eos_first))[0].token_ids == [EOS]
+    r = eng.generate([ids], E.SamplingParams(**eos_first, min_tokens=5))[0]
+    assert EOS not in r.token_ids[:5] and r.token_ids[5:] == [EOS] and r.finish_reason == "stop"
+    free = eng.generate([ids], E.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
+    stop_id = free.token_ids[1]
+    r = eng.generate([ids], E.SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop_id], min_tokens=4,
+                                             ignore_eos=True))[0]
+    assert stop_id not in r.token_ids[:4] and r.token_ids[:1] == free.token_ids[:1]
+    assert r.finish_reason == "length" or r.token_ids[-1] == stop_id
+    # a stop string that ends inside the first min_tokens tokens does not count; past them it does
+    stop = free.text[1:3]
+    assert eng.generate([ids], E.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                                stop=[stop]))[0].finish_reason == "stop"
+    r = eng.generate([ids], E.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[stop],
+                                             min_tokens=12))[0]
+    assert r.finish_reason == "length" and r.text == free.text
+
+
+def test_include_stop_str_in_output_keeps_the_stop_string(make_engine):
+    eng = make_engine(snapshot_bytes=0)
+    ids = prompt(60, 10)
+    text = eng.generate([ids], E.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0].text
+    stop = text[5:8]
+    r = eng.generate([ids], E.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[stop],
+                                             include_stop_str_in_output=True))[0]
+    assert r.finish_reason == "stop" and r.text == text[:text.index(stop) + len(stop)]
 
 
 THINK_TOKENS = ("<pad>", "<eos>", chat.THINK_START, chat.THINK_END)  # <think> = 2, </think> = 3

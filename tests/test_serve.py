@@ -313,6 +313,22 @@ def test_stop_token_ids_end_the_answer_without_their_text(server, client):
     assert (r.choices[0].message.content, r.choices[0].finish_reason) == (None, "stop")
 
 
+def test_min_tokens_and_include_stop_str_in_output(server, client):
+    """vLLM's min_tokens: no stop token (eos here, made the most likely token) before that many tokens; its
+    include_stop_str_in_output: the stop string stays in the text."""
+    eos = sorted(server.engine.eos_token_ids)[0]
+    kw = dict(model=default_model.NAME, prompt="The", max_tokens=8, temperature=0)
+    r = client.completions.create(**kw, logit_bias={str(eos): 100})
+    assert (r.choices[0].text, r.choices[0].finish_reason, r.usage.completion_tokens) == ("", "stop", 1)
+    r = client.completions.create(**kw, logit_bias={str(eos): 100}, extra_body={"min_tokens": 3})
+    assert (r.choices[0].finish_reason, r.usage.completion_tokens) == ("stop", 4) and r.choices[0].text
+    text = client.completions.create(**kw, extra_body={"ignore_eos": True}).choices[0].text
+    stop = text[2:4]
+    r = client.completions.create(**kw, stop=[stop], extra_body={"ignore_eos": True,
+                                                               "include_stop_str_in_output": True})
+    assert r.choices[0].text == text[:text.index(stop) + len(stop)] and r.choices[0].finish_reason == "stop"
+
+
 def test_tokenize_and_detokenize(server, url, client):
     post = lambda path, body: requests.post(url + path, json=body, timeout=30)
     ids = server.engine.tokenizer.encode("Hello there, wörld", add_special_tokens=False).ids
@@ -661,6 +677,12 @@ BAD = [  # (path, body: dict or raw str, status, param, code)
     ("/v1/chat/completions", {"messages": M, "stop": [""]}, 400, "stop", "invalid_value"),
     ("/v1/chat/completions", {"messages": M, "stop_token_ids": [-1]}, 400, "stop_token_ids", "invalid_value"),
     ("/v1/completions", {"prompt": "x", "stop_token_ids": 3}, 400, "stop_token_ids", "invalid_type"),
+    ("/v1/completions", {"prompt": "x", "min_tokens": -1}, 400, "min_tokens", "invalid_value"),
+    ("/v1/completions", {"prompt": "x", "min_tokens": 5, "max_tokens": 4}, 400, "min_tokens", "invalid_value"),
+    ("/v1/chat/completions", {"messages": M, "min_tokens": 2, "response_format": {"type": "json_object"}}, 400,
+     "min_tokens", "invalid_value"),
+    ("/v1/completions", {"prompt": "x", "include_stop_str_in_output": "yes"}, 400, "include_stop_str_in_output",
+     "invalid_type"),
     ("/v1/chat/completions", {"messages": M, "logprobs": "true"}, 400, "logprobs", "invalid_type"),
     ("/v1/chat/completions", {"messages": M, "logprobs": True, "top_logprobs": 50}, 400, "top_logprobs",
      "invalid_value"),
