@@ -44,6 +44,7 @@ import dflash
 import fastdecode
 import fastprefill
 import jsonmode
+import pattern
 import kernels
 import placement
 import toolmode
@@ -89,6 +90,9 @@ class SamplingParams:
     `json_object`: the answer (after the think block, if any) is one JSON object; each token is drawn among
     those that keep it one (jsonmode.py), and the request stops, "stop", when the object is complete.
     `json_schema`: the same, an object of this JSON Schema (the subset jsonmode.compile_schema enforces).
+    `regex`: the answer is text that this regular expression matches whole (pattern.py's subset; vLLM's structured
+    outputs `regex`); it may stop (a stop token) only where the text matches, and stops, "stop", where nothing can
+    follow. `choice`: the same for the regex that matches exactly one of these strings (vLLM's `choice`).
     `tool_calls`: the answer is GLM's XML tool calls of these tools (name -> the JSON Schema of its parameters,
     None for none, True for calls not held), each held to its schema (toolmode.py); after a call the answer
     stops, or with `parallel_tool_calls` it may go on to another call or stop. A prompt that ends with
@@ -116,6 +120,8 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     json_object: bool = False
     json_schema: dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
     tool_calls: dict[str, dict | bool | None] | None = None
     parallel_tool_calls: bool = True
     tool_calls_optional: bool = False
@@ -173,15 +179,27 @@ class SamplingParams:
                 jsonmode.object_schema(self.json_schema)
             except jsonmode.SchemaError as e:
                 raise bad("json_schema", str(e)) from None
-        if self.min_tokens and (self.json_object or self.json_schema is not None or self.tool_calls is not None):
-            raise bad("min_tokens", "cannot go with an answer a grammar holds (json_object, json_schema, tool_calls): "
-                                    "it ends where the grammar completes it")
+        if self.choice is not None and not (isinstance(self.choice, list) and self.choice
+                                            and all(isinstance(c, str) and c for c in self.choice)):
+            raise bad("choice", "must be a non-empty list of non-empty strings")
+        if self.regex is not None:
+            if not isinstance(self.regex, str):
+                raise bad("regex", "must be a string")
+            try:
+                pattern.Pattern(self.regex, whole=True)
+            except pattern.PatternError as e:
+                raise bad("regex", str(e)) from None
+        held = [name for name in ("json_object", "json_schema", "regex", "choice", "tool_calls")
+                if getattr(self, name) not in (None, False)]
+        if len(held) > 1:
+            raise bad(held[1], f"the answer cannot be held to both {held[0]} and {held[1]}")
+        if self.min_tokens and held:
+            raise bad("min_tokens", f"cannot go with an answer a grammar holds ({held[0]}): it ends where the "
+                                    f"grammar completes it")
         if self.tool_calls is not None:
             if not isinstance(self.tool_calls, dict) or not self.tool_calls:
                 raise bad("tool_calls", "must map tool names to their parameters' schemas (None for none, True "
                                         "for calls not held)")
-            if self.json_object or self.json_schema is not None:
-                raise bad("tool_calls", "the answer cannot be both tool calls and a JSON object")
             try:
                 toolmode.compile_tools(self.tool_calls)
             except jsonmode.SchemaError as e:
@@ -517,6 +535,10 @@ def token_bytes(tokenizer: Tokenizer, token_id: int, added: set[int] | frozenset
 # Sequences
 
 
+# the automata that hold an answer: a JSON object's, tool calls', a regular expression's
+Grammar = jsonmode.JsonPrefix | toolmode.ToolCallPrefix | pattern.RegexPrefix
+
+
 @dataclass(eq=False)  # a sequence is itself: `in` / remove on the running list compare identities, not every field
 class Sequence:
     request_id: str
@@ -544,7 +566,7 @@ class Sequence:
     thinking: bool = False  # inside a think block (the prompt's last <think> is open; no </think> generated yet)
     thought: int = 0  # tokens inside that block so far, the prompt's included
     reasoning_tokens: int = 0  # generated inside it
-    grammar: jsonmode.JsonPrefix | toolmode.ToolCallPrefix | None = None  # the answer so far, where one holds it
+    grammar: Grammar | None = None  # the answer so far, where one holds it
     # block_table's mirror for table(): the list it mirrors, and its first `_mirrored` entries
     _table: np.ndarray = field(default_factory=lambda: np.zeros(16, dtype=np.int64), repr=False)
     _table_of: list[int] | None = field(default=None, repr=False)
@@ -625,7 +647,7 @@ class Engine:
         self.think_start, self.think_end = (tokenizer.token_to_id(t) for t in (chat.THINK_START, chat.THINK_END))
         self.tool_tags = {t: tokenizer.token_to_id(t) for t in toolmode.TAGS}  # None where not one token
         self._vocab_bytes: list[bytes | None] | None = None
-        self._tool_bytes: list[bytes | None] | None = None
+        self._tagged: dict[type, list[bytes | None]] = {}  # by grammar: _grammar_bytes
         self._sorted: dict[type, jsonmode.Vocabulary] = {}  # by grammar, built on the first row that needs it
         self.vocab_size = self.config.vocab_size
         self.device, self.dtype = model.weights["embed_tokens.weight"].device, model.dtype
@@ -834,14 +856,15 @@ class Engine:
         self.waiting.append(seq)
         return request_id
 
-    def _grammar(self, p: SamplingParams,
-                 prompt_ids: list[int]) -> jsonmode.JsonPrefix | toolmode.ToolCallPrefix | None:
-        """The automaton that holds the answer (JSON mode, tool calls), fed the first call's tag where the prompt
-        has started it."""
+    def _grammar(self, p: SamplingParams, prompt_ids: list[int]) -> Grammar | None:
+        """The automaton that holds the answer (JSON mode, a regular expression, tool calls), fed the first call's
+        tag where the prompt has started it."""
         if p.json_schema is not None:
             return jsonmode.JsonPrefix(jsonmode.object_schema(p.json_schema))
         if p.json_object:
             return jsonmode.JsonPrefix()
+        if p.regex is not None or p.choice is not None:
+            return pattern.RegexPrefix(pattern.Pattern(p.regex or pattern.choice_regex(p.choice), whole=True))
         if p.tool_calls is None:
             return None
         calls = toolmode.ToolCallPrefix(toolmode.compile_tools(p.tool_calls), p.parallel_tool_calls,
@@ -1302,14 +1325,16 @@ class Engine:
             self._vocab_bytes = [None if i in added else token_bytes(self.tokenizer, i) for i in range(self.vocab_size)]
         return self._vocab_bytes
 
-    def _grammar_bytes(self, grammar: jsonmode.JsonPrefix | toolmode.ToolCallPrefix) -> list[bytes | None]:
-        """Each token's bytes as the grammar reads them: vocab_bytes, and for tool calls the tags' and the stop
-        tokens' bytes too (toolmode.tagged_bytes)."""
+    def _grammar_bytes(self, grammar: Grammar) -> list[bytes | None]:
+        """Each token's bytes as the grammar reads them: vocab_bytes; for tool calls the tags' and the stop tokens'
+        bytes too, for a regular expression the stop tokens' (toolmode.tagged_bytes)."""
         if isinstance(grammar, jsonmode.JsonPrefix):
             return self.vocab_bytes
-        if self._tool_bytes is None:
-            self._tool_bytes = toolmode.tagged_bytes(self.vocab_bytes, self.tool_tags, self.eos_token_ids)
-        return self._tool_bytes
+        kind = type(grammar)
+        if kind not in self._tagged:
+            tags = self.tool_tags if kind is toolmode.ToolCallPrefix else {}
+            self._tagged[kind] = toolmode.tagged_bytes(self.vocab_bytes, tags, self.eos_token_ids)
+        return self._tagged[kind]
 
     def _append(self, seq: Sequence, token: int) -> None:
         """Add one generated token: detokenize, check stops and limits."""

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, fields
 from fractions import Fraction
 from typing import Any, Iterable
 
-from pattern import Pattern, PatternError
+from pattern import UTF8_BITS, UTF8_LEADS, Pattern, PatternError
 
 WS = frozenset(b" \t\n\r")
 DIGITS = frozenset(b"0123456789")
@@ -40,7 +40,6 @@ HEX = frozenset(b"0123456789abcdefABCDEF")
 SURROGATE_HEX = frozenset(f"d{c}" for c in "89abcdef")  # the first two hex digits of \\uD800-\\uDFFF
 ESCAPED = {ord('"'): 0x22, ord("\\"): 0x5C, ord("/"): 0x2F, ord("b"): 8, ord("f"): 12, ord("n"): 10, ord("r"): 13,
            ord("t"): 9}  # a simple escape's character
-UTF8_BITS = {1: 0x1F, 2: 0x0F, 3: 0x07}  # a lead byte's bits of its code point, by continuation bytes after it
 # JSON Schema formats as patterns (pattern.py): RFC 3339 dates and times (years 0001-9999, the days each month
 # has, leap years; upper-case T and Z; up to 6 fraction digits, what Python's datetime reads) and durations
 # (its appendix A), UUIDs, IPv4 and IPv6 (RFC 4291's text forms, what Python's ipaddress reads, no zone),
@@ -90,11 +89,6 @@ FORMAT_MAX_LENGTH = {"hostname": 253}
 # OpenAPI's number formats; of these an integer's bound its value (int32, int64: that many bits, two's complement)
 OPEN_FORMATS = frozenset({"password", "binary", "path", "float", "double", "int32", "int64"})
 INTEGER_BITS = {"int32": 32, "int64": 64}
-# A UTF-8 lead byte -> (continuation bytes after it, the range of the first of them); the others are 80..BF.
-# E0, ED, F0 and F4 narrow the first one: no overlong forms, no surrogates, nothing past U+10FFFF.
-UTF8_LEADS = ({b: (1, 0x80, 0xBF) for b in range(0xC2, 0xE0)} | {b: (2, 0x80, 0xBF) for b in range(0xE1, 0xF0)}
-              | {b: (3, 0x80, 0xBF) for b in range(0xF1, 0xF4)}
-              | {0xE0: (2, 0xA0, 0xBF), 0xED: (2, 0x80, 0x9F), 0xF0: (3, 0x90, 0xBF), 0xF4: (3, 0x80, 0x8F)})
 MAX_WS = 32  # a newline and 31 spaces: indentation eight levels deep at four spaces
 TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
 SCALARS = frozenset(TYPES[2:])

@@ -10,6 +10,10 @@ else (lookaround, backreferences, \\b, classes that name no character) is a Patt
 
 Every state of such an NFA can still reach the match (a class names at least one character, and the NFA
 has no other way to fail), so a non-empty set of states is never a dead end.
+
+The same engine holds a whole answer to a regular expression (vLLM's structured outputs `regex` and `choice`):
+`Pattern(source, whole=True)` matches the whole text, as Python's `re.fullmatch`, and `RegexPrefix` runs it over
+the answer's UTF-8 bytes, refusing a byte as soon as no continuation can match.
 """
 from __future__ import annotations
 
@@ -53,6 +57,13 @@ CLASS_ESCAPES = {"d": (DIGIT, False), "D": (DIGIT, True), "w": (WORD, False), "W
                  "S": (SPACE, True)}
 CHAR_ESCAPES = {"t": 9, "n": 10, "v": 11, "f": 12, "r": 13, "0": 0}
 SYNTAX = set("^$\\.*+?()[]{}|/-")  # characters an escape may stand for as themselves
+UTF8_BITS = {1: 0x1F, 2: 0x0F, 3: 0x07}  # a lead byte's bits of its code point, by continuation bytes after it
+# A UTF-8 lead byte -> (continuation bytes after it, the range of the first of them); the others are 80..BF.
+# E0, ED, F0 and F4 narrow the first one: no overlong forms, no surrogates, nothing past U+10FFFF.
+UTF8_LEADS = ({b: (1, 0x80, 0xBF) for b in range(0xC2, 0xE0)} | {b: (2, 0x80, 0xBF) for b in range(0xE1, 0xF0)}
+              | {b: (3, 0x80, 0xBF) for b in range(0xF1, 0xF4)}
+              | {0xE0: (2, 0xA0, 0xBF), 0xED: (2, 0x80, 0x9F), 0xF0: (3, 0x90, 0xBF), 0xF4: (3, 0x80, 0x8F)})
+STOP = 0xFE  # a stop token, as toolmode.tagged_bytes writes it (UTF-8 never has the byte)
 
 
 @dataclass(eq=False)  # a state is itself (the graph has cycles: no field-wise comparison)
@@ -74,9 +85,9 @@ class Pattern:
     first character; `step` moves a set over one character (empty: no continuation can match); `matches` says
     whether a set ends a match."""
 
-    def __init__(self, source: str):
+    def __init__(self, source: str, whole: bool = False):
         self.source = source
-        frag = _Parser(source).parse()
+        frag = _Parser(source, whole).parse()
         self.match = State()
         for s in frag.ends:
             s.out.append(self.match)
@@ -158,6 +169,71 @@ class Pattern:
         return frozenset(out)
 
 
+def choice_regex(choices: list[str]) -> str:
+    """A pattern that matches exactly one of `choices` (each written with its syntax characters escaped)."""
+    return "|".join("".join("\\" + c if c in SYNTAX else c for c in choice) for choice in choices)
+
+
+class RegexPrefix:
+    """The state after some bytes of an answer that must match `pattern` whole (compiled with whole=True): UTF-8
+    text, then possibly a stop token (the byte STOP), taken only where the text so far matches. `feed` returns
+    False (and leaves the state unusable) at the first byte that no such answer can have there. `done`: nothing
+    more can come (a stop was read, or the text matches and no character can follow)."""
+
+    def __init__(self, pattern: Pattern):
+        self.pattern = pattern
+        self.states = pattern.begin()
+        self.utf8_left = 0  # continuation bytes left in the character being read
+        self.utf8_next = (0x80, 0xBF)  # the range the next of them must be in
+        self.code = 0  # the character's bits so far
+        self.stopped = False
+
+    def copy(self) -> RegexPrefix:
+        new = object.__new__(RegexPrefix)
+        new.__dict__ = self.__dict__.copy()  # (every field is immutable)
+        return new
+
+    @property
+    def done(self) -> bool:
+        if self.stopped:
+            return True
+        p = self.pattern
+        return self.utf8_left == 0 and p.matches(self.states) and all(p.states[i].chars is None for i in self.states)
+
+    def feed(self, data: bytes) -> bool:
+        return all(self._byte(b) for b in data)
+
+    def _byte(self, b: int) -> bool:
+        if self.stopped:
+            return False
+        if b == STOP:
+            self.stopped = self.utf8_left == 0 and self.pattern.matches(self.states)
+            return self.stopped
+        if self.utf8_left:
+            lo, hi = self.utf8_next
+            self.utf8_left, self.utf8_next = self.utf8_left - 1, (0x80, 0xBF)
+            self.code = self.code << 6 | b & 0x3F
+            if not lo <= b <= hi:
+                return False
+            if self.utf8_left == 0:
+                return self._read(self.code)
+            low = self.code << 6 * self.utf8_left
+            return self.pattern.can_step(self.states, low, low + (1 << 6 * self.utf8_left) - 1)
+        if b < 0x80:
+            return self._read(b)
+        if b not in UTF8_LEADS:
+            return False
+        self.utf8_left, lo, hi = UTF8_LEADS[b]
+        self.utf8_next, self.code = (lo, hi), b & UTF8_BITS[self.utf8_left]
+        rest = 6 * (self.utf8_left - 1)  # the bits after the first continuation byte
+        low = (self.code << 6 | lo & 0x3F) << rest
+        return self.pattern.can_step(self.states, low, (self.code << 6 | hi & 0x3F) << rest | (1 << rest) - 1)
+
+    def _read(self, code: int) -> bool:
+        self.states = self.pattern.step(self.states, code)
+        return bool(self.states)
+
+
 def _reachable(start: State) -> list[State]:
     seen, order, todo = set(), [], [start]
     while todo:
@@ -172,18 +248,18 @@ def _reachable(start: State) -> list[State]:
 class _Parser:
     """Recursive descent over the pattern: alternation > sequence > quantified atom."""
 
-    def __init__(self, source: str):
-        self.src, self.i = source, 0
+    def __init__(self, source: str, whole: bool = False):
+        self.src, self.i, self.whole = source, 0, whole
         self.made = 0  # NFA states the counted repeats build (an upper bound)
 
     def parse(self) -> Fragment:
         """The top-level alternatives, each anchored by its own ^ and $ (ECMA-262: "^a|b$" is (^a)|(b$)); an
-        unanchored side may have anything before or after it."""
+        unanchored side may have anything before or after it, unless the pattern matches whole."""
         branches = []
         while True:
-            anchored_start = self._eat("^")
+            anchored_start = self._eat("^") or self.whole
             frag = self._sequence(top=True)
-            anchored_end = self._eat("$")
+            anchored_end = self._eat("$") or self.whole
             if not anchored_start:
                 frag = _concat(_anything(), frag)
             if not anchored_end:

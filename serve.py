@@ -40,6 +40,7 @@ from werkzeug.serving import make_server
 
 import chat
 import jsonmode
+import pattern
 import messages_api
 import responses_api
 import toolmode
@@ -336,25 +337,93 @@ def _logit_bias(body: dict, vocab_size: int) -> dict[int, float]:
     return out
 
 
-def _json_format(body: dict) -> tuple[bool, dict | None]:
-    """response_format -> (the answer is a JSON object, its schema): {"type": "text"}, {"type": "json_object"}
-    or {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}."""
+def _json_format(body: dict) -> dict:
+    """response_format -> the SamplingParams fields that hold the answer: {"type": "text"} (none), {"type":
+    "json_object"} or {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}."""
     fmt = body.get("response_format")
     kind = fmt.get("type") if isinstance(fmt, dict) else None
     if fmt is None or kind in ("text", "json_object"):
-        return kind == "json_object", None
+        return {"json_object": True} if kind == "json_object" else {}
     if kind != "json_schema":
         raise ApiError(400, "'response_format' must be {'type': 'text'}, {'type': 'json_object'} or {'type': "
                             "'json_schema', 'json_schema': {...}}", "response_format", "invalid_value")
     schema = fmt.get("json_schema", {}).get("schema") if isinstance(fmt.get("json_schema"), dict) else None
-    param = "response_format.json_schema.schema"
+    return {"json_schema": _schema(schema, "response_format.json_schema.schema")}
+
+
+def _schema(schema: Any, param: str) -> dict:
+    """A JSON Schema the answer is held to, checked (as JSON text where a client sent it as a string)."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as e:
+            raise ApiError(400, f"'{param}' is a string that is not JSON: {e}", param, "invalid_value")
     if not isinstance(schema, dict):
         raise ApiError(400, f"'{param}' must be a JSON Schema object", param, "invalid_value")
     try:
         jsonmode.object_schema(schema)
     except jsonmode.SchemaError as e:
         raise ApiError(400, f"'{param}': {e}", param, "unsupported")
-    return True, schema
+    return schema
+
+
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice"}  # vLLM's fields before 0.12
+STRUCTURED = ("json", "regex", "choice", "json_object")  # the structured_outputs kinds held (one a request)
+NOT_STRUCTURED = ("grammar", "structural_tag", "whitespace_pattern", "disable_any_whitespace",
+                  "disable_additional_properties")  # structured_outputs' options that would change the answer
+
+
+def _structured_outputs(body: dict) -> tuple[dict, str | None]:
+    """vLLM's structured_outputs ({"json": schema}, {"regex": ...}, {"choice": [...]} or {"json_object": true}) or
+    the fields it replaced (guided_json, guided_regex, guided_choice) -> the SamplingParams fields that hold the
+    answer, and the request field they came from. A context-free grammar, a structural tag, a whitespace pattern
+    are a 400 (not held), as is more than one kind."""
+    for name in ("guided_grammar", "guided_whitespace_pattern", "structural_tag"):
+        if body.get(name) is not None:
+            raise ApiError(400, f"'{name}' is not supported: this server holds an answer to a JSON schema, a regular "
+                                f"expression or a choice of strings", name, "unsupported")
+    so = field_of(body, "structured_outputs", "dict", {})
+    given = [(f"structured_outputs.{k}", k, v) for k, v in so.items() if v not in (None, False)]
+    given += [(name, kind, body[name]) for name, kind in GUIDED.items() if body.get(name) is not None]
+    for param, kind, _ in given:
+        if kind in NOT_STRUCTURED:
+            raise ApiError(400, f"'{param}' is not supported: this server holds an answer to a JSON schema, a "
+                                f"regular expression or a choice of strings", param, "unsupported")
+        if kind not in STRUCTURED and kind != "disable_fallback":  # (which backend: this server has one)
+            raise ApiError(400, f"'{param}' is not a structured_outputs field ({', '.join(STRUCTURED)} are)", param,
+                           "invalid_value")
+    given = [g for g in given if g[1] in STRUCTURED]
+    if len(given) > 1:
+        raise ApiError(400, f"'{given[0][0]}' and '{given[1][0]}': the answer can be held to one of them only",
+                       given[1][0], "invalid_value")
+    if not given:
+        return {}, None
+    param, kind, value = given[0]
+    if kind == "json":
+        return {"json_schema": _schema(value, param)}, param
+    if kind == "json_object":
+        return {"json_object": field_of({param: value}, param, "bool")}, param
+    if kind == "choice":
+        if not (isinstance(value, list) and value and all(isinstance(c, str) and c for c in value)):
+            raise ApiError(400, f"'{param}' must be a non-empty list of non-empty strings", param, "invalid_value")
+        source = pattern.choice_regex(value)
+    else:
+        source = field_of({param: value}, param, "str")
+    try:
+        pattern.Pattern(source, whole=True)
+    except pattern.PatternError as e:
+        raise ApiError(400, f"'{param}': {e}", param, "unsupported")
+    return {kind: value}, param
+
+
+def _answer_format(body: dict) -> tuple[dict, str | None]:
+    """What holds the answer (SamplingParams fields), from response_format or structured outputs (not both), and
+    the request field it came from."""
+    fmt, held = _json_format(body), _structured_outputs(body)
+    if fmt and held[0]:
+        raise ApiError(400, f"'response_format' and '{held[1]}': the answer can be held to one of them only",
+                       held[1], "invalid_value")
+    return (fmt, "response_format") if fmt else held
 
 
 # ---------------------------------------------------------------------------------------------
@@ -555,9 +624,9 @@ class Server:
         top_k = field_of(body, "top_k", "int", self.defaults.get("top_k", 0), lambda v: v >= -1,
                          "must be >= 0 (-1 or 0 is off)")
         stream_options = field_of(body, "stream_options", "dict", {})
-        json_object, json_schema = _json_format(body)
-        if json_object and held and held.get("tool_calls_optional"):
-            held = None  # strict tools under "auto" beside a JSON answer: it writes no call, held or not
+        answer, _ = _answer_format(body)
+        if answer and held and held.get("tool_calls_optional"):
+            held = None  # strict tools under "auto" beside a held answer (JSON, a regex): it writes no call
         try:
             sampling = self.engine_mod.SamplingParams(
                 max_tokens=max_tokens,
@@ -586,9 +655,8 @@ class Server:
                 thinking_token_budget=field_of(body, "thinking_token_budget", "int", self.args.thinking_token_budget,
                                                lambda v: v >= 0, "must be >= 0"),
                 logit_bias=_logit_bias(body, self.engine.vocab_size),
-                json_object=json_object,
-                json_schema=json_schema,
                 parallel_tool_calls=field_of(body, "parallel_tool_calls", "bool", True),
+                **answer,
                 **(held or {}),
             )
         except ValueError as e:  # (engine.SamplingError names its field)
@@ -701,9 +769,10 @@ class Server:
         except chat.ChatError as e:
             raise ApiError(400, str(e), e.param, e.code)
         tool_choice = body.get("tool_choice") or ("auto" if tools else "none")
-        if (tool_choice == "required" or _named_choice(tool_choice)) and _json_format(body)[0]:
-            raise ApiError(400, "a JSON response_format cannot go with a tool_choice that forces a tool call: the "
-                                "answer would have to be both", "response_format", "invalid_value")
+        answer, param = _answer_format(body)
+        if (tool_choice == "required" or _named_choice(tool_choice)) and answer:
+            raise ApiError(400, f"'{param}' cannot go with a tool_choice that forces a tool call: the answer would "
+                                f"have to be both", param, "invalid_value")
         extra = {"clear_thinking": field_of(kwargs, "clear_thinking", "bool")} if "clear_thinking" in kwargs else {}
         return self._chat_prompt(messages, tools, tool_choice, thinking, **extra)
 

@@ -23,11 +23,12 @@ from typing import Any
 
 import chat
 import jsonmode
+import pattern
 from jsonmode import JsonPrefix, Node, SchemaError
 
 TAGS = (chat.TOOL_START, chat.TOOL_END, chat.KEY_START, chat.KEY_END, chat.VALUE_START, chat.VALUE_END)
 CALL, CALL_END, KEY, KEY_END, VALUE, VALUE_END = range(0xF8, 0xFE)
-STOP = 0xFE  # a stop token: after a call, the answer may end (more calls may come where parallel calls are allowed)
+STOP = pattern.STOP  # a stop token: after a call, the answer may end (more calls may come with parallel calls)
 TAG_TEXTS = tuple(t.encode() for t in TAGS)
 EXTRA_KEY = frozenset(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-")
 # A verbatim byte in its JSON string: json.dumps(ensure_ascii=False)'s escapes.
@@ -78,12 +79,14 @@ def compile_tools(tools: dict[str, Any]) -> dict[bytes, Tool]:
 
 
 def tagged_bytes(vocab_bytes: list[bytes | None], tag_ids: dict[str, int], stop_ids: frozenset[int]) -> list:
-    """vocab_bytes with each tag token (tag_ids: tag text -> token id) as its byte and each stop token as STOP.
-    A text token with a byte F8-FF (a byte-level vocabulary has each byte as a token) is left out (None): no
-    UTF-8 text has one, and the grammar would read it as a tag."""
+    """vocab_bytes with each tag token (tag_ids: tag text -> token id, for the tags the grammar reads: none for a
+    regular expression's answer) as its byte and each stop token as STOP. A text token with a byte F8-FF (a
+    byte-level vocabulary has each byte as a token) is left out (None): no UTF-8 text has one, and the grammar
+    would read it as a tag or a stop."""
     out = [None if b is None or max(b, default=0) >= CALL else b for b in vocab_bytes]
     for i, tag in enumerate(TAGS):
-        out[tag_ids[tag]] = bytes([CALL + i])
+        if tag in tag_ids:
+            out[tag_ids[tag]] = bytes([CALL + i])
     for t in stop_ids:
         out[t] = bytes([STOP])
     return out

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import re
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ import chat
 import engine as E
 import jsonmode
 import kernels
+import pattern
 import prefix_cache
 import tiny
 import toolmode
@@ -804,6 +806,36 @@ def test_json_object_answers_are_json_objects(parts, monkeypatch):
     assert r.token_ids[2] == eng.think_end and tok.decode(r.token_ids[3:]) == "{}" and r.finish_reason == "stop"
 
 
+def test_regex_and_choice_answers_match_whole(parts):
+    """vLLM's structured outputs regex and choice: a stopped answer matches whole (a stop token taken only where
+    the text matches), one cut by max_tokens begins a match; a choice's answer is one of its strings."""
+    model, _ = parts
+    eng = E.Engine(model, make_tokenizer(model.config.vocab_size, THINK_TOKENS), eos_token_ids=[EOS], num_blocks=64,
+                   block_size=BS, max_num_seqs=4, max_batch_tokens=64, snapshot_bytes=0)
+    ids = [t + 2 if t < 4 else t for t in prompt(92, 10)]
+    source = r"\d{2,3}-[a-z]{1,4}"
+    outs = eng.generate([ids] * 4, [E.SamplingParams(temperature=1.0, seed=s, max_tokens=12, regex=source,
+                                                     logit_bias={EOS: 8.0}) for s in range(4)])
+    rx = re.compile(source)
+    for r in outs:
+        assert r.finish_reason == "stop" and rx.fullmatch(r.text), r.text
+        assert (r.token_ids[-1] == EOS) == (len(r.text.split("-")[1]) < 4), (r.text, r.token_ids)
+    assert len({r.text for r in outs}) > 1 and any(r.token_ids[-1] == EOS for r in outs)
+    cut = eng.generate([ids], E.SamplingParams(temperature=1.0, seed=0, max_tokens=2, regex=source))[0]
+    assert cut.finish_reason == "length" and pattern.RegexPrefix(pattern.Pattern(source, whole=True)).feed(
+        cut.text.encode())
+    choices = ["yes", "no", "maybe so", "(n/a)"]
+    outs = eng.generate([ids] * 6, [E.SamplingParams(temperature=1.0, seed=s, max_tokens=12, choice=choices)
+                                   for s in range(6)])
+    assert all(r.text in choices and r.finish_reason == "stop" for r in outs) and len({r.text for r in outs}) > 1
+    with pytest.raises(ValueError, match=r"SamplingParams.regex = '\(a': pattern '\(a' at 2: an unclosed group"):
+        E.SamplingParams(regex="(a")
+    with pytest.raises(ValueError, match="SamplingParams.choice .*non-empty list of non-empty strings"):
+        E.SamplingParams(choice=["a", ""])
+    with pytest.raises(ValueError, match="held to both json_object and regex"):
+        E.SamplingParams(regex="a", json_object=True)
+
+
 def test_tool_calls_are_held_to_their_schemas(parts):
     model, _ = parts
     tok = make_tokenizer(model.config.vocab_size, THINK_TOKENS + toolmode.TAGS)
@@ -855,7 +887,7 @@ def test_tool_calls_are_held_to_their_schemas(parts):
                  block_size=BS).add_request(ids, E.SamplingParams(tool_calls={"now": None}))
     with pytest.raises(ValueError, match="SamplingParams.tool_calls .*get_weather.parameters.properties.city"):
         E.SamplingParams(tool_calls={"get_weather": {"type": "object", "properties": {"city": {"not": {}}}}})
-    with pytest.raises(ValueError, match="both tool calls and a JSON object"):
+    with pytest.raises(ValueError, match="held to both json_object and tool_calls"):
         E.SamplingParams(tool_calls={"now": None}, json_object=True)
 
 

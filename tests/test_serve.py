@@ -4,6 +4,7 @@ import base64
 import hashlib
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -373,6 +374,30 @@ def test_completions_echo_scores_the_prompt_as_lm_eval_asks(server, url, client)
     assert streamed[0].choices[0].text.startswith("Once upon")
 
 
+def test_structured_outputs_choice_regex_and_json(server, client):
+    """vLLM's structured_outputs (and the guided_* fields it replaced): a choice's answer is one of its strings, a
+    regex's matches it whole, a json's is an object of the schema."""
+    kw = dict(model=default_model.NAME, messages=[{"role": "user", "content": "Is it?"}], max_tokens=16,
+              temperature=1.0, reasoning_effort="none")
+    choices = ["yes", "no", "not sure"]
+    for body in ({"structured_outputs": {"choice": choices}}, {"guided_choice": choices}):
+        got = [client.chat.completions.create(**kw, seed=s, extra_body=body).choices[0] for s in range(4)]
+        assert all(c.message.content in choices and c.finish_reason == "stop" for c in got), got
+    source = r"[A-Z][a-z]{1,6}, \d{2}"
+    for body in ({"structured_outputs": {"regex": source}}, {"guided_regex": source}):
+        r = client.completions.create(model=default_model.NAME, prompt="Name, age:", max_tokens=16, temperature=1.0,
+                                      seed=1, extra_body=body)
+        assert r.choices[0].finish_reason == "stop" and re.fullmatch(source, r.choices[0].text), r.choices[0].text
+    shape = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+             "additionalProperties": False}
+    for body in ({"structured_outputs": {"json": shape}}, {"guided_json": json.dumps(shape)}):
+        tok = server.engine.tokenizer
+        braces = {str(tok.token_to_id("{")): 100, str(tok.token_to_id("}")): 100}
+        text = client.chat.completions.create(**{**kw, "max_tokens": 40}, seed=0, logit_bias=braces,
+                                              extra_body=body).choices[0].message.content
+        assert jsonmode.JsonPrefix(jsonmode.object_schema(shape)).feed((text or "").encode()), text
+
+
 def test_json_mode(server, client):
     """response_format json_object: the answer is a JSON object, and the request stops when it is complete."""
     tok = server.engine.tokenizer
@@ -683,6 +708,26 @@ BAD = [  # (path, body: dict or raw str, status, param, code)
      "min_tokens", "invalid_value"),
     ("/v1/completions", {"prompt": "x", "include_stop_str_in_output": "yes"}, 400, "include_stop_str_in_output",
      "invalid_type"),
+    ("/v1/completions", {"prompt": "x", "structured_outputs": {"grammar": "root ::= x"}}, 400,
+     "structured_outputs.grammar", "unsupported"),
+    ("/v1/completions", {"prompt": "x", "guided_grammar": "root ::= x"}, 400, "guided_grammar", "unsupported"),
+    ("/v1/completions", {"prompt": "x", "structured_outputs": {"regex": "(a"}}, 400, "structured_outputs.regex",
+     "unsupported"),
+    ("/v1/completions", {"prompt": "x", "structured_outputs": {"regex": "a", "choice": ["a"]}}, 400,
+     "structured_outputs.choice", "invalid_value"),
+    ("/v1/completions", {"prompt": "x", "structured_outputs": {"choice": []}}, 400, "structured_outputs.choice",
+     "invalid_value"),
+    ("/v1/completions", {"prompt": "x", "structured_outputs": {"regexp": "a"}}, 400, "structured_outputs.regexp",
+     "invalid_value"),
+    ("/v1/completions", {"prompt": "x", "structured_outputs": "a"}, 400, "structured_outputs", "invalid_type"),
+    ("/v1/completions", {"prompt": "x", "guided_json": "{oops"}, 400, "guided_json", "invalid_value"),
+    ("/v1/completions", {"prompt": "x", "guided_json": {"type": "object", "not": {}}}, 400, "guided_json",
+     "unsupported"),
+    ("/v1/chat/completions", {"messages": M, "response_format": {"type": "json_object"}, "guided_regex": "a"}, 400,
+     "guided_regex", "invalid_value"),
+    ("/v1/chat/completions", {"messages": M, "tools": [CLOCK], "tool_choice": "required",
+                              "structured_outputs": {"choice": ["a"]}}, 400, "structured_outputs.choice",
+     "invalid_value"),
     ("/v1/chat/completions", {"messages": M, "logprobs": "true"}, 400, "logprobs", "invalid_type"),
     ("/v1/chat/completions", {"messages": M, "logprobs": True, "top_logprobs": 50}, 400, "top_logprobs",
      "invalid_value"),
