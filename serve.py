@@ -764,8 +764,8 @@ class Server:
             if unknown:
                 raise ApiError(400, f"chat_template_kwargs {unknown} are not supported (enable_thinking, "
                                     f"reasoning_effort, clear_thinking are)", "chat_template_kwargs", "unsupported")
-            thinking = chat.resolve_thinking(body.get("reasoning_effort", kwargs.get("reasoning_effort")),
-                                             body.get("enable_thinking", kwargs.get("enable_thinking")))
+            effort, enable = (body.get(k, kwargs.get(k)) for k in ("reasoning_effort", "enable_thinking"))
+            thinking = chat.resolve_thinking(effort, enable)
         except chat.ChatError as e:
             raise ApiError(400, str(e), e.param, e.code)
         tool_choice = body.get("tool_choice") or ("auto" if tools else "none")
@@ -773,8 +773,14 @@ class Server:
         if (tool_choice == "required" or _named_choice(tool_choice)) and answer:
             raise ApiError(400, f"'{param}' cannot go with a tool_choice that forces a tool call: the answer would "
                                 f"have to be both", param, "invalid_value")
+        messages, prefill = _continued(body, messages, thinking.enabled and (effort is not None or enable is True))
+        if prefill and answer:
+            raise ApiError(400, f"'{param}' cannot go with 'continue_final_message': the held answer would start "
+                                f"with text it was not held to", param, "invalid_value")
+        if prefill:  # (the answer goes on after a closed think block, as a past turn without reasoning is written)
+            thinking = chat.Thinking(enabled=False, effort=thinking.effort)
         extra = {"clear_thinking": field_of(kwargs, "clear_thinking", "bool")} if "clear_thinking" in kwargs else {}
-        return self._chat_prompt(messages, tools, tool_choice, thinking, **extra)
+        return self._chat_prompt(messages, tools, tool_choice, thinking, prefill, **extra)
 
     def _chat_prompt(self, messages: list[dict], tools: list[dict] | None, tool_choice: Any, thinking: chat.Thinking,
                      prefill: str = "", **extra: Any
@@ -829,7 +835,7 @@ class Server:
         for i, (parser, d, last) in enumerate(zip(parsers, deltas, lasts)):
             d += parser.finish()
             calls = [x.tool_call.to_openai() for x in d if x.kind == "tool_call"]
-            content = "".join(x.text for x in d if x.kind == "content").strip() or None
+            content = "".join(x.text for x in d if x.kind == "content").rstrip() or None
             reasoning = "".join(x.text for x in d if x.kind == "reasoning") or None
             message = {"role": "assistant", "content": content, "reasoning_content": reasoning}
             if calls:
@@ -1165,6 +1171,39 @@ class Server:
         self.http.shutdown()
         if self.loop is not None:
             self.loop.stop()
+
+
+def _continued(body: dict, messages: list[dict], asked_thinking: bool) -> tuple[list[dict], str]:
+    """vLLM's continue_final_message: the messages before the final assistant one, and that one's text, the start
+    of the answer (a prefill, as Anthropic's); add_generation_prompt false is taken only with it."""
+    cont = field_of(body, "continue_final_message", "bool", False)
+    gen = field_of(body, "add_generation_prompt", "bool")
+    if not cont:
+        if gen is False:
+            raise ApiError(400, "'add_generation_prompt' false is supported only with 'continue_final_message' true "
+                                "(the answer continues the final assistant message)", "add_generation_prompt",
+                           "unsupported")
+        return messages, ""
+    if gen:
+        raise ApiError(400, "'continue_final_message' continues the final assistant message, so "
+                            "'add_generation_prompt' must be false (or absent)", "add_generation_prompt",
+                       "invalid_value")
+    last, at = messages[-1], f"messages[{len(messages) - 1}]"
+    if last["role"] != "assistant":
+        raise ApiError(400, f"'continue_final_message' continues the final message, which must be the assistant's; "
+                            f"{at} is the {last['role']}'s", "continue_final_message", "invalid_value")
+    if last.get("tool_calls") or last.get("reasoning_content"):
+        raise ApiError(400, f"{at}: a continued assistant message may hold only text (no tool_calls, no "
+                            f"reasoning_content)", at, "invalid_value")
+    if asked_thinking:
+        raise ApiError(400, "thinking cannot be enabled with 'continue_final_message': the continued answer comes "
+                            "after the reasoning", "continue_final_message", "invalid_value")
+    content = last["content"] or ""
+    text = content if isinstance(content, str) else "".join(
+        part if isinstance(part, str) else part["text"] for part in content)
+    if not text:
+        raise ApiError(400, f"{at}: a continued assistant message needs text to continue", at, "invalid_value")
+    return messages[:-1], text
 
 
 def _held_tools(tools: list[dict], name: str, strict_only: bool = False) -> dict:

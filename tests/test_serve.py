@@ -330,6 +330,19 @@ def test_min_tokens_and_include_stop_str_in_output(server, client):
     assert r.choices[0].text == text[:text.index(stop) + len(stop)] and r.choices[0].finish_reason == "stop"
 
 
+def test_continue_final_message_goes_on_from_the_assistants_text(server, client):
+    """vLLM's continue_final_message: the prompt is the messages before the final assistant one, a closed think
+    block and that message's text; the answer is what follows (greedy: what the same prompt's ids give)."""
+    msgs = [{"role": "user", "content": "Tell me a story."}, {"role": "assistant", "content": "Once upon a"}]
+    r = client.chat.completions.create(model=default_model.NAME, messages=msgs, max_tokens=6, temperature=0,
+                                       extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    text = chat.render(server.engine.chat_template, chat.normalize_messages(msgs[:1]), None,
+                       chat.Thinking(enabled=False, effort="max")) + "Once upon a"
+    ids = server.engine.tokenizer.encode(text, add_special_tokens=False).ids
+    same = client.completions.create(model=default_model.NAME, prompt=ids, max_tokens=6, temperature=0)
+    assert r.usage.prompt_tokens == len(ids) and r.choices[0].message.content == same.choices[0].text
+
+
 def test_tokenize_and_detokenize(server, url, client):
     post = lambda path, body: requests.post(url + path, json=body, timeout=30)
     ids = server.engine.tokenizer.encode("Hello there, wörld", add_special_tokens=False).ids
@@ -708,6 +721,16 @@ BAD = [  # (path, body: dict or raw str, status, param, code)
      "min_tokens", "invalid_value"),
     ("/v1/completions", {"prompt": "x", "include_stop_str_in_output": "yes"}, 400, "include_stop_str_in_output",
      "invalid_type"),
+    ("/v1/chat/completions", {"messages": M, "continue_final_message": True}, 400, "continue_final_message",
+     "invalid_value"),
+    ("/v1/chat/completions", {"messages": [*M, {"role": "assistant", "content": "a"}], "continue_final_message": True,
+                              "add_generation_prompt": True}, 400, "add_generation_prompt", "invalid_value"),
+    ("/v1/chat/completions", {"messages": M, "add_generation_prompt": False}, 400, "add_generation_prompt",
+     "unsupported"),
+    ("/v1/chat/completions", {"messages": [*M, {"role": "assistant", "content": "a"}], "continue_final_message": True,
+                              "reasoning_effort": "high"}, 400, "continue_final_message", "invalid_value"),
+    ("/v1/chat/completions", {"messages": [*M, {"role": "assistant", "content": "a"}], "continue_final_message": True,
+                              "response_format": {"type": "json_object"}}, 400, "response_format", "invalid_value"),
     ("/v1/completions", {"prompt": "x", "structured_outputs": {"grammar": "root ::= x"}}, 400,
      "structured_outputs.grammar", "unsupported"),
     ("/v1/completions", {"prompt": "x", "guided_grammar": "root ::= x"}, 400, "guided_grammar", "unsupported"),
