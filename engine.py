@@ -76,7 +76,8 @@ class SamplingError(ValueError):
 class SamplingParams:
     """Per-request sampling. temperature 0 is greedy; top_k 0, top_p 1, min_p 0 switch a filter off.
 
-    Order: `logit_bias` (added to the model's logits, as OpenAI's field), then as vLLM: penalties,
+    Order: `allowed_token_ids` (vLLM's: every other token at -inf), `logit_bias` (added to the model's logits, as
+    OpenAI's field), then as vLLM: penalties,
     temperature, top_k, top_p, min_p. `stop_token_ids` are extra stop ids; the checkpoint's eos ids
     always stop unless `ignore_eos`. A stop string ends the text
     before it (after it with `include_stop_str_in_output`, vLLM's field). `min_tokens=n` (vLLM's): the first n
@@ -118,6 +119,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     thinking_token_budget: int | None = None
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    allowed_token_ids: list[int] | None = None  # None: every token
     json_object: bool = False
     json_schema: dict | None = None
     regex: str | None = None
@@ -125,6 +127,12 @@ class SamplingParams:
     tool_calls: dict[str, dict | bool | None] | None = None
     parallel_tool_calls: bool = True
     tool_calls_optional: bool = False
+
+    @property
+    def reshapes(self) -> bool:
+        """Whether the logits change before the temperature and filters (allowed_token_ids, logit_bias, penalties):
+        a greedy row's token is then not the model's argmax."""
+        return self.allowed_token_ids is not None or bool(self.logit_bias) or self.penalizes
 
     @property
     def penalizes(self) -> bool:
@@ -174,6 +182,9 @@ class SamplingParams:
         if not isinstance(self.logit_bias, dict) or not all(
                 is_int(t) and t >= 0 and is_num(b) and -100 <= b <= 100 for t, b in self.logit_bias.items()):
             raise bad("logit_bias", "must map token ids >= 0 to numbers in [-100, 100]")
+        if self.allowed_token_ids is not None and not (isinstance(self.allowed_token_ids, list) and self.allowed_token_ids
+                                                       and all(is_int(t) and t >= 0 for t in self.allowed_token_ids)):
+            raise bad("allowed_token_ids", "must be a non-empty list of token ids >= 0 (or None for every token)")
         if self.json_schema is not None:
             try:
                 jsonmode.object_schema(self.json_schema)
@@ -303,11 +314,17 @@ TOP_P_CANDIDATES = 1024  # a top_p row without top_k is cut among this many of i
 
 def penalized_rows(logits: torch.Tensor, params: Seq[SamplingParams], prompt_ids: Seq[torch.Tensor],
                    output_ids: Seq[torch.Tensor | list[int]]) -> torch.Tensor:
-    """fp32 [N, vocab] logits, row i under params[i] -> the rows after its logit_bias and penalties, which see
-    prompt_ids[i] and output_ids[i] (a tensor or a list, moved to the device only when a penalty reads it)."""
+    """fp32 [N, vocab] logits, row i under params[i] -> the rows after its allowed_token_ids, logit_bias and
+    penalties, which see prompt_ids[i] and output_ids[i] (a tensor or a list, moved to the device only when a
+    penalty reads it)."""
     x = logits.float()
     N, V = x.shape
     for i, p in enumerate(params):
+        if p.allowed_token_ids is not None:
+            x = x.clone() if x is logits else x
+            keep = torch.full((V,), -math.inf, device=x.device)
+            keep[fastdecode.to_device(p.allowed_token_ids, x.device)] = 0.0
+            x[i] += keep
         if p.logit_bias:
             x = x.clone() if x is logits else x
             x[i, fastdecode.to_device(list(p.logit_bias), x.device)] += \
@@ -433,7 +450,7 @@ def draw_on_device(logits: torch.Tensor, params: Seq[SamplingParams], prompt_ids
     (its top_k, or TOP_P_CANDIDATES for top_p alone), and over its whole row where its kept set may reach
     past them. A batch without such rows races over whole rows in torch (the kernel's one program a row
     streams them slower: 337 against ~200 us at batch 1 on the H200)."""
-    if all(p.temperature == 0 and not p.penalizes and not p.logit_bias for p in params):
+    if all(p.temperature == 0 and not p.reshapes for p in params):
         return logits.argmax(-1)  # what the filters would give: none removes the most likely token
     x = penalized_rows(logits, params, prompt_ids, output_ids)
     V = x.shape[1]
@@ -830,6 +847,9 @@ class Engine:
                              f"one position left to generate)")
         if any(t >= self.vocab_size for t in p.stop_token_ids):
             raise ValueError(f"stop_token_ids {p.stop_token_ids} must be below the vocabulary size {self.vocab_size}")
+        if any(t >= self.vocab_size for t in p.allowed_token_ids or []):
+            raise ValueError(f"allowed_token_ids {sorted(t for t in p.allowed_token_ids if t >= self.vocab_size)[:5]} "
+                             f"must be below the vocabulary size {self.vocab_size}")
         if any(t >= self.vocab_size for t in p.logit_bias):
             raise ValueError(f"logit_bias token ids {sorted(t for t in p.logit_bias if t >= self.vocab_size)[:5]} "
                              f"must be below the vocabulary size {self.vocab_size}")

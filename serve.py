@@ -655,6 +655,10 @@ class Server:
                 thinking_token_budget=field_of(body, "thinking_token_budget", "int", self.args.thinking_token_budget,
                                                lambda v: v >= 0, "must be >= 0"),
                 logit_bias=_logit_bias(body, self.engine.vocab_size),
+                allowed_token_ids=field_of(body, "allowed_token_ids", "list", None,
+                                           lambda v: v and all(_is_int(t) and 0 <= t < self.engine.vocab_size
+                                                               for t in v),
+                                           f"must list token ids below {self.engine.vocab_size} (at least one)"),
                 parallel_tool_calls=field_of(body, "parallel_tool_calls", "bool", True),
                 **answer,
                 **(held or {}),

@@ -92,7 +92,7 @@ def solo(engine: E.Engine, ids: list[int], p: E.SamplingParams = GREEDY) -> E.Re
     ("stop", [3]), ("stop_token_ids", [-1]), ("logprobs", -1), ("temperature", True),
     ("thinking_token_budget", -1), ("thinking_token_budget", 2.0), ("logit_bias", {-1: 1.0}),
     ("logit_bias", {5: 101}), ("logit_bias", {5: float("inf")}), ("logit_bias", [5]), ("min_tokens", -1),
-    ("min_tokens", 1.5)])
+    ("min_tokens", 1.5), ("allowed_token_ids", []), ("allowed_token_ids", [-1])])
 def test_bad_sampling_params_name_the_field(field, value):
     with pytest.raises(ValueError, match=f"SamplingParams.{field}"):
         E.SamplingParams(**{field: value})
@@ -127,6 +127,21 @@ def test_hold_stops_puts_minus_inf_at_each_rows_own_tokens():
     want[0, [1, 5]] = want[2, 7] = -math.inf
     assert torch.equal(held, want) and not torch.equal(rows, want)
     assert E.hold_stops(rows, [set()] * 3) is rows
+
+
+def test_allowed_token_ids_leave_every_other_token_out():
+    logits = torch.randn(2, 16, generator=torch.Generator().manual_seed(1))
+    only = E.SamplingParams(allowed_token_ids=[3, 9], logit_bias={9: 1.0})
+    empty = torch.zeros(0, dtype=torch.long)
+    x = E.penalized_rows(logits, [only, E.SamplingParams()], [empty, empty], [[], []])
+    assert torch.isinf(x[0]).sum() == 14 and x[0, 3] == logits[0, 3] and x[0, 9] == logits[0, 9] + 1.0
+    assert torch.equal(x[1], logits[1])
+    greedy = E.SamplingParams(temperature=0, allowed_token_ids=[int(logits[1].argmin())])
+    assert E.draw_on_device(logits[1:], [greedy], [empty], [[]], [torch.Generator()]).tolist() == \
+        [int(logits[1].argmin())]  # temperature 0 draws the best allowed token, not the model's argmax
+    drawn = {E.sample(logits[0], E.SamplingParams(temperature=1.0, allowed_token_ids=[3, 9]), empty, empty,
+                      torch.Generator().manual_seed(s)) for s in range(20)}
+    assert drawn == {3, 9}
 
 
 def test_stop_string_becomes_a_list():

@@ -299,6 +299,15 @@ def test_logit_bias(server, client):
     assert tok.encode(banned.choices[0].text, add_special_tokens=False).ids[0] != first
 
 
+def test_allowed_token_ids(server, client):
+    """vLLM's allowed_token_ids: every token drawn is one of them."""
+    tok = server.engine.tokenizer
+    allowed = [tok.encode(w, add_special_tokens=False).ids[0] for w in (" the", " a", " of")]
+    r = client.completions.create(model=default_model.NAME, prompt="The", max_tokens=8, temperature=1.0, seed=0,
+                                  extra_body={"allowed_token_ids": allowed, "ignore_eos": True})
+    assert set(tok.encode(r.choices[0].text, add_special_tokens=False).ids) <= set(allowed), r.choices[0].text
+
+
 def test_stop_token_ids_end_the_answer_without_their_text(server, client):
     """vLLM's stop_token_ids: the token ends the answer ("stop"), counted but not written."""
     tok = server.engine.tokenizer
@@ -721,6 +730,8 @@ BAD = [  # (path, body: dict or raw str, status, param, code)
      "min_tokens", "invalid_value"),
     ("/v1/completions", {"prompt": "x", "include_stop_str_in_output": "yes"}, 400, "include_stop_str_in_output",
      "invalid_type"),
+    ("/v1/completions", {"prompt": "x", "allowed_token_ids": []}, 400, "allowed_token_ids", "invalid_value"),
+    ("/v1/completions", {"prompt": "x", "allowed_token_ids": [10 ** 9]}, 400, "allowed_token_ids", "invalid_value"),
     ("/v1/chat/completions", {"messages": M, "continue_final_message": True}, 400, "continue_final_message",
      "invalid_value"),
     ("/v1/chat/completions", {"messages": [*M, {"role": "assistant", "content": "a"}], "continue_final_message": True,
