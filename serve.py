@@ -612,6 +612,10 @@ class Server:
         SamplingParams fields that hold tool calls to their schemas (_chat_prompt), with the body's
         parallel_tool_calls."""
         limit = self.engine.max_model_len
+        keep = field_of(body, "truncate_prompt_tokens", "int", None, lambda v: v >= 1 or v == -1,
+                        "must be >= 1 (the prompt's last tokens kept) or -1 (as many as the context holds)")
+        if keep is not None:  # vLLM's: the prompt's start is cut off
+            prompt_ids = prompt_ids[-(limit - 1 if keep == -1 else keep):]
         if len(prompt_ids) >= limit:
             raise ApiError(400, f"the prompt has {len(prompt_ids)} tokens; this model's context is {limit} tokens "
                                 f"(at most {limit - 1} for the prompt)", prompt_param,
@@ -998,10 +1002,11 @@ class Server:
         # (a request that generates nothing is checked as one that generates a token)
         job = self._job({**body, "max_tokens": 1} if score_only else body, prompt_ids, logprobs, skip_special=skip,
                         prompt_param="prompt")
-        head_text, head_lps = self._echo(body, prompt_ids, logprobs, skip) if echo else ("", None)
+        cut = len(job.prompt_ids) < len(prompt_ids)  # truncate_prompt_tokens
+        head_text, head_lps = self._echo(body, job.prompt_ids, logprobs, skip, cut) if echo else ("", None)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if score_only:
-            usage = self.engine_mod.Usage(len(prompt_ids), 0, 0)
+            usage = self.engine_mod.Usage(len(job.prompt_ids), 0, 0)
             choices = ((i, self.engine_mod.RequestOutput("", [], "", True, "length", usage)) for i in range(job.n))
         else:
             choices = self._choices(job, request.environ.get("werkzeug.socket"))
@@ -1041,13 +1046,14 @@ class Server:
                 "choices": [choice(i, "".join(texts[i]), lasts[i].finish_reason, lps[i], head_lps)
                             for i in range(job.n)], "usage": _usage(lasts)}
 
-    def _echo(self, body: dict, prompt_ids: list[int], logprobs: int | None,
-              skip: bool) -> tuple[str, list[dict] | None]:
-        """What an echoed choice starts with: the prompt's text (as sent, or its ids decoded) and, when logprobs
-        are asked for, its tokens' entries."""
+    def _echo(self, body: dict, prompt_ids: list[int], logprobs: int | None, skip: bool,
+              cut: bool) -> tuple[str, list[dict] | None]:
+        """What an echoed choice starts with: the prompt's text (as sent, or its ids decoded: always where its start
+        was cut off) and, when logprobs are asked for, its tokens' entries."""
         p = body["prompt"]
-        text = p if isinstance(p, str) else p[0] if isinstance(p[0], str) else \
-            self.engine.tokenizer.decode(prompt_ids, skip_special_tokens=skip)
+        sent = p if isinstance(p, str) else p[0] if isinstance(p[0], str) else None
+        text = sent if sent is not None and not cut else self.engine.tokenizer.decode(prompt_ids,
+                                                                                      skip_special_tokens=skip)
         return text, self._prompt_logprobs(prompt_ids, logprobs) if logprobs is not None else None
 
     def _prompt_logprobs(self, ids: list[int], n: int) -> list[dict]:

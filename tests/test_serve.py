@@ -299,6 +299,20 @@ def test_logit_bias(server, client):
     assert tok.encode(banned.choices[0].text, add_special_tokens=False).ids[0] != first
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_end(server, client):
+    """vLLM's truncate_prompt_tokens: the prompt's last k tokens are the prompt (echo shows them)."""
+    tok = server.engine.tokenizer
+    ids = tok.encode("The quick brown fox jumps over the lazy dog and runs away", add_special_tokens=False).ids
+    kw = dict(model=default_model.NAME, max_tokens=4, temperature=0)
+    r = client.completions.create(prompt=tok.decode(ids), echo=True, extra_body={"truncate_prompt_tokens": 5}, **kw)
+    same = client.completions.create(prompt=ids[-5:], **kw)
+    assert r.usage.prompt_tokens == 5 and r.choices[0].text == tok.decode(ids[-5:]) + same.choices[0].text
+    r = client.chat.completions.create(messages=HI, extra_body={"truncate_prompt_tokens": 3}, **kw)
+    assert r.usage.prompt_tokens == 3
+    whole = client.completions.create(prompt=ids, extra_body={"truncate_prompt_tokens": -1}, **kw)
+    assert whole.usage.prompt_tokens == len(ids)
+
+
 def test_allowed_token_ids(server, client):
     """vLLM's allowed_token_ids: every token drawn is one of them."""
     tok = server.engine.tokenizer
@@ -731,6 +745,7 @@ BAD = [  # (path, body: dict or raw str, status, param, code)
     ("/v1/completions", {"prompt": "x", "include_stop_str_in_output": "yes"}, 400, "include_stop_str_in_output",
      "invalid_type"),
     ("/v1/completions", {"prompt": "x", "allowed_token_ids": []}, 400, "allowed_token_ids", "invalid_value"),
+    ("/v1/completions", {"prompt": "x", "truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens", "invalid_value"),
     ("/v1/completions", {"prompt": "x", "allowed_token_ids": [10 ** 9]}, 400, "allowed_token_ids", "invalid_value"),
     ("/v1/chat/completions", {"messages": M, "continue_final_message": True}, 400, "continue_final_message",
      "invalid_value"),
