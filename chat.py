@@ -238,10 +238,26 @@ class Delta:
 
 def written_verbatim(prop: Any) -> bool:
     """Whether a tool argument of this property schema is written as its own text, not as JSON: the template
-    writes a string verbatim, so a parameter typed string (alone or among others) is read back as the text."""
-    if not isinstance(prop, dict) or "type" not in prop:
-        return False
-    return "string" in (prop["type"] if isinstance(prop["type"], list) else [prop["type"]])
+    writes a string verbatim, so a parameter that admits a string (typed so, alone or among others, or an anyOf /
+    oneOf alternative so typed: pydantic's Optional[str]) is read back as the text."""
+    return "string" in _kinds(prop)
+
+
+def _kinds(prop: Any) -> set[str]:
+    """The JSON types a property schema admits, as far as its type (or types), its enum's and const's values and
+    its anyOf / oneOf alternatives say (a $ref's: none known)."""
+    if not isinstance(prop, dict):
+        return set()
+    t = prop.get("type")
+    kinds = set(t) if isinstance(t, list) else {t} if isinstance(t, str) else set()
+    values = (prop["enum"] if isinstance(prop.get("enum"), list) else []) + ([prop["const"]] if "const" in prop else [])
+    kinds |= {JSON_KINDS.get(type(v), "object") for v in values}
+    for alt in (prop.get("anyOf") or []) + (prop.get("oneOf") or []):
+        kinds |= _kinds(alt)
+    return kinds
+
+
+JSON_KINDS = {str: "string", bool: "boolean", int: "integer", float: "number", type(None): "null", list: "array"}
 
 
 def _param_schema(tools: list[dict] | None, name: str, key: str) -> Any:
@@ -252,10 +268,12 @@ def _param_schema(tools: list[dict] | None, name: str, key: str) -> Any:
     return None
 
 
-def _typed_value(raw: str, verbatim: bool) -> Any:
-    """The template writes strings verbatim and everything else as JSON, so the schema decides."""
-    if verbatim:
-        return raw
+def _typed_value(raw: str, prop: Any) -> Any:
+    """The template writes strings verbatim and everything else as JSON, so the schema decides: where it admits a
+    string, the text (or None for `null`, where it admits null too: the template's None); else its JSON."""
+    kinds = _kinds(prop)
+    if "string" in kinds:
+        return None if raw == "null" and "null" in kinds else raw
     try:
         return json.loads(raw)
     except json.JSONDecodeError:
@@ -281,7 +299,7 @@ def parse_tool_call(body: str, tools: list[dict] | None = None) -> ToolCall | No
         if not sep:
             return None
         key = key.strip()  # mangled keys with stray whitespace still name the parameter
-        args[key] = _typed_value(value, written_verbatim(_param_schema(tools, name, key)))
+        args[key] = _typed_value(value, _param_schema(tools, name, key))
         rest = rest.lstrip()
     return ToolCall(name=name, arguments=args)
 

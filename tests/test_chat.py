@@ -171,6 +171,23 @@ def test_parse_reasoning_content_and_typed_tool_calls():
     assert json.loads(oa["function"]["arguments"])["zip"] == "01234"
 
 
+def test_a_parameter_that_admits_a_string_reads_back_as_its_text():
+    """pydantic's Optional[str] (anyOf string, null): the template writes the string verbatim, so "02139" and 12345
+    stay strings; null (the template's None) is None. Optional[int] reads JSON."""
+    opt = lambda t: {"anyOf": [{"type": t}, {"type": "null"}], "default": None}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "zip": opt("string"), "n": opt("integer"), "mode": {"enum": ["1", "2"]}, "k": {"type": ["string", "null"]},
+        "pick": {"oneOf": [{"type": "integer"}, {"type": "string", "format": "date"}]}}}}}]
+
+    def args(**values) -> dict:
+        body = "f" + "".join(f"<arg_key>{k}</arg_key><arg_value>{v}</arg_value>" for k, v in values.items())
+        return chat.parse_tool_call(body, tools).arguments
+
+    assert args(zip="12345", n="12345", mode="2", pick="7") == {"zip": "12345", "n": 12345, "mode": "2", "pick": "7"}
+    assert args(zip="null", n="null", k="null") == {"zip": None, "n": None, "k": None}
+    assert args(zip="02139 MA") == {"zip": "02139 MA"}
+
+
 def test_parse_without_schema_decodes_json_and_keeps_other_text():
     call = chat.parse_tool_call("f<arg_key>n</arg_key><arg_value>7</arg_value><arg_key>s</arg_key><arg_value>hi there"
                                 "</arg_value>", tools=None)

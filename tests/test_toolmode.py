@@ -129,6 +129,22 @@ def test_one_call_unless_parallel_calls_are_allowed():
     assert not s.copy().feed(tagged("<tool_call>")) and not s.copy().feed(tagged("<stop>"))
 
 
+def test_an_optional_string_is_held_verbatim():
+    """pydantic's Optional[str]: written as its text (no quotes), as the template writes a string, and read back so."""
+    schema = {"type": "object", "properties": {"zip": {"anyOf": [{"type": "string", "maxLength": 5},
+                                                                 {"type": "null"}]}}, "required": ["zip"]}
+    tools = toolmode.compile_tools({"f": schema})
+    assert tools[b"f"].verbatim == {b"zip"}
+    held = [{"type": "function", "function": {"name": "f", "parameters": schema}}]
+    for value, read in (("02139", "02139"), ("null", None), ("a b", "a b")):
+        text = f"<tool_call>f<arg_key>zip</arg_key><arg_value>{value}</arg_value></tool_call><stop>"
+        assert toolmode.ToolCallPrefix(tools).feed(tagged(text)), value
+        assert chat.parse_tool_call(text.split(chat.TOOL_START)[1].split(chat.TOOL_END)[0], held).arguments == \
+            {"zip": read}
+    s = toolmode.ToolCallPrefix(tools)
+    assert s.feed(tagged("<tool_call>f<arg_key>zip</arg_key><arg_value>12345")) and not s.copy().feed(b"6")
+
+
 def test_a_verbatim_value_keeps_its_bytes_and_refuses_a_tags_text():
     s = toolmode.ToolCallPrefix(TOOLS)
     assert s.feed(tagged("<tool_call>get_weather<arg_key>city</arg_key><arg_value>a\t\x01\"\\</arg_valu"))
