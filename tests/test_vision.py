@@ -1,0 +1,87 @@
+"""vision.py against transformers' glm5_next: the image processor (its PIL backend) and the vision tower."""
+import random
+
+import numpy as np
+import pytest
+import torch
+
+import vision
+
+transformers = pytest.importorskip("transformers")
+Image = pytest.importorskip("PIL.Image")
+from transformers.models.glm5_next import image_processing_pil_glm5_next as hf_image  # noqa: E402
+from transformers.models.glm5_next import modeling_glm5_next as hf  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
+
+TINY = dict(depth=2, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=48,
+            projection_intermediate_size=40, swiglu_limit=1.0)
+SCALE = 0.25  # transformers' init std for the tiny tower: rows of about unit size, a good share of the MLPs clamped
+FULL = vision.VisionConfig.from_dict({"depth": 24, "hidden_size": 1024, "num_heads": 16, "intermediate_size": 4096,
+                                      "out_hidden_size": 4096, "projection_intermediate_size": 10240})
+
+
+def random_image(height: int, width: int, seed: int):
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+def test_canvas_is_transformers_smart_resize():
+    rng = random.Random(0)
+    sizes = [(1, 1), (28, 28), (27, 29), (448, 448), (10, 3000), (3000, 10), (4000, 3000), (2, 9000)]
+    sizes += [(rng.randint(1, 5000), rng.randint(1, 5000)) for _ in range(300)]
+    for budget in (8000, 64):
+        cfg = vision.VisionConfig(**{**FULL.__dict__, "max_image_tokens": budget})
+        for h, w in sizes:
+            want = hf_image.smart_resize(2, h, w, temporal_factor=2, factor=28, min_pixels=16, max_pixels=budget)
+            assert vision.canvas(h, w, cfg) == want, (h, w, budget)
+            assert vision.image_tokens((want[0] // 14, want[1] // 14), cfg) <= budget
+
+
+@pytest.mark.parametrize("height, width", [(56, 84), (37, 101), (300, 200), (1200, 700), (8, 8)])
+def test_patches_are_the_image_processors(height, width):
+    """Resize (bicubic, or none), black padding, CLIP normalization, block order, two frames: as transformers."""
+    image = random_image(height, width, height * width)
+    proc = hf_image.Glm5NextImageProcessorPil(max_image_tokens=500)
+    want = proc(images=[image], return_tensors="pt")
+    cfg = vision.VisionConfig(**{**FULL.__dict__, "max_image_tokens": 500})
+    patches, grid = vision.image_patches(image, cfg)
+    assert [1, *grid] == want["image_grid_thw"][0].tolist()
+    assert patches.shape == want["pixel_values"].shape
+    torch.testing.assert_close(patches, want["pixel_values"].float(), atol=2e-6, rtol=0)
+
+
+def hf_tower(seed: int) -> "hf.Glm5NextVisionModel":
+    torch.manual_seed(seed)
+    ref = hf.Glm5NextVisionModel(transformers.Glm5NextVisionConfig(**TINY, initializer_range=SCALE)).eval()
+    with torch.no_grad():  # (norm weights start at 1 and biases at 0: spread them so that each is tested)
+        g = torch.Generator().manual_seed(seed + 1)
+        for name, p in ref.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn(p.shape, generator=g) * 0.3)
+    return ref
+
+
+def test_tower_matches_transformers():
+    """Two images of different grids in one transformers call (attention kept within each) against ours one at a
+    time: the merged rows match in fp32."""
+    ref = hf_tower(0)
+    cfg = vision.VisionConfig.from_dict(TINY)
+    tower = vision.VisionTower(cfg, {k: v.detach() for k, v in ref.state_dict().items()})
+    images = [vision.image_patches(random_image(h, w, h), cfg) for h, w in ((60, 90), (150, 40))]
+    grids = torch.tensor([[1, *g] for _, g in images])
+    with torch.no_grad():
+        want = ref(torch.cat([p for p, _ in images]), grid_thw=grids).pooler_output
+    got = torch.cat([tower(p, g) for p, g in images])
+    assert got.shape == (sum(vision.image_tokens(g, cfg) for _, g in images), TINY["out_hidden_size"])
+    assert 0.3 < want.abs().mean() < 3
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+def test_tower_names_what_it_misses():
+    cfg = vision.VisionConfig.from_dict(TINY)
+    weights = {k: v.detach() for k, v in hf_tower(0).state_dict().items()}
+    del weights["blocks.1.attn.qkv.weight"]
+    with pytest.raises(ValueError, match=r"missing \['model.visual.blocks.1.attn.qkv.weight'\] \(1 of 39"):
+        vision.VisionTower(cfg, weights)
+    assert len(vision.expected_names(FULL)) == 347  # the published checkpoint's vision tensors

@@ -1,0 +1,231 @@
+"""GLM-5.3-Flash's vision tower: an image -> the rows that stand for it in the language model's input, in place of
+the <|image|> tokens the chat template writes (spec glm53.md §1.2: `vision_config`, the 347 `model.visual.*`
+tensors; transformers' Glm5NextImageProcessor (its PIL backend) and Glm5NextVisionModel are the oracle).
+
+An image is resized, aspect kept, into a canvas of whole 28-pixel cells within a budget of tokens (bicubic, black
+padding right and below), scaled to [0, 1], normalized with CLIP's mean and std and cut into 14-pixel patches, each
+written twice: the patch embedding reads two frames, and an image is a video of one frame held for two. Each 2x2
+block of patches becomes one token, so an image of gh x gw patches stands for gh * gw / 4 <|image|> tokens; the
+patches are laid out block by block, so a block's four patches are consecutive rows.
+
+The tower, on the patches of one image (attention never crosses images):
+    x = patch_embed(patches)                                   a linear over the 3 x 2 x 14 x 14 values
+    depth blocks:  x = x + attn(rms_norm(x)),  x = x + mlp(rms_norm(x))
+        attn: q, k, v = qkv(x); q, k = rms_norm per head; the axial rotary embedding of the patch's row and
+              column; softmax(q k^T / sqrt(head_dim)) v over all the image's patches; proj
+        mlp: down(silu(min(gate(x), limit)) * clamp(up(x), -limit, limit))
+    x = rms_norm(x); y = downsample(the block's four rows)     a linear over 4 x hidden (a 2x2 conv)
+    rows = merger(y): proj, LayerNorm, GELU, then the clamped SwiGLU of the MLP above (no biases)
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+PREFIX = "model.visual."
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    depth: int
+    hidden_size: int
+    num_heads: int
+    intermediate_size: int
+    out_hidden_size: int  # the language model's hidden size
+    projection_intermediate_size: int
+    patch_size: int = 14
+    temporal_patch_size: int = 2
+    spatial_merge_size: int = 2
+    in_channels: int = 3
+    swiglu_limit: float = 10.0
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    attention_bias: bool = True
+    min_image_tokens: int = 16  # the image processor's budget, in tokens of temporal_patch_size x 28 x 28 pixels
+    max_image_tokens: int = 8000
+
+    @classmethod
+    def from_dict(cls, d: dict) -> VisionConfig:
+        """config.json's vision_config (other keys, e.g. image_size, are not read)."""
+        if d.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"vision_config.hidden_act {d['hidden_act']!r}: the tower's MLPs are SiLU-gated")
+        rope = d.get("rope_parameters") or {}
+        if rope.get("rope_type", "axial") != "axial":
+            raise ValueError(f"vision_config.rope_parameters.rope_type {rope['rope_type']!r}: only axial")
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names},
+                   **({"rope_theta": float(rope["rope_theta"])} if "rope_theta" in rope else {}))
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def cell(self) -> int:
+        """The side in pixels of the square one token covers."""
+        return self.patch_size * self.spatial_merge_size
+
+
+# ---------------------------------------------------------------------------------------------
+# The image processor
+
+
+def canvas(height: int, width: int, cfg: VisionConfig) -> tuple[int, int]:
+    """The padded canvas (height, width), whole cells, for an image of height x width pixels: the image's own
+    size rounded up, scaled up to min_image_tokens or down (by the tallest content height that fits, found by
+    bisection) to max_image_tokens (transformers' smart_resize for a two-frame image)."""
+    f, c = cfg.temporal_patch_size, cfg.cell
+    lo_pixels, hi_pixels = cfg.min_image_tokens * f * c * c, cfg.max_image_tokens * f * c * c
+
+    def align(v: int) -> int:
+        return math.ceil(v / c) * c
+
+    h, w = align(height), align(width)
+    if f * h * w < lo_pixels:
+        scale = math.sqrt(lo_pixels / (f * height * width))
+        h, w = align(max(1, math.ceil(height * scale))), align(max(1, math.ceil(width * scale)))
+    if f * h * w > hi_pixels:
+        if hi_pixels < f * c * c:
+            raise ValueError(f"max_image_tokens {cfg.max_image_tokens}: not one {c}x{c} cell fits")
+        h, w, low, high = c, c, 1, height
+        while low <= high:
+            content = (low + high) // 2
+            ch, cw = align(content), align(max(1, math.floor(width * content / height)))
+            if f * ch * cw <= hi_pixels:
+                h, w, low = ch, cw, content + 1
+            else:
+                high = content - 1
+    return h, w
+
+
+def image_patches(image, cfg: VisionConfig) -> tuple[torch.Tensor, tuple[int, int]]:
+    """A PIL image -> its patches, fp32 [gh * gw, 3 * 2 * 14 * 14] in block order, and its grid (gh, gw)."""
+    from PIL import Image
+
+    rgb = image.convert("RGB")
+    width, height = rgb.size
+    th, tw = canvas(height, width, cfg)
+    f, c = cfg.temporal_patch_size, cfg.cell
+    scale = min(th / height, tw / width)
+    if f * height * width >= f * c * c * cfg.min_image_tokens:  # (a small image is scaled up, a large one not)
+        scale = min(1.0, scale)
+    ch, cw = max(1, min(th, math.floor(height * scale))), max(1, min(tw, math.floor(width * scale)))
+    if (ch, cw) != (height, width):
+        rgb = rgb.resize((cw, ch), Image.BICUBIC)
+    pixels = np.zeros((th, tw, 3), dtype=np.uint8)
+    pixels[:ch, :cw] = np.asarray(rgb)
+    x = torch.from_numpy(pixels).permute(2, 0, 1).float() / 255.0
+    x = (x - torch.tensor(CLIP_MEAN)[:, None, None]) / torch.tensor(CLIP_STD)[:, None, None]
+    p, m = cfg.patch_size, cfg.spatial_merge_size
+    gh, gw = th // p, tw // p
+    x = x.reshape(3, gh // m, m, p, gw // m, m, p).permute(1, 4, 2, 5, 0, 3, 6)  # blocks, block rows, patch
+    x = x[:, :, :, :, :, None].expand(-1, -1, -1, -1, -1, f, -1, -1)  # each patch as f frames
+    return x.reshape(gh * gw, 3 * f * p * p), (gh, gw)
+
+
+def image_tokens(grid: tuple[int, int], cfg: VisionConfig) -> int:
+    return grid[0] * grid[1] // cfg.spatial_merge_size ** 2
+
+
+# ---------------------------------------------------------------------------------------------
+# The tower
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def clamped_swiglu(x: torch.Tensor, w: dict[str, torch.Tensor], p: str, limit: float) -> torch.Tensor:
+    gate = F.linear(x, w[p + "gate_proj.weight"], w.get(p + "gate_proj.bias")).clamp(max=limit)
+    up = F.linear(x, w[p + "up_proj.weight"], w.get(p + "up_proj.bias")).clamp(-limit, limit)
+    return F.linear(F.silu(gate) * up, w[p + "down_proj.weight"], w.get(p + "down_proj.bias"))
+
+
+def positions(grid: tuple[int, int], cfg: VisionConfig) -> torch.Tensor:
+    """Each patch's (row, column) in the image, [gh * gw, 2], in block order."""
+    gh, gw, m = *grid, cfg.spatial_merge_size
+    rows, cols = torch.meshgrid(torch.arange(gh), torch.arange(gw), indexing="ij")
+    block = lambda t: t.reshape(gh // m, m, gw // m, m).transpose(1, 2).flatten()
+    return torch.stack([block(rows), block(cols)], -1)
+
+
+def rotary(pos: torch.Tensor, cfg: VisionConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """The axial rotary embedding's cos and sin, [n, head_dim]: a quarter of the head's frequencies on the row,
+    a quarter on the column, the whole written twice (rotate-half pairs i with i + head_dim / 2)."""
+    half = cfg.head_dim // 2
+    inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, half, 2, dtype=torch.float32) / half)
+    angles = pos[..., None].float() * inv_freq  # [n, 2, half / 2]
+    angles = torch.cat([angles[:, 0], angles[:, 1]], -1)
+    angles = torch.cat([angles, angles], -1)
+    return angles.cos(), angles.sin()
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    xf = x.float()
+    x1, x2 = xf.chunk(2, -1)
+    return (xf * cos[:, None] + torch.cat([-x2, x1], -1) * sin[:, None]).to(x.dtype)
+
+
+def attention(x: torch.Tensor, w: dict[str, torch.Tensor], p: str, cfg: VisionConfig,
+              cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    n, H = x.shape[0], cfg.num_heads
+    q, k, v = F.linear(x, w[p + "qkv.weight"], w.get(p + "qkv.bias")).reshape(n, 3, H, -1).unbind(1)
+    q = rotate(rms_norm(q, w[p + "q_norm.weight"], cfg.rms_norm_eps), cos, sin)
+    k = rotate(rms_norm(k, w[p + "k_norm.weight"], cfg.rms_norm_eps), cos, sin)
+    o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1))  # [H, n, d]
+    return F.linear(o.transpose(0, 1).reshape(n, -1), w[p + "proj.weight"], w.get(p + "proj.bias"))
+
+
+class VisionTower:
+    """The tower over weights named as the checkpoint's, less the `model.visual.` prefix."""
+
+    def __init__(self, cfg: VisionConfig, weights: dict[str, torch.Tensor]):
+        self.cfg = cfg
+        missing = [n for n in expected_names(cfg) if n not in weights]
+        if missing:
+            raise ValueError(f"vision tower: missing {[PREFIX + n for n in missing[:5]]} "
+                             f"({len(missing)} of {len(expected_names(cfg))} tensors)")
+        self.w = weights
+        self.device, self.dtype = weights["patch_embed.proj.weight"].device, weights["patch_embed.proj.weight"].dtype
+
+    @torch.no_grad()
+    def __call__(self, patches: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
+        """One image's patches (image_patches) -> its rows for the language model, [tokens, out_hidden_size]."""
+        cfg, w = self.cfg, self.w
+        if patches.shape[0] != grid[0] * grid[1]:
+            raise ValueError(f"{patches.shape[0]} patches for a grid of {grid[0]}x{grid[1]}")
+        embed = w["patch_embed.proj.weight"]
+        x = F.linear(patches.to(self.device, self.dtype), embed.reshape(embed.shape[0], -1), w["patch_embed.proj.bias"])
+        cos, sin = (t.to(self.device) for t in rotary(positions(grid, cfg), cfg))
+        for b in range(cfg.depth):
+            p = f"blocks.{b}."
+            x = x + attention(rms_norm(x, w[p + "norm1.weight"], cfg.rms_norm_eps), w, p + "attn.", cfg, cos, sin)
+            x = x + clamped_swiglu(rms_norm(x, w[p + "norm2.weight"], cfg.rms_norm_eps), w, p + "mlp.",
+                                   cfg.swiglu_limit)
+        x = rms_norm(x, w["post_layernorm.weight"], cfg.rms_norm_eps)
+        m2 = cfg.spatial_merge_size ** 2
+        down = w["downsample.weight"]  # [out, hidden, m, m]: the block's patch (i, j) is its row i * m + j
+        blocks = x.reshape(-1, m2, cfg.hidden_size).transpose(1, 2).reshape(-1, cfg.hidden_size * m2)
+        y = F.linear(blocks, down.reshape(down.shape[0], -1), w["downsample.bias"])
+        y = F.linear(y, w["merger.proj.weight"])
+        y = F.gelu(F.layer_norm(y, (y.shape[-1],), w["merger.post_projection_norm.weight"],
+                                w["merger.post_projection_norm.bias"]))
+        return clamped_swiglu(y, w, "merger.", cfg.swiglu_limit)
+
+
+def expected_names(cfg: VisionConfig) -> list[str]:
+    block = ["attn.k_norm.weight", "attn.q_norm.weight", "attn.proj.weight", "attn.qkv.weight", "mlp.down_proj.weight",
+             "mlp.gate_proj.weight", "mlp.up_proj.weight", "norm1.weight", "norm2.weight"]
+    if cfg.attention_bias:
+        block += ["attn.proj.bias", "attn.qkv.bias", "mlp.down_proj.bias", "mlp.gate_proj.bias", "mlp.up_proj.bias"]
+    return [f"blocks.{b}.{n}" for b in range(cfg.depth) for n in block] + [
+        "downsample.bias", "downsample.weight", "merger.down_proj.weight", "merger.gate_proj.weight",
+        "merger.post_projection_norm.bias", "merger.post_projection_norm.weight", "merger.proj.weight",
+        "merger.up_proj.weight", "patch_embed.proj.bias", "patch_embed.proj.weight", "post_layernorm.weight"]
