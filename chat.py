@@ -117,21 +117,37 @@ def _text_of(content: Any, param: str) -> Any:
 
 
 def _text_part(part: Any, param: str) -> str | dict:
-    """A content part as the template reads it: a string or a text part. An assistant's refusal part (what
-    OpenAI's API returns for a refused request) is its text. The template renders image, video and audio
-    parts as placeholder tokens and drops other types: with no encoder behind the placeholders the model
-    would answer about media it never saw, so those are refused."""
+    """A content part as the template reads it: a string, a text part, or an image part (OpenAI's
+    `{"type": "image_url", "image_url": {"url": ...}}`, or `{"type": "image", "image": ...}` with a PIL image, bytes
+    or a URL, in Python), which the template writes as <|begin_of_image|><|image|><|end_of_image|> and which keeps
+    its source (as {"type": "image", "image": source}) for image_sources. An assistant's refusal part (what OpenAI's API returns for a refused request) is
+    its text. Video and audio parts are refused: this engine has no encoder for them (the template would write
+    their placeholders, and the model would answer about media it never saw)."""
     if isinstance(part, str):
         return part
     if not (isinstance(part, dict) and isinstance(part.get("type"), str)):
         raise ChatError(f"{param} must be a string or an object with a 'type'", param)
     kind = part["type"]
+    if kind in ("image_url", "image"):
+        source = part.get(kind)
+        if kind == "image_url" and isinstance(source, dict):  # (some clients send the URL itself)
+            source = source.get("url")
+        if source is None:
+            raise ChatError(f"{param} must be {{'type': 'image_url', 'image_url': {{'url': ...}}}}", f"{param}.{kind}")
+        return {"type": "image", "image": source}
     if kind not in ("text", "refusal"):
-        raise ChatError(f"{param} has type {kind!r}: only text parts are supported (this engine runs the text "
-                        "model, with no vision or audio encoder)", f"{param}.type", "unsupported")
+        raise ChatError(f"{param} has type {kind!r}: text and image parts are supported (this engine has no "
+                        "video or audio encoder)", f"{param}.type", "unsupported")
     if not isinstance(part.get(kind), str):  # both kinds hold their text under their own name
         raise ChatError(f"{param}.{kind} must be a string", f"{param}.{kind}")
     return {"type": "text", "text": part[kind]}
+
+
+def image_sources(messages: list[dict]) -> list[Any]:
+    """The sources of the image parts of messages (as normalize_messages returns them), in the order the template
+    writes them."""
+    return [part["image"] for m in messages if isinstance(m.get("content"), list) for part in m["content"]
+            if isinstance(part, dict) and part.get("type") == "image"]
 
 
 def _tool_call_for_template(tc: Any, param: str) -> dict:

@@ -25,6 +25,7 @@ products over fewer rows).
 """
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import math
@@ -44,10 +45,11 @@ import dflash
 import fastdecode
 import fastprefill
 import jsonmode
-import pattern
 import kernels
+import pattern
 import placement
 import toolmode
+import vision
 from cache import CachePool
 from prefix_cache import BlockManager, SnapshotStore, block_hash
 from model_glm import GLMConfig, GLMModel, KDASnapshot, SeqChunk
@@ -556,6 +558,19 @@ def token_bytes(tokenizer: Tokenizer, token_id: int, added: set[int] | frozenset
 Grammar = jsonmode.JsonPrefix | toolmode.ToolCallPrefix | pattern.RegexPrefix
 
 
+@dataclass
+class ImageRows:
+    """An image of a prompt: its first position, the vision tower's rows for its positions (its <|image|> tokens),
+    and a digest of its patches, which the prefix cache's block hashes take in."""
+    start: int
+    rows: torch.Tensor
+    digest: bytes
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.rows)
+
+
 @dataclass(eq=False)  # a sequence is itself: `in` / remove on the running list compare identities, not every field
 class Sequence:
     request_id: str
@@ -584,6 +599,7 @@ class Sequence:
     thought: int = 0  # tokens inside that block so far, the prompt's included
     reasoning_tokens: int = 0  # generated inside it
     grammar: Grammar | None = None  # the answer so far, where one holds it
+    images: list[ImageRows] = field(default_factory=list)  # the prompt's, in order
     # block_table's mirror for table(): the list it mirrors, and its first `_mirrored` entries
     _table: np.ndarray = field(default_factory=lambda: np.zeros(16, dtype=np.int64), repr=False)
     _table_of: list[int] | None = field(default=None, repr=False)
@@ -646,7 +662,8 @@ class Engine:
                  max_batch_tokens: int = MAX_BATCH_TOKENS, block_size: int = 64, max_model_len: int | None = None,
                  snapshot_bytes: int = 4 << 30, snapshot_device: str | torch.device = "cpu",
                  speculator: str = "none", drafter: dflash.DFlash2Drafter | None = None,
-                 draft_tokens: int | None = None, draft_row_cost: float = 0.25, use_kernels: bool = True):
+                 draft_tokens: int | None = None, draft_row_cost: float = 0.25, use_kernels: bool = True,
+                 vision_tower: vision.VisionTower | None = None):
         """speculator: "none", "dflash2" (needs `drafter`) or "mtp" (the checkpoint's layer 45).
         Draft length per step: `draft_tokens` if given, else adaptive (dflash.draft_length with
         `draft_row_cost`, the cost of one more verify row relative to a decode step; 0.25 is CuteAFD's
@@ -657,7 +674,8 @@ class Engine:
         every step through model_glm's reference path.
         max_batch_tokens: the tokens of one forward (prefill chunks and decode tokens together). When
         CUDA memory sizes the cache, one chunk of that many tokens runs first (`_chunk_peak`) and the
-        memory it takes is kept out of the pool."""
+        memory it takes is kept out of the pool.
+        vision_tower: reads the images of a prompt (vision.py; None: a prompt with images is refused)."""
         self.model, self.tokenizer, self.chat_template = model, tokenizer, chat_template
         self.config: GLMConfig = model.config
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -701,6 +719,7 @@ class Engine:
         # Speculative steps verify several rows per sequence: FastPrefill runs them (eagerly), and no
         # decode graphs are captured.
         self.use_kernels = use_kernels  # the sampler's kernel too
+        self.vision = vision_tower
         self.fast = self._fast_decoder(max_num_seqs) if use_kernels and speculator == "none" else None
         self.prefill = self._fast_prefill(self.cache, self.max_model_len, self.fast) if use_kernels else None
         if self.prefill is not None:
@@ -828,8 +847,18 @@ class Engine:
             return list(prompt)
         raise ValueError(f"a prompt is a string, a list of token ids or a list of chat messages, got {type(prompt).__name__}")
 
+    @staticmethod
+    def images_of(prompt: str | list[int] | list[dict]) -> list:
+        """The image sources of chat messages' image parts, in the order the template writes them (add_request's
+        `images` for encode's ids); none for text or token ids."""
+        if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
+            return chat.image_sources(chat.normalize_messages(prompt))
+        return []
+
     def add_request(self, prompt_ids: list[int], sampling: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
+                    request_id: str | None = None, images: Seq = ()) -> str:
+        """Queue a request. `images` (PIL images, their bytes, data or http(s) URLs): one for each <|image|> token
+        of the prompt, in order, which the engine writes out to as many as the image has tokens."""
         p = sampling or SamplingParams()
         if not isinstance(p, SamplingParams):
             raise TypeError(f"sampling must be a SamplingParams, got {type(p).__name__}")
@@ -841,6 +870,7 @@ class Engine:
         bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        prompt_ids, placed = self._read_images(list(prompt_ids), images)
         if len(prompt_ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(prompt_ids)} tokens; the limit is {self.max_model_len - 1} "
                              f"(context {self.max_model_len} = min(max_model_len, cache blocks x block size), "
@@ -872,6 +902,7 @@ class Engine:
             seq.draft_stats = dflash.DraftStats.new(self.speculator.max_draft)
         seq.thinking, seq.thought = self._open_thought(prompt_ids)
         seq.grammar = self._grammar(p, prompt_ids)
+        seq.images = placed
         self.requests[request_id] = seq
         self.waiting.append(seq)
         return request_id
@@ -892,6 +923,28 @@ class Engine:
         if prompt_ids[-1] == self.tool_tags[chat.TOOL_START]:
             calls.feed(bytes([toolmode.CALL]))
         return calls
+
+    def _read_images(self, prompt_ids: list[int], images: Seq) -> tuple[list[int], list[ImageRows]]:
+        """The prompt with each image's <|image|> token written out to the image's tokens, and the images' rows
+        (the vision tower runs here, once a request)."""
+        if not images:
+            return prompt_ids, []
+        if self.vision is None:
+            raise ValueError("this checkpoint has no vision tower (no model.visual.* tensors): it cannot read images")
+        tok = self.vision.image_token_id
+        at = [i for i, t in enumerate(prompt_ids) if t == tok]
+        if len(at) != len(images):
+            raise ValueError(f"the prompt has {len(at)} <|image|> tokens for {len(images)} images: one each (the "
+                             f"chat template writes it), which the engine writes out to the image's size")
+        ids, placed, prev = [], [], 0
+        for i, image in zip(at, images):
+            patches, grid = vision.image_patches(vision.open_image(image), self.vision.cfg)
+            rows = self.vision(patches, grid).to(self.device, self.dtype)
+            ids += prompt_ids[prev:i]
+            placed.append(ImageRows(len(ids), rows, hashlib.blake2b(patches.numpy().tobytes(), digest_size=16).digest()))
+            ids += [tok] * len(rows)
+            prev = i + 1
+        return ids + prompt_ids[prev:], placed
 
     def _open_thought(self, prompt_ids: list[int]) -> tuple[bool, int]:
         """Whether the prompt ends inside a think block, and the tokens it holds there."""
@@ -978,8 +1031,9 @@ class Engine:
         self._draft(batch)
         # Single decode tokens go to the fast decode step (inputs on the host), prefill chunks to the
         # fast prefill (or the reference forward); the two touch different slots and blocks.
-        fast = [i for i, (seq, n) in enumerate(batch)  # (no fast step is built with a speculator)
-                if self.fast is not None and n == 1 and seq.num_computed > 0]
+        fast = [i for i, (seq, n) in enumerate(batch)  # (no fast step is built with a speculator; it embeds tokens)
+                if self.fast is not None and n == 1 and seq.num_computed > 0
+                and not any(im.start <= seq.num_computed < im.end for im in seq.images)]
         chunks = [self._seq_chunk(seq, n, "cpu" if i in fast else self.device) for i, (seq, n) in enumerate(batch)]
         if self.speculator is not None:
             return outputs + self._speculative_step(batch, chunks)
@@ -1040,9 +1094,12 @@ class Engine:
     def _seq_chunk(seq: Sequence, n: int, device: str | torch.device) -> SeqChunk:
         """The next n positions of seq (its pending drafts after the last real token)."""
         tokens = seq.token_ids[seq.num_computed:seq.num_computed + n - seq.k] + (seq.draft.tokens if seq.draft else [])
-        inside = tuple(sorted(b for b in seq.snapshot_at if seq.num_computed < b < seq.num_computed + n))
+        lo, hi = seq.num_computed, seq.num_computed + n
+        inside = tuple(sorted(b for b in seq.snapshot_at if lo < b < hi))
+        images = tuple((max(im.start, lo) - lo, im.rows[max(im.start, lo) - im.start:min(im.end, hi) - im.start])
+                       for im in seq.images if im.start < hi and im.end > lo)
         return SeqChunk(fastdecode.to_device(tokens, device), seq.num_computed,
-                        fastdecode.to_device(seq.table(), device), seq.slot, inside)
+                        fastdecode.to_device(seq.table(), device), seq.slot, inside, images)
 
     # --- speculative decoding (dflash.py) ---------------------------------------------------
 
@@ -1250,7 +1307,9 @@ class Engine:
     def _hash_blocks(self, seq: Sequence, n: int) -> None:
         bs = self.block_size
         for i in range(len(seq.block_hashes), n):
-            seq.block_hashes.append(block_hash(seq.block_hashes[-1] if i else b"", seq.token_ids[i * bs:(i + 1) * bs]))
+            seen = b"".join(im.digest for im in seq.images if im.start < (i + 1) * bs and im.end > i * bs)
+            seq.block_hashes.append(block_hash(seq.block_hashes[-1] if i else b"", seq.token_ids[i * bs:(i + 1) * bs],
+                                               seen))
 
     def _sample(self, done: list[tuple[Sequence, int]], logits: torch.Tensor) -> list[RequestOutput]:
         """The next token of each (sequence, its logits row) whose prompt and tokens are all computed, in
@@ -1427,8 +1486,8 @@ class Engine:
         ids = [self.encode(pr, **chat_kwargs) for pr in prompts]
         rids: list[str] = []
         try:
-            for x, sp in zip(ids, params):
-                rids.append(self.add_request(x, sp))
+            for pr, x, sp in zip(prompts, ids, params):
+                rids.append(self.add_request(x, sp, images=self.images_of(pr)))
         except ValueError:  # leave the engine idle: none of the prompts run
             for r in rids:
                 self.cancel(r)
@@ -1453,7 +1512,7 @@ class Engine:
     def stream(self, prompt, sampling: SamplingParams | None = None, **chat_kwargs) -> Iterator[RequestOutput]:
         """Yield one RequestOutput (token and text deltas) per step until the request finishes."""
         self._require_idle()
-        rid = self.add_request(self.encode(prompt, **chat_kwargs), sampling)
+        rid = self.add_request(self.encode(prompt, **chat_kwargs), sampling, images=self.images_of(prompt))
         try:
             while self.has_work():
                 for o in self.step():
@@ -1578,11 +1637,13 @@ def load(path_or_hf_id: str | Path | None = None, device: str | torch.device | N
         raise ValueError(f"speculator={speculator!r} with drafter_path={drafter_path!r}: a drafter path goes "
                          "with speculator='dflash2', and only with it")
     drafter = dflash.load_drafter(drafter_path, model) if drafter_path is not None else None
+    tower = vision.load(path, dtype, model.weights["embed_tokens.weight"].device)
     return Engine(model, tokenizer, eos_token_ids=_eos_ids(path, config), chat_template=_chat_template(path),
                   num_blocks=num_blocks, max_cache_tokens=max_cache_tokens, memory_fraction=memory_fraction,
                   max_num_seqs=max_num_seqs, max_batch_tokens=max_batch_tokens, block_size=block_size,
                   max_model_len=max_model_len, snapshot_bytes=snapshot_bytes, snapshot_device=snapshot_device,
-                  speculator=speculator, drafter=drafter, draft_tokens=draft_tokens, use_kernels=use_kernels)
+                  speculator=speculator, drafter=drafter, draft_tokens=draft_tokens, use_kernels=use_kernels,
+                  vision_tower=tower)
 
 
 def _budgets(devices: tuple[torch.device, ...], memory_per_device: int | Seq[int] | None) -> list[int | None]:

@@ -30,7 +30,8 @@ import kda_kernels
 import kernels
 import mhc_kernels
 from fastdecode import FastDecoder, Layer, Unsupported, fp32_linear, gate_linear, to_device
-from model_glm import KDA_CHUNK, ForwardOutput, KDASnapshot, SeqChunk, linear, on_device, write_dsa_rows
+from model_glm import (KDA_CHUNK, ForwardOutput, KDASnapshot, SeqChunk, linear, on_device, place_images,
+                       write_dsa_rows)
 
 # Up to this many rows in a step, the decode kernel's split-k GEMVs beat the grouped GEMMs, whose few
 # tiles leave most SMs idle (H200, full-size K3 experts, uniform routing, session 23: 2.82x at 1 row,
@@ -130,7 +131,7 @@ class FastPrefill:
         run = ChunkRun(snapshots={p: KDASnapshot.empty(len(cfg.kda_layers)) for p in c.snapshots})
         recorded = to_device(sorted(record), first) if record else None
         with on_device(first):
-            X = kernels.embed_streams(d.embed, tokens, cfg.hc_mult)
+            X = place_images(kernels.embed_streams(d.embed, tokens, cfg.hc_mult), [c], [(0, len(tokens))])
         for L, layer in enumerate(d.layers):
             X = X.to(layer.device)  # a layer split: each layer on its device (FastDecoder.run)
             with on_device(layer.device):

@@ -295,12 +295,15 @@ class SeqChunk:
     size) at which the forward also returns the sequence's KDA rows as they are after position p-1
     (ForwardOutput.snapshots), for the prefix cache: the KDA pieces end there anyway (_kda_segments),
     so this costs a copy, where cutting the chunk there would cost another pass over the weights.
+    images: (row in the chunk, rows [n, hidden]) pairs: the input of those n rows is the vision tower's rows for
+    an image (vision.py), not their <|image|> tokens' embedding (transformers' masked_scatter of image features).
     """
     tokens: torch.Tensor
     start: int
     block_table: torch.Tensor
     slot: int
     snapshots: tuple[int, ...] = ()
+    images: tuple[tuple[int, torch.Tensor], ...] = ()
 
 
 @dataclass
@@ -544,6 +547,15 @@ def route_logits(logits: torch.Tensor, bias: torch.Tensor, cfg: GLMConfig) -> tu
 # The model
 # ---------------------------------------------------------------------------------------------
 
+def place_images(X: torch.Tensor, batch: list[SeqChunk], spans: list[tuple[int, int]]) -> torch.Tensor:
+    """The streams X [T, hc_mult, hidden] of the batch's embedded tokens with each chunk's image rows in place of
+    their placeholder tokens' embedding, in every stream."""
+    for c, (a, _) in zip(batch, spans):
+        for r, rows in c.images:
+            X[a + r:a + r + len(rows)] = rows.to(X.device, X.dtype)[:, None, :]
+    return X
+
+
 class GLMModel:
     """GLM-5.3-Flash text model over a weight dict (DESIGN.md: checkpoint names without the
     `model.language_model.` prefix; each linear weight a Tensor [out, in] or an EXL3Linear).
@@ -590,7 +602,7 @@ class GLMModel:
         tapped, kda_inputs = {}, {}
         snapshots = {(i, p): KDASnapshot.empty(len(cfg.kda_layers)) for i, c in enumerate(batch) for p in c.snapshots}
 
-        X = self.w("embed_tokens.weight")[tokens][:, None, :].repeat(1, cfg.hc_mult, 1)
+        X = place_images(self.w("embed_tokens.weight")[tokens][:, None, :].repeat(1, cfg.hc_mult, 1), batch, spans)
         first = X.device
         for L in range(cfg.num_hidden_layers):
             p = f"layers.{L}."
@@ -843,6 +855,10 @@ class GLMModel:
                                  f"positions up to {c.start + n - 1} need {need}")
             if int(c.tokens.min()) < 0 or int(c.tokens.max()) >= self.config.vocab_size:
                 raise ValueError(f"batch[{i}].tokens hold ids outside 0..{self.config.vocab_size - 1}")
+            for r, rows in c.images:
+                if not (0 <= r and r + len(rows) <= n and rows.dim() == 2 and rows.shape[1] == self.config.hidden_size):
+                    raise ValueError(f"batch[{i}].images: rows {tuple(rows.shape)} at row {r} do not fit a chunk of "
+                                     f"{n} rows of hidden size {self.config.hidden_size}")
             bad = [p for p in c.snapshots if not (c.start < p < c.start + n and p % cache.block_size == 0)]
             if bad:
                 raise ValueError(f"batch[{i}].snapshots {bad}: each must be a multiple of the block size "

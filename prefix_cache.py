@@ -18,9 +18,10 @@ import numpy as np
 import torch
 
 
-def block_hash(prev: bytes, tokens: Seq[int]) -> bytes:
-    """Chained hash: a block's identity is its tokens and everything before them."""
-    return hashlib.blake2b(prev + np.asarray(tokens, dtype=np.int64).tobytes(), digest_size=16).digest()
+def block_hash(prev: bytes, tokens: Seq[int], images: bytes = b"") -> bytes:
+    """Chained hash: a block's identity is its tokens (and the digests of the images its <|image|> tokens stand
+    for) and everything before them."""
+    return hashlib.blake2b(prev + np.asarray(tokens, dtype=np.int64).tobytes() + images, digest_size=16).digest()
 
 
 @dataclass

@@ -29,7 +29,7 @@ import sys
 import threading
 import traceback
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -44,6 +44,7 @@ import pattern
 import messages_api
 import responses_api
 import toolmode
+import vision
 
 MAX_BODY_BYTES = 32 << 20
 MAX_TOP_LOGPROBS = 20
@@ -187,10 +188,11 @@ class EngineLoop:
         self.thread = threading.Thread(target=self.run, name="engine", daemon=True)
         self.stopped = False
 
-    def submit(self, prompt_ids: list[int], sampling: Any, outputs: queue.Queue | None = None) -> Pending:
+    def submit(self, prompt_ids: list[int], sampling: Any, outputs: queue.Queue | None = None,
+               images: list = ()) -> Pending:
         """`outputs`: a queue shared with other requests (a request's choices), else one of its own."""
         p = Pending(f"req-{uuid.uuid4().hex}", outputs or queue.Queue())
-        self.inbox.put(("add", p, prompt_ids, sampling))
+        self.inbox.put(("add", p, prompt_ids, sampling, images))
         return p
 
     def cancel(self, request_id: str) -> None:
@@ -240,9 +242,9 @@ class EngineLoop:
     def _do_one(self, cmd: tuple) -> None:
         kind = cmd[0]
         if kind == "add":
-            _, p, prompt_ids, sampling = cmd
+            _, p, prompt_ids, sampling, images = cmd
             try:
-                self.engine.add_request(prompt_ids, sampling, p.request_id)
+                self.engine.add_request(prompt_ids, sampling, p.request_id, images)
                 self.pending[p.request_id] = p
             except ValueError as e:
                 p.outputs.put(ApiError(400, str(e), None, "invalid_value"))
@@ -440,7 +442,21 @@ class Job:
     include_usage: bool
     logprobs: int | None  # top alternatives per token when logprobs were asked for
     n: int = 1  # choices, each sampled on its own
+    images: list = field(default_factory=list)  # decoded, one for each <|image|> token of prompt_ids
 
+
+@dataclass
+class ChatPrompt:
+    """A chat request rendered (Server._chat_prompt): its token ids, the parser of its answer, what the parser
+    already made of a forced start of the answer, the SamplingParams fields that hold its calls to their tools'
+    schemas, and its images (decoded; the engine writes each one's <|image|> token out to the image's tokens)."""
+
+    ids: list[int]
+    parser: chat.StreamParser
+    head: list[chat.Delta]
+    held: dict
+    images: list
+    length: int  # the prompt's tokens, each image's counted
 
 class Server:
     def __init__(self, args: argparse.Namespace):
@@ -607,23 +623,28 @@ class Server:
         return body
 
     def _job(self, body: dict, prompt_ids: list[int], logprobs: int | None, skip_special: bool,
-             prompt_param: str, held: dict | None = None) -> Job:
+             prompt_param: str, held: dict | None = None, prompt: ChatPrompt | None = None) -> Job:
         """`prompt_param`: the request field the prompt came from, named when the prompt is too long; `held`: the
         SamplingParams fields that hold tool calls to their schemas (_chat_prompt), with the body's
-        parallel_tool_calls."""
+        parallel_tool_calls; `prompt`: the chat prompt prompt_ids come from (its images)."""
         limit = self.engine.max_model_len
+        images = prompt.images if prompt is not None else []
         keep = field_of(body, "truncate_prompt_tokens", "int", None, lambda v: v >= 1 or v == -1,
                         "must be >= 1 (the prompt's last tokens kept) or -1 (as many as the context holds)")
+        if keep is not None and images:
+            raise ApiError(400, "'truncate_prompt_tokens' cannot cut a prompt with images", "truncate_prompt_tokens",
+                           "unsupported")
         if keep is not None:  # vLLM's: the prompt's start is cut off
             prompt_ids = prompt_ids[-(limit - 1 if keep == -1 else keep):]
-        if len(prompt_ids) >= limit:
-            raise ApiError(400, f"the prompt has {len(prompt_ids)} tokens; this model's context is {limit} tokens "
+        length = prompt.length if prompt is not None else len(prompt_ids)
+        if length >= limit:
+            raise ApiError(400, f"the prompt has {length} tokens; this model's context is {limit} tokens "
                                 f"(at most {limit - 1} for the prompt)", prompt_param,
                            "context_length_exceeded")
         max_tokens = field_of(body, "max_completion_tokens", "int", None, lambda v: v >= 1, "must be >= 1")
         max_tokens = field_of(body, "max_tokens", "int", max_tokens, lambda v: v >= 1, "must be >= 1")
-        if max_tokens is not None and len(prompt_ids) + max_tokens > limit:
-            raise ApiError(400, f"max_tokens {max_tokens} + {len(prompt_ids)} prompt tokens exceeds the context of "
+        if max_tokens is not None and length + max_tokens > limit:
+            raise ApiError(400, f"max_tokens {max_tokens} + {length} prompt tokens exceeds the context of "
                                 f"{limit} tokens", "max_tokens", "context_length_exceeded")
         top_k = field_of(body, "top_k", "int", self.defaults.get("top_k", 0), lambda v: v >= -1,
                          "must be >= 0 (-1 or 0 is off)")
@@ -671,7 +692,7 @@ class Server:
             raise ApiError(400, str(e), getattr(e, "field", None), "invalid_value")
         n = field_of(body, "n", "int", 1, lambda v: 1 <= v <= MAX_CHOICES, f"must be between 1 and {MAX_CHOICES}")
         return Job(prompt_ids, sampling, field_of(body, "stream", "bool", False),
-                   bool(field_of(stream_options, "include_usage", "bool", False)), logprobs, n)
+                   bool(field_of(stream_options, "include_usage", "bool", False)), logprobs, n, images)
 
     # --- running a job ----------------------------------------------------------------------
 
@@ -690,7 +711,7 @@ class Server:
         shared: queue.Queue = queue.Queue()
         seeded = job.sampling.seed is not None
         pending = [self.loop.submit(job.prompt_ids, replace(job.sampling, seed=job.sampling.seed + i) if seeded
-                                    else job.sampling, shared) for i in range(job.n)]
+                                    else job.sampling, shared, job.images) for i in range(job.n)]
         index = {p.request_id: i for i, p in enumerate(pending)}
         arrived = checked = time.monotonic()
         last: dict[int, float] = {}  # each choice's last token time
@@ -744,14 +765,15 @@ class Server:
 
     def chat_completions(self):
         body = self._body()
-        prompt_ids, parser, head, held = self._openai_chat_prompt(body)
+        prompt = self._openai_chat_prompt(body)
+        parser, head = prompt.parser, prompt.head
         logprobs = field_of(body, "logprobs", "bool", False)
         top = field_of(body, "top_logprobs", "int", 0, lambda v: 0 <= v <= MAX_TOP_LOGPROBS,
                        f"must be between 0 and {MAX_TOP_LOGPROBS}")
         if top and not logprobs:
             raise ApiError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs", "invalid_value")
-        job = self._job(body, prompt_ids, top if logprobs else None, skip_special=False, prompt_param="messages",
-                        held=held)
+        job = self._job(body, prompt.ids, top if logprobs else None, skip_special=False, prompt_param="messages",
+                        held=prompt.held, prompt=prompt)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         choices = self._choices(job, request.environ.get("werkzeug.socket"))
         # each choice parses its own answer; the head (a forced start) is already fed to the parser
@@ -760,7 +782,7 @@ class Server:
             return self._sse(self._chat_chunks(choices, parsers, head, job, rid, created), choices)
         return self._chat_response(choices, parsers, head, job, rid, created)
 
-    def _openai_chat_prompt(self, body: dict) -> tuple[list[int], chat.StreamParser, list[chat.Delta], dict]:
+    def _openai_chat_prompt(self, body: dict) -> ChatPrompt:
         """_chat_prompt for a chat completions request (messages, tools, tool_choice and the thinking fields)."""
         if not self.engine.chat_template:
             raise ApiError(400, "this checkpoint has no chat template; use /v1/completions", "messages", "unsupported")
@@ -791,13 +813,11 @@ class Server:
         return self._chat_prompt(messages, tools, tool_choice, thinking, prefill, **extra)
 
     def _chat_prompt(self, messages: list[dict], tools: list[dict] | None, tool_choice: Any, thinking: chat.Thinking,
-                     prefill: str = "", **extra: Any
-                     ) -> tuple[list[int], chat.StreamParser, list[chat.Delta], dict]:
-        """The prompt's token ids for checked messages and tools, the parser of the answer, what the parser
-        already made of a forced start of the answer, and the SamplingParams fields that hold its calls to their
-        tools' schemas (where tool_choice forces a call, or with "auto" where a tool is strict; else empty).
-        `prefill`: the start of the answer a client wrote, after a closed think block; parsed but not returned
-        (the client has it)."""
+                     prefill: str = "", **extra: Any) -> ChatPrompt:
+        """Checked messages and tools rendered: the held fields hold calls where tool_choice forces a call, or with
+        "auto" where a tool is strict. `prefill`: the start of the answer a client wrote, after a closed think
+        block; parsed but not returned (the client has it)."""
+        images = self._images(messages)
         if tool_choice not in ("auto", "none", "required") and not _named_choice(tool_choice):
             raise ApiError(400, "'tool_choice' must be 'auto', 'none', 'required' or "
                                 "{'type': 'function', 'function': {'name': ...}}", "tool_choice", "invalid_value")
@@ -828,7 +848,26 @@ class Server:
         parser = chat.StreamParser(thinking.enabled, tools, parse_tools=tool_choice != "none")
         head = parser.feed(forced)
         parser.feed(prefill)
-        return prompt_ids, parser, head, held
+        cfg = self.engine.vision.cfg if images else None
+        return ChatPrompt(prompt_ids, parser, head, held, images,
+                          len(prompt_ids) + sum(vision.token_count(im, cfg) - 1 for im in images))
+
+    def _images(self, messages: list[dict]) -> list:
+        """The messages' images, decoded here (a request's handler thread, not the engine's): a 400 names the
+        part that cannot be read, or the first image where the checkpoint has no vision tower."""
+        at = [(f"messages[{i}].content[{j}]", part["image"]) for i, m in enumerate(messages)
+              if isinstance(m.get("content"), list) for j, part in enumerate(m["content"])
+              if isinstance(part, dict) and part.get("type") == "image"]
+        if at and self.engine.vision is None:
+            raise ApiError(400, f"'{at[0][0]}': this model has no vision tower (its checkpoint has no "
+                                f"model.visual.* tensors), so it cannot read images", at[0][0], "unsupported")
+        images = []
+        for param, source in at:
+            try:
+                images.append(vision.open_image(source))
+            except ValueError as e:
+                raise ApiError(400, f"'{param}': {e}", param, "invalid_value")
+        return images
 
     def _chat_response(self, choices, parsers: list[chat.StreamParser], head, job: Job, rid: str,
                        created: int) -> dict:
@@ -897,7 +936,7 @@ class Server:
     # --- /v1/messages (Anthropic) -----------------------------------------------------------
 
     def _translated_prompt(self, to_chat: Callable[[dict], chat.ChatRequest], body: dict, prompt_param: str
-                           ) -> tuple[chat.ChatRequest, list[int], chat.StreamParser, list[chat.Delta], dict]:
+                           ) -> tuple[chat.ChatRequest, ChatPrompt]:
         """A Messages or Responses request (`to_chat` of messages_api or responses_api) in the chat path's terms,
         checked and rendered as chat completions are."""
         if not self.engine.chat_template:
@@ -907,19 +946,20 @@ class Server:
             messages, tools = chat.normalize_messages(req.messages), chat.check_tools(req.tools)
         except chat.ChatError as e:
             raise ApiError(400, str(e), e.param, e.code)
-        return (req, *self._chat_prompt(messages, tools, req.tool_choice, req.thinking, req.prefill))
+        return req, self._chat_prompt(messages, tools, req.tool_choice, req.thinking, req.prefill)
 
     def messages(self):
-        req, prompt_ids, parser, head, held = self._translated_prompt(messages_api.to_chat, self._body(), "messages")
-        left = self.engine.max_model_len - len(prompt_ids)
+        req, prompt = self._translated_prompt(messages_api.to_chat, self._body(), "messages")
+        left = self.engine.max_model_len - prompt.length
         if _is_int(req.options.get("max_tokens")) and left > 0:
             # Anthropic clients ask for one large max_tokens whatever the model's context (a maximum there,
             # not a promise): what the context leaves is the most this request can get.
             req.options["max_tokens"] = min(req.options["max_tokens"], left)
-        job = self._job(req.options, prompt_ids, None, skip_special=False, prompt_param="messages", held=held)
+        job = self._job(req.options, prompt.ids, None, skip_special=False, prompt_param="messages", held=prompt.held,
+                        prompt=prompt)
         outputs = self._outputs(job, request.environ.get("werkzeug.socket"))
-        events = self._stream_events(messages_api.MessageStream(self.model_name, len(prompt_ids)), outputs,
-                                     parser, head)
+        events = self._stream_events(messages_api.MessageStream(self.model_name, prompt.length), outputs,
+                                     prompt.parser, prompt.head)
         if job.stream:
             return self._sse(events, outputs, api="anthropic")
         message = messages_api.fold(events)
@@ -942,16 +982,17 @@ class Server:
     def count_tokens(self):
         # count_tokens takes a Messages request without max_tokens, which to_chat requires of one to generate.
         body = {"max_tokens": 1, **self._body()}
-        prompt_ids = self._translated_prompt(messages_api.to_chat, body, "messages")[1]
-        return {"input_tokens": len(prompt_ids)}
+        return {"input_tokens": self._translated_prompt(messages_api.to_chat, body, "messages")[1].length}
 
     # --- /v1/responses (OpenAI's Responses API) ----------------------------------------------
 
     def responses(self):
-        req, prompt_ids, parser, head, held = self._translated_prompt(responses_api.to_chat, self._body(), "input")
-        job = self._job(req.options, prompt_ids, None, skip_special=False, prompt_param="input", held=held)
+        req, prompt = self._translated_prompt(responses_api.to_chat, self._body(), "input")
+        job = self._job(req.options, prompt.ids, None, skip_special=False, prompt_param="input", held=prompt.held,
+                        prompt=prompt)
         outputs = self._outputs(job, request.environ.get("werkzeug.socket"))
-        events = self._stream_events(responses_api.ResponseStream(self.model_name, req.echo), outputs, parser, head)
+        events = self._stream_events(responses_api.ResponseStream(self.model_name, req.echo), outputs, prompt.parser,
+                                     prompt.head)
         if job.stream:
             return self._sse(events, outputs, api="responses")
         last = None
@@ -1126,7 +1167,10 @@ class Server:
         """The token ids a request's prompt becomes: a completions `prompt`, or a chat request's `messages`
         (with its tools and thinking fields) rendered as /v1/chat/completions renders them."""
         body = self._body()
-        prompt_ids = self._openai_chat_prompt(body)[0] if "messages" in body else self._completion_prompt(body)
+        if "messages" in body:
+            prompt = self._openai_chat_prompt(body)
+            return {"count": prompt.length, "max_model_len": self.engine.max_model_len, "tokens": prompt.ids}
+        prompt_ids = self._completion_prompt(body)
         return {"count": len(prompt_ids), "max_model_len": self.engine.max_model_len, "tokens": prompt_ids}
 
     def detokenize(self):

@@ -19,16 +19,24 @@ The tower, on the patches of one image (attention never crosses images):
 """
 from __future__ import annotations
 
+import base64
+import binascii
+import io
+import json
 import math
+import urllib.request
 from dataclasses import dataclass, fields
+from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 PREFIX = "model.visual."
+IMAGE_TOKEN_ID = 154854  # <|image|> (spec glm53.md §1), where config.json names none
 
 
 @dataclass(frozen=True)
@@ -74,6 +82,48 @@ class VisionConfig:
 
 # ---------------------------------------------------------------------------------------------
 # The image processor
+
+
+MAX_IMAGE_BYTES = 20 << 20  # an image a request sends or names: as OpenAI's limit for one image
+FETCH_TIMEOUT_S = 10
+
+
+def open_image(source):
+    """A PIL image from what a request gives: a PIL image, its file's bytes, a data URL (`data:image/png;base64,
+    ...`) or an http(s) URL (fetched). A ValueError says what could not be read."""
+    from PIL import Image
+
+    if isinstance(source, Image.Image):
+        return source
+    if isinstance(source, str) and source.startswith("data:"):
+        head, sep, body = source.partition(",")
+        if not sep or not head.endswith(";base64"):
+            raise ValueError(f"an image data URL must be data:<type>;base64,<data>; got {source[:40]!r}...")
+        try:
+            source = base64.b64decode(body, validate=True)
+        except binascii.Error as e:
+            raise ValueError(f"the image data URL's base64 is not valid: {e}") from None
+    elif isinstance(source, str) and source.startswith(("http://", "https://")):
+        source = _fetch(source)
+    if not isinstance(source, bytes):
+        raise ValueError(f"an image is a data URL, an http(s) URL, bytes or a PIL image; got {str(source)[:40]!r}")
+    if len(source) > MAX_IMAGE_BYTES:
+        raise ValueError(f"the image has {len(source)} bytes, more than {MAX_IMAGE_BYTES}")
+    try:
+        image = Image.open(io.BytesIO(source))
+        image.load()
+    except Exception as e:  # (PIL raises several kinds for a file it cannot read)
+        raise ValueError(f"the image could not be decoded: {e}") from None
+    return image
+
+
+def _fetch(url: str) -> bytes:
+    try:
+        with urllib.request.urlopen(url, timeout=FETCH_TIMEOUT_S) as r:
+            data = r.read(MAX_IMAGE_BYTES + 1)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"the image at {url[:100]} could not be fetched: {e}") from None
+    return data
 
 
 def canvas(height: int, width: int, cfg: VisionConfig) -> tuple[int, int]:
@@ -133,6 +183,13 @@ def image_tokens(grid: tuple[int, int], cfg: VisionConfig) -> int:
     return grid[0] * grid[1] // cfg.spatial_merge_size ** 2
 
 
+def token_count(image, cfg: VisionConfig) -> int:
+    """The <|image|> tokens a PIL image stands for (image_patches' grid, from its size alone)."""
+    width, height = image.size
+    th, tw = canvas(height, width, cfg)
+    return image_tokens((th // cfg.patch_size, tw // cfg.patch_size), cfg)
+
+
 # ---------------------------------------------------------------------------------------------
 # The tower
 
@@ -184,10 +241,11 @@ def attention(x: torch.Tensor, w: dict[str, torch.Tensor], p: str, cfg: VisionCo
 
 
 class VisionTower:
-    """The tower over weights named as the checkpoint's, less the `model.visual.` prefix."""
+    """The tower over weights named as the checkpoint's, less the `model.visual.` prefix; `image_token_id`: the
+    placeholder token its rows replace (config.json's image_token_id)."""
 
-    def __init__(self, cfg: VisionConfig, weights: dict[str, torch.Tensor]):
-        self.cfg = cfg
+    def __init__(self, cfg: VisionConfig, weights: dict[str, torch.Tensor], image_token_id: int = IMAGE_TOKEN_ID):
+        self.cfg, self.image_token_id = cfg, image_token_id
         missing = [n for n in expected_names(cfg) if n not in weights]
         if missing:
             raise ValueError(f"vision tower: missing {[PREFIX + n for n in missing[:5]]} "
@@ -218,6 +276,26 @@ class VisionTower:
         y = F.gelu(F.layer_norm(y, (y.shape[-1],), w["merger.post_projection_norm.weight"],
                                 w["merger.post_projection_norm.bias"]))
         return clamped_swiglu(y, w, "merger.", cfg.swiglu_limit)
+
+
+def load(path: Path, dtype: torch.dtype, device: str | torch.device) -> VisionTower | None:
+    """The checkpoint's vision tower (config.json's vision_config, the `model.visual.*` tensors in `dtype` on
+    `device`); None for a text-only checkpoint, one without those tensors."""
+    import checkpoint
+
+    config = json.loads((path / "config.json").read_text())
+    _, where = checkpoint.read_inventory(checkpoint.checkpoint_files(path))
+    names = sorted(k for k in where if k.startswith(PREFIX))
+    if not names:
+        return None
+    if "vision_config" not in config:
+        raise ValueError(f"{path}: {len(names)} {PREFIX}* tensors but no vision_config in config.json")
+    weights = {}
+    for f in sorted({where[k] for k in names}):
+        with safe_open(f, framework="pt") as st:
+            weights |= {k[len(PREFIX):]: st.get_tensor(k).to(device, dtype) for k in names if where[k] == f}
+    return VisionTower(VisionConfig.from_dict(config["vision_config"]), weights,
+                       config.get("image_token_id", IMAGE_TOKEN_ID))
 
 
 def expected_names(cfg: VisionConfig) -> list[str]:

@@ -118,11 +118,12 @@ def test_history_tool_calls_and_reordered_results(template):
     ([{"role": "user", "content": 5}], "messages[0].content"),
     ([{"role": "user", "content": [{"text": "no type"}]}], "messages[0].content[0]"),
     ([{"role": "user", "content": [{"type": "text", "text": 5}]}], "messages[0].content[0].text"),
-    # media parts would render as placeholder tokens with nothing behind them
-    ([{"role": "user", "content": ["look:", {"type": "image_url", "image_url": {"url": "data:,"}}]}],
-     "messages[0].content[1].type"),
+    # audio and video parts would render as placeholder tokens with nothing behind them
     ([{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}]}],
      "messages[0].content[0].type"),
+    ([{"role": "user", "content": [{"type": "video_url", "video_url": {"url": "x"}}]}], "messages[0].content[0].type"),
+    ([{"role": "user", "content": ["look:", {"type": "image_url", "image_url": {"link": "x"}}]}],
+     "messages[0].content[1].image_url"),
     ([{"role": "assistant", "content": [{"type": "refusal", "refusal": None}]}], "messages[0].content[0].refusal"),
     ([{"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": "{bad"}}]}],
      "messages[0].tool_calls[0].function.arguments"),
@@ -134,6 +135,17 @@ def test_bad_messages_name_the_field(messages, param):
     with pytest.raises(chat.ChatError) as e:
         chat.normalize_messages(messages)
     assert e.value.param == param
+
+
+def test_image_parts_render_as_the_templates_placeholder_and_keep_their_source(template):
+    messages = chat.normalize_messages([{"role": "user", "content": [
+        {"type": "text", "text": "Compare "}, {"type": "image_url", "image_url": {"url": "data:a"}},
+        {"type": "text", "text": " and "}, {"type": "image_url", "image_url": "data:b"}]},
+        {"role": "assistant", "content": "Done."}, {"role": "user", "content": [{"type": "image", "image": b"c"}]}])
+    assert chat.image_sources(messages) == ["data:a", "data:b", b"c"]
+    text = _render(template, messages)
+    image = "<|begin_of_image|><|image|><|end_of_image|>"
+    assert f"Compare {image} and {image}" in text and text.count(image) == 3
 
 
 def test_developer_role_renders_as_system(template):

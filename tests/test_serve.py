@@ -652,7 +652,8 @@ def test_strict_tools_hold_their_calls_under_auto(server, client, monkeypatch):
     assert all(held_call(*c) for c in made if c[0] == "get_weather") and any(c[0] == "get_weather" for c in made), made
     submitted = []
     submit = server.loop.submit
-    monkeypatch.setattr(server.loop, "submit", lambda ids, sp, out: (submitted.append(sp), submit(ids, sp, out))[1])
+    monkeypatch.setattr(server.loop, "submit", lambda ids, sp, out, images: (submitted.append(sp),
+                                                                             submit(ids, sp, out, images))[1])
     for tool in ({}, {"strict": False}):
         client.responses.create(model=default_model.NAME, input=q, tools=[{"type": "function", **STRICT["function"],
                                                                            **tool}], max_output_tokens=2)
@@ -700,7 +701,7 @@ BAD = [  # (path, body: dict or raw str, status, param, code)
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"text": "x"}]}]}, 400,
      "messages[0].content[0]", None),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "data:,"}}]}]}, 400, "messages[0].content[0].type", "unsupported"),
+        {"type": "image_url", "image_url": {"url": "data:,"}}]}]}, 400, "messages[0].content[0]", "unsupported"),
     ("/v1/chat/completions", {"messages": [{"role": "assistant", "content": None, "tool_calls": [
         {"type": "function", "function": {"name": "f", "arguments": "{oops"}}]}, *M]}, 400,
      "messages[0].tool_calls[0].function.arguments", None),

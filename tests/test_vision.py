@@ -85,3 +85,99 @@ def test_tower_names_what_it_misses():
     with pytest.raises(ValueError, match=r"missing \['model.visual.blocks.1.attn.qkv.weight'\] \(1 of 39"):
         vision.VisionTower(cfg, weights)
     assert len(vision.expected_names(FULL)) == 347  # the published checkpoint's vision tensors
+
+
+# ---------------------------------------------------------------------------------------------
+# A prompt with images through the engine, against transformers' Glm5NextForConditionalGeneration
+
+IMAGE = 500  # the oracle's image_token_id (its vocabulary is the test tokenizer's 512)
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory):
+    """A perturbed tiny transformers model with a vision tower, saved, and our engine on the saved checkpoint."""
+    import checkpoint
+    import engine as E
+    from model_glm import GLMConfig, GLMModel
+    from test_engine import make_tokenizer
+    from test_model import TEXT, perturb
+
+    path = tmp_path_factory.mktemp("vlm")
+    torch.manual_seed(5)
+    cfg = transformers.Glm5NextConfig(text_config={**TEXT, "vocab_size": 512},
+                                      vision_config={**TINY, "out_hidden_size": TEXT["hidden_size"],
+                                                     "initializer_range": SCALE}, image_token_id=IMAGE)
+    ref = transformers.Glm5NextForConditionalGeneration(cfg).eval()
+    perturb(ref, torch.Generator().manual_seed(6))
+    ref.save_pretrained(path)
+    config = GLMConfig.from_file(path)
+    model = GLMModel(config, checkpoint.load_weights(path, config, torch.float32, "cpu", progress=False))
+    tower = vision.load(path, torch.float32, "cpu")
+    assert tower is not None and tower.image_token_id == IMAGE
+    eng = E.Engine(model, make_tokenizer(512), eos_token_ids=[1], num_blocks=64, block_size=16, max_num_seqs=4,
+                   max_batch_tokens=64, vision_tower=tower)
+    return ref, eng
+
+
+def hf_greedy(ref, ids: list[int], image, n: int) -> tuple[list[int], torch.Tensor]:
+    """transformers' greedy continuation of ids (the image's placeholder written out) and its first logits."""
+    proc = hf_image.Glm5NextImageProcessorPil()
+    px = proc(images=[image], return_tensors="pt")
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        first = ref(input_ids=x, pixel_values=px["pixel_values"], image_grid_thw=px["image_grid_thw"]).logits[0, -1]
+        out = ref.generate(input_ids=x, pixel_values=px["pixel_values"], image_grid_thw=px["image_grid_thw"],
+                           max_new_tokens=n, do_sample=False)
+    return out[0, len(ids):].tolist(), first
+
+
+def test_an_image_prompt_matches_transformers(vlm):
+    """The engine writes the <|image|> token out to the image's 20 tokens, puts the tower's rows there (across
+    prefill chunks of 64 tokens), and greedy decoding continues as transformers' does."""
+    import engine as E
+
+    ref, eng = vlm
+    g = torch.Generator().manual_seed(8)
+    prompt = torch.randint(2, 400, (30,), generator=g).tolist() + [IMAGE] + torch.randint(
+        2, 400, (50,), generator=g).tolist()
+    image = random_image(60, 90, 1)
+    rid = eng.add_request(prompt, E.SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3),
+                          images=[image])
+    seq = eng.requests[rid]
+    n = vision.image_tokens(vision.image_patches(image, eng.vision.cfg)[1], eng.vision.cfg)
+    assert seq.token_ids == prompt[:30] + [IMAGE] * n + prompt[31:] and (seq.images[0].start, n) == (30, 20)
+    outs = []
+    while eng.has_work():
+        outs += eng.step()
+    got = [t for o in outs for t in o.token_ids]
+    want, first = hf_greedy(ref, seq.prompt_tensor.tolist(), image, 6)
+    assert got == want
+    lp = torch.log_softmax(first, -1)
+    top = outs[0].logprobs[0].top
+    assert [i for i, _ in top] == lp.topk(3).indices.tolist()
+    torch.testing.assert_close(torch.tensor([v for _, v in top]), lp.topk(3).values, atol=1e-4, rtol=0)
+
+
+def test_the_prefix_cache_tells_images_apart(vlm):
+    import engine as E
+
+    _, eng = vlm
+    g = torch.Generator().manual_seed(9)
+    prompt = torch.randint(2, 400, (40,), generator=g).tolist() + [IMAGE] + torch.randint(
+        2, 400, (20,), generator=g).tolist()
+    greedy = E.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+    def run(image) -> tuple[list[int], int]:
+        before = eng.stats().prefix_hit_tokens
+        rid = eng.add_request(prompt, greedy, images=[image])
+        outs = []
+        while eng.has_work():
+            outs += eng.step()
+        return [t for o in outs if o.request_id == rid for t in o.token_ids], eng.stats().prefix_hit_tokens - before
+
+    a, _ = run(random_image(60, 90, 2))
+    b, _ = run(random_image(60, 90, 3))  # (snapshots the branch point, the block the image starts in)
+    c, hit_c = run(random_image(60, 90, 4))
+    a2, hit_a = run(random_image(60, 90, 2))
+    assert a2 == a and len({tuple(a), tuple(b), tuple(c)}) == 3
+    assert (hit_c, hit_a) == (32, 64)  # c: the two blocks before its image; a again: past the image too
