@@ -23,7 +23,7 @@ import jsonmode
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                413: "request_too_large"}  # the statuses this server sends; others are "api_error"
-UNSUPPORTED_BLOCKS = ("image", "document", "search_result", "container_upload", "server_tool_use")
+UNSUPPORTED_BLOCKS = ("document", "search_result", "container_upload", "server_tool_use")
 SHARED_FIELDS = ("max_tokens", "top_p", "top_k", "stream")  # the same name and meaning in both APIs
 
 
@@ -38,8 +38,8 @@ def error_body(status: int, message: str) -> dict:
 def _bad_block(b: Any, q: str, where: str) -> chat.ChatError:
     kind = b.get("type") if isinstance(b, dict) else None
     if kind in UNSUPPORTED_BLOCKS:
-        return chat.ChatError(f"{q}.type {kind!r}: these blocks are not supported (this engine runs the text "
-                              "model, with no vision encoder or server tools)", f"{q}.type", "unsupported")
+        return chat.ChatError(f"{q}.type {kind!r}: these blocks are not supported (this engine reads text and "
+                              "images, and runs no server tools)", f"{q}.type", "unsupported")
     return chat.ChatError(f"{q}.type must be one of {where}; got {kind!r}", f"{q}.type")
 
 
@@ -51,6 +51,9 @@ def _text(content: Any, q: str) -> str:
         raise chat.ChatError(f"{q} must be a string or a list of text blocks", q)
     parts = []
     for i, b in enumerate(content):
+        if isinstance(b, dict) and b.get("type") == "image":
+            raise chat.ChatError(f"{q}[{i}].type 'image': an image is read in a user message's content, not here",
+                                 f"{q}[{i}].type", "unsupported")
         if not (isinstance(b, dict) and b.get("type") == "text"):
             raise _bad_block(b, f"{q}[{i}]", "text")
         parts.append(_block_text(b, f"{q}[{i}]", "text"))
@@ -74,8 +77,8 @@ def _blocks(m: dict, p: str) -> list[dict]:
 
 def _user_turn(m: dict, p: str) -> list[dict]:
     """Tool results become tool messages, put first (the template expects them right after the assistant's
-    calls); the text blocks become one user message."""
-    results, texts = [], []
+    calls); the text and image blocks become one user message (its text joined where it has no image)."""
+    results, parts = [], []
     for j, b in enumerate(_blocks(m, p)):
         q = f"{p}.content[{j}]"
         kind = b.get("type") if isinstance(b, dict) else None
@@ -85,10 +88,26 @@ def _user_turn(m: dict, p: str) -> list[dict]:
             results.append({"role": "tool", "tool_call_id": b["tool_use_id"],
                             "content": _text(b.get("content", ""), f"{q}.content")})
         elif kind == "text":
-            texts.append(_block_text(b, q, "text"))
+            parts.append({"type": "text", "text": _block_text(b, q, "text")})
+        elif kind == "image":
+            parts.append({"type": "image_url", "image_url": {"url": _image_url(b.get("source"), f"{q}.source")}})
         else:
-            raise _bad_block(b, q, "text, tool_result")
-    return results + ([{"role": "user", "content": "".join(texts)}] if texts else [])
+            raise _bad_block(b, q, "text, image, tool_result")
+    if all(part["type"] == "text" for part in parts):
+        parts = "".join(part["text"] for part in parts)
+    return results + ([{"role": "user", "content": parts}] if parts else [])
+
+
+def _image_url(source: Any, q: str) -> str:
+    """An image block's source, {"type": "base64", "media_type": ..., "data": ...} or {"type": "url", "url": ...},
+    as a URL (a data URL for the first)."""
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "base64" and all(isinstance(source.get(k), str) for k in ("media_type", "data")):
+        return f"data:{source['media_type']};base64,{source['data']}"
+    if kind == "url" and isinstance(source.get("url"), str):
+        return source["url"]
+    raise chat.ChatError(f"{q} must be {{'type': 'base64', 'media_type': ..., 'data': ...}} or {{'type': 'url', "
+                         f"'url': ...}}", q)
 
 
 def _assistant_turn(m: dict, p: str) -> dict:

@@ -18,12 +18,14 @@ from typing import Any, Iterator
 import chat
 import jsonmode
 
-UNSUPPORTED_PARTS = ("input_image", "input_file", "input_audio")
+UNSUPPORTED_PARTS = ("input_file", "input_audio")
 STATEFUL_FIELDS = ("previous_response_id", "conversation")
 
 
-def _text(content: Any, q: str) -> str:
-    """A string, or a list of text parts (input_text, output_text) joined, as plain text."""
+def _text(content: Any, q: str, images: bool = False) -> str | list[dict]:
+    """A string, or a list of text parts (input_text, output_text) joined, as plain text; where `images` are
+    allowed (a message's content) and one comes (input_image, its image_url a data or http(s) URL), the chat
+    path's text and image parts instead."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -31,15 +33,23 @@ def _text(content: Any, q: str) -> str:
     parts = []
     for i, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind in UNSUPPORTED_PARTS:
-            raise chat.ChatError(f"{q}[{i}].type {kind!r}: not supported (this engine runs the text model, with no "
-                                 "vision or audio encoder)", f"{q}[{i}].type", "unsupported")
+        if kind in UNSUPPORTED_PARTS or kind == "input_image" and not images:
+            raise chat.ChatError(f"{q}[{i}].type {kind!r}: not supported (this engine reads text, and images in a "
+                                 "message)", f"{q}[{i}].type", "unsupported")
+        if kind == "input_image":
+            if not isinstance(part.get("image_url"), str):
+                raise chat.ChatError(f"{q}[{i}].image_url must be a data or http(s) URL (file_id is not supported: "
+                                     "this server stores no files)", f"{q}[{i}].image_url")
+            parts.append({"type": "image_url", "image_url": {"url": part["image_url"]}})
+            continue
         if kind not in ("input_text", "output_text", "text", "summary_text", "reasoning_text"):
             raise chat.ChatError(f"{q}[{i}].type must be input_text or output_text; got {kind!r}", f"{q}[{i}].type")
         if not isinstance(part.get("text"), str):
             raise chat.ChatError(f"{q}[{i}].text must be a string", f"{q}[{i}].text")
-        parts.append(part["text"])
-    return "".join(parts)
+        parts.append({"type": "text", "text": part["text"]})
+    if all(part["type"] == "text" for part in parts):
+        return "".join(part["text"] for part in parts)
+    return parts
 
 
 def _messages(body: dict) -> list[dict]:
@@ -63,7 +73,7 @@ def _messages(body: dict) -> list[dict]:
             if role not in ("user", "system", "developer", "assistant"):
                 raise chat.ChatError(f"{q}.role must be user, system, developer or assistant; got {role!r}",
                                      f"{q}.role")
-            out.append({"role": role, "content": _text(item.get("content"), f"{q}.content")})
+            out.append({"role": role, "content": _text(item.get("content"), f"{q}.content", images=True)})
         elif kind == "reasoning":
             key = "content" if item.get("content") else "summary"  # the full text where the client kept it
             reasoning = _text(item.get(key) or [], f"{q}.{key}")

@@ -76,6 +76,18 @@ def test_structured_output_is_chat_completions_json_schema(field):
         m.to_chat({"max_tokens": 5, **field, "messages": [U[0], {"role": "assistant", "content": "{"}]})
 
 
+def test_image_blocks_become_image_parts():
+    got = m.to_chat({"max_tokens": 5, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "What is "}, {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                                                          "data": "AAAA"}},
+        {"type": "text", "text": " and "}, {"type": "image", "source": {"type": "url", "url": "https://x/y.png"}}]}]})
+    assert got.messages[-1] == {"role": "user", "content": [
+        {"type": "text", "text": "What is "}, {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+        {"type": "text", "text": " and "}, {"type": "image_url", "image_url": {"url": "https://x/y.png"}}]}
+    assert chat.image_sources(chat.normalize_messages(got.messages)) == ["data:image/png;base64,AAAA",
+                                                                         "https://x/y.png"]
+
+
 U = [{"role": "user", "content": "hi"}]
 BAD = [  # (body, param, code)
     ({"max_tokens": 5, "messages": U, "output_config": {"format": {"type": "json_object"}}}, "output_config.format",
@@ -89,6 +101,8 @@ BAD = [  # (body, param, code)
     ({"max_tokens": 5, "messages": [{"role": "system", "content": "x"}]}, "messages[0].role", "invalid_value"),
     ({"max_tokens": 5, "messages": [{"role": "user", "content": []}]}, "messages[0].content", "invalid_value"),
     ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+     "messages[0].content[0].source", "invalid_value"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]},
      "messages[0].content[0].type", "unsupported"),
     ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "text", "text": 3}]}]},
      "messages[0].content[0].text", "invalid_value"),

@@ -35,6 +35,13 @@ def test_items_become_the_same_chat():
     assert req.thinking.enabled  # the chat path's default: the template thinks
 
 
+def test_input_images_become_image_parts():
+    image = {"type": "input_image", "image_url": "data:image/png;base64,AA", "detail": "auto"}
+    got = r.to_chat({"input": [{"role": "user", "content": [{"type": "input_text", "text": "Describe "}, image]}]})
+    assert got.messages[-1]["content"] == [{"type": "text", "text": "Describe "},
+                                           {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}}]
+
+
 @pytest.mark.parametrize("effort, enabled, template", [("none", False, "low"), ("minimal", True, "low"),
                                                        ("low", True, "low"), ("high", True, "high"),
                                                        (None, True, "max")])
@@ -48,8 +55,12 @@ BAD = [  # (body, param, code)
     ({"input": []}, "input", "invalid_value"),
     ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id", "unsupported"),
     ({"input": [{"role": "robot", "content": "x"}]}, "input[0].role", "invalid_value"),
-    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "data:,"}]}]},
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "file_1"}]}]},
+     "input[0].content[0].image_url", "invalid_value"),
+    ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "file_1"}]}]},
      "input[0].content[0].type", "unsupported"),
+    ({"input": "x", "instructions": [{"type": "input_image", "image_url": "data:,"}]}, "instructions[0].type",
+     "unsupported"),
     ({"input": [{"role": "user", "content": [{"type": "input_text", "text": 5}]}]}, "input[0].content[0].text",
      "invalid_value"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type", "unsupported"),

@@ -15,6 +15,7 @@ import torch
 import checkpoint
 from checkpoint import random_weights, tiny_config_dict  # noqa: F401  (re-exported)
 import exl3
+import vision
 from model_glm import GLMConfig
 
 
@@ -52,3 +53,26 @@ def make_tiny_checkpoint(dir: str | Path, experts: str = "bf16", core: str = "bf
     if experts == "exl3":
         weights |= random_exl3_experts(config, seed, bits)
     return checkpoint.write_checkpoint(dir, config_dict, weights, experts=experts, core=core, bits=bits)
+
+
+def random_vision_tower(out_hidden_size: int, image_token_id: int, device: str | torch.device = "cpu",
+                        dtype: torch.dtype = torch.float32, seed: int = 0) -> vision.VisionTower:
+    """A one-block vision tower of random weights whose rows fit a language model of out_hidden_size."""
+    cfg = vision.VisionConfig(depth=1, hidden_size=32, num_heads=2, intermediate_size=64,
+                              out_hidden_size=out_hidden_size, projection_intermediate_size=48)
+    h, i, o, pi, m = 32, 64, out_hidden_size, 48, cfg.spatial_merge_size
+    shapes = {"attn.qkv.weight": (3 * h, h), "attn.qkv.bias": (3 * h,), "attn.proj.weight": (h, h),
+              "attn.proj.bias": (h,), "attn.q_norm.weight": (cfg.head_dim,), "attn.k_norm.weight": (cfg.head_dim,),
+              "mlp.gate_proj.weight": (i, h), "mlp.gate_proj.bias": (i,), "mlp.up_proj.weight": (i, h),
+              "mlp.up_proj.bias": (i,), "mlp.down_proj.weight": (h, i), "mlp.down_proj.bias": (h,),
+              "norm1.weight": (h,), "norm2.weight": (h,)}
+    shapes = {f"blocks.0.{k}": v for k, v in shapes.items()} | {
+        "downsample.weight": (o, h, m, m), "downsample.bias": (o,), "merger.proj.weight": (o, o),
+        "merger.post_projection_norm.weight": (o,), "merger.post_projection_norm.bias": (o,),
+        "merger.gate_proj.weight": (pi, o), "merger.up_proj.weight": (pi, o), "merger.down_proj.weight": (o, pi),
+        "patch_embed.proj.weight": (h, 3, cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size),
+        "patch_embed.proj.bias": (h,), "post_layernorm.weight": (h,)}
+    g = torch.Generator().manual_seed(seed)
+    weights = {k: (torch.randn(shape, generator=g) / math.sqrt(math.prod(shape[1:]) or 1)).to(device, dtype)
+               for k, shape in shapes.items()}
+    return vision.VisionTower(cfg, weights, image_token_id)
