@@ -1638,6 +1638,9 @@ def load(path_or_hf_id: str | Path | None = None, device: str | torch.device | N
                          "with speculator='dflash2', and only with it")
     drafter = dflash.load_drafter(drafter_path, model) if drafter_path is not None else None
     tower = vision.load(path, dtype, model.weights["embed_tokens.weight"].device)
+    if tower is not None:
+        print(f"engine: vision tower, {sum(t.numel() for t in tower.w.values()) / 1e6:.1f} M parameters on "
+              f"{tower.device}", flush=True)
     return Engine(model, tokenizer, eos_token_ids=_eos_ids(path, config), chat_template=_chat_template(path),
                   num_blocks=num_blocks, max_cache_tokens=max_cache_tokens, memory_fraction=memory_fraction,
                   max_num_seqs=max_num_seqs, max_batch_tokens=max_batch_tokens, block_size=block_size,

@@ -25,7 +25,7 @@ import io
 import json
 import math
 import urllib.request
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import numpy as np
@@ -55,20 +55,33 @@ class VisionConfig:
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     attention_bias: bool = True
-    min_image_tokens: int = 16  # the image processor's budget, in tokens of temporal_patch_size x 28 x 28 pixels
+    # the image processor's: its budget, in tokens of temporal_patch_size x 28 x 28 pixels, and normalization
+    min_image_tokens: int = 16
     max_image_tokens: int = 8000
+    image_mean: tuple[float, float, float] = CLIP_MEAN
+    image_std: tuple[float, float, float] = CLIP_STD
 
     @classmethod
-    def from_dict(cls, d: dict) -> VisionConfig:
-        """config.json's vision_config (other keys, e.g. image_size, are not read)."""
+    def from_dict(cls, d: dict, processor: dict | None = None) -> VisionConfig:
+        """config.json's vision_config (other keys, e.g. image_size, are not read), with the image processor's
+        settings (`processor`: processor_config.json's image_processor) where the checkpoint has them."""
         if d.get("hidden_act", "silu") != "silu":
             raise ValueError(f"vision_config.hidden_act {d['hidden_act']!r}: the tower's MLPs are SiLU-gated")
         rope = d.get("rope_parameters") or {}
         if rope.get("rope_type", "axial") != "axial":
             raise ValueError(f"vision_config.rope_parameters.rope_type {rope['rope_type']!r}: only axial")
         names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names},
-                   **({"rope_theta": float(rope["rope_theta"])} if "rope_theta" in rope else {}))
+        cfg = cls(**{k: v for k, v in d.items() if k in names},
+                  **({"rope_theta": float(rope["rope_theta"])} if "rope_theta" in rope else {}))
+        p = processor or {}
+        tower = {"patch_size": cfg.patch_size, "temporal_patch_size": cfg.temporal_patch_size,
+                 "merge_size": cfg.spatial_merge_size, "patch_expand_factor": 1}
+        for key, value in tower.items():
+            if key in p and p[key] != value:
+                raise ValueError(f"the image processor's {key} {p[key]} is not the tower's {value}")
+        settings = {k: int(p[k]) for k in ("min_image_tokens", "max_image_tokens") if k in p}
+        settings |= {k: tuple(p[k]) for k in ("image_mean", "image_std") if k in p}
+        return replace(cfg, **settings)
 
     @property
     def head_dim(self) -> int:
@@ -171,7 +184,7 @@ def image_patches(image, cfg: VisionConfig) -> tuple[torch.Tensor, tuple[int, in
     pixels = np.zeros((th, tw, 3), dtype=np.uint8)
     pixels[:ch, :cw] = np.asarray(rgb)
     x = torch.from_numpy(pixels).permute(2, 0, 1).float() / 255.0
-    x = (x - torch.tensor(CLIP_MEAN)[:, None, None]) / torch.tensor(CLIP_STD)[:, None, None]
+    x = (x - torch.tensor(cfg.image_mean)[:, None, None]) / torch.tensor(cfg.image_std)[:, None, None]
     p, m = cfg.patch_size, cfg.spatial_merge_size
     gh, gw = th // p, tw // p
     x = x.reshape(3, gh // m, m, p, gw // m, m, p).permute(1, 4, 2, 5, 0, 3, 6)  # blocks, block rows, patch
@@ -294,8 +307,18 @@ def load(path: Path, dtype: torch.dtype, device: str | torch.device) -> VisionTo
     for f in sorted({where[k] for k in names}):
         with safe_open(f, framework="pt") as st:
             weights |= {k[len(PREFIX):]: st.get_tensor(k).to(device, dtype) for k in names if where[k] == f}
-    return VisionTower(VisionConfig.from_dict(config["vision_config"]), weights,
+    return VisionTower(VisionConfig.from_dict(config["vision_config"], _processor_config(path)), weights,
                        config.get("image_token_id", IMAGE_TOKEN_ID))
+
+
+def _processor_config(path: Path) -> dict:
+    """The image processor's settings the checkpoint ships: processor_config.json's image_processor (transformers
+    5), else preprocessor_config.json; none (transformers' defaults) where it ships neither."""
+    if (path / "processor_config.json").is_file():
+        return json.loads((path / "processor_config.json").read_text()).get("image_processor") or {}
+    if (path / "preprocessor_config.json").is_file():
+        return json.loads((path / "preprocessor_config.json").read_text())
+    return {}
 
 
 def expected_names(cfg: VisionConfig) -> list[str]:

@@ -51,6 +51,16 @@ def test_patches_are_the_image_processors(height, width):
     torch.testing.assert_close(patches, want["pixel_values"].float(), atol=2e-6, rtol=0)
 
 
+def test_the_checkpoints_processor_settings_are_read():
+    cfg = vision.VisionConfig.from_dict(TINY, {"max_image_tokens": 64, "image_mean": [0.5] * 3, "merge_size": 2,
+                                               "size": {"longest_edge": 1}})
+    assert (cfg.max_image_tokens, cfg.min_image_tokens, cfg.image_mean, cfg.image_std) == (64, 16, (0.5,) * 3,
+                                                                                          vision.CLIP_STD)
+    assert vision.image_patches(random_image(900, 900, 0), cfg)[1] == (16, 16)  # 64 tokens, not 8000's 4096
+    with pytest.raises(ValueError, match="the image processor's merge_size 4 is not the tower's 2"):
+        vision.VisionConfig.from_dict(TINY, {"merge_size": 4})
+
+
 def hf_tower(seed: int) -> "hf.Glm5NextVisionModel":
     torch.manual_seed(seed)
     ref = hf.Glm5NextVisionModel(transformers.Glm5NextVisionConfig(**TINY, initializer_range=SCALE)).eval()
