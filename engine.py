@@ -25,7 +25,6 @@ products over fewer rows).
 """
 from __future__ import annotations
 
-import hashlib
 import itertools
 import json
 import math
@@ -857,8 +856,9 @@ class Engine:
 
     def add_request(self, prompt_ids: list[int], sampling: SamplingParams | None = None,
                     request_id: str | None = None, images: Seq = ()) -> str:
-        """Queue a request. `images` (PIL images, their bytes, data or http(s) URLs): one for each <|image|> token
-        of the prompt, in order, which the engine writes out to as many as the image has tokens."""
+        """Queue a request. `images` (PIL images, their bytes, data or http(s) URLs, or vision.Prepared): one for
+        each <|image|> token of the prompt, in order, which the engine writes out to as many as the image has
+        tokens."""
         p = sampling or SamplingParams()
         if not isinstance(p, SamplingParams):
             raise TypeError(f"sampling must be a SamplingParams, got {type(p).__name__}")
@@ -938,11 +938,11 @@ class Engine:
                              f"chat template writes it), which the engine writes out to the image's size")
         ids, placed, prev = [], [], 0
         for i, image in zip(at, images):
-            patches, grid = vision.image_patches(vision.open_image(image), self.vision.cfg)
-            rows = self.vision(patches, grid).to(self.device, self.dtype)
+            ready = image if isinstance(image, vision.Prepared) else vision.prepare(image, self.vision.cfg)
             ids += prompt_ids[prev:i]
-            placed.append(ImageRows(len(ids), rows, hashlib.blake2b(patches.numpy().tobytes(), digest_size=16).digest()))
-            ids += [tok] * len(rows)
+            placed.append(ImageRows(len(ids), self.vision(ready.patches, ready.grid).to(self.device, self.dtype),
+                                    ready.digest))
+            ids += [tok] * ready.tokens
             prev = i + 1
         return ids + prompt_ids[prev:], placed
 

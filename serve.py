@@ -442,14 +442,14 @@ class Job:
     include_usage: bool
     logprobs: int | None  # top alternatives per token when logprobs were asked for
     n: int = 1  # choices, each sampled on its own
-    images: list = field(default_factory=list)  # decoded, one for each <|image|> token of prompt_ids
+    images: list = field(default_factory=list)  # vision.Prepared, one for each <|image|> token of prompt_ids
 
 
 @dataclass
 class ChatPrompt:
     """A chat request rendered (Server._chat_prompt): its token ids, the parser of its answer, what the parser
     already made of a forced start of the answer, the SamplingParams fields that hold its calls to their tools'
-    schemas, and its images (decoded; the engine writes each one's <|image|> token out to the image's tokens)."""
+    schemas, and its images (vision.Prepared; the engine writes each one's <|image|> token out to its tokens)."""
 
     ids: list[int]
     parser: chat.StreamParser
@@ -848,13 +848,12 @@ class Server:
         parser = chat.StreamParser(thinking.enabled, tools, parse_tools=tool_choice != "none")
         head = parser.feed(forced)
         parser.feed(prefill)
-        cfg = self.engine.vision.cfg if images else None
-        return ChatPrompt(prompt_ids, parser, head, held, images,
-                          len(prompt_ids) + sum(vision.token_count(im, cfg) - 1 for im in images))
+        return ChatPrompt(prompt_ids, parser, head, held, images, len(prompt_ids) + sum(im.tokens - 1 for im in images))
 
-    def _images(self, messages: list[dict]) -> list:
-        """The messages' images, decoded here (a request's handler thread, not the engine's): a 400 names the
-        part that cannot be read, or the first image where the checkpoint has no vision tower."""
+    def _images(self, messages: list[dict]) -> list[vision.Prepared]:
+        """The messages' images, decoded and cut into patches here (a request's handler thread; the engine's runs
+        the tower): a 400 names the part that cannot be read, or the first image where the checkpoint has no
+        vision tower."""
         at = [(f"messages[{i}].content[{j}]", part["image"]) for i, m in enumerate(messages)
               if isinstance(m.get("content"), list) for j, part in enumerate(m["content"])
               if isinstance(part, dict) and part.get("type") == "image"]
@@ -864,7 +863,7 @@ class Server:
         images = []
         for param, source in at:
             try:
-                images.append(vision.open_image(source))
+                images.append(vision.prepare(source, self.engine.vision.cfg))
             except ValueError as e:
                 raise ApiError(400, f"'{param}': {e}", param, "invalid_value")
         return images

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 import io
 import json
 import math
@@ -196,11 +197,21 @@ def image_tokens(grid: tuple[int, int], cfg: VisionConfig) -> int:
     return grid[0] * grid[1] // cfg.spatial_merge_size ** 2
 
 
-def token_count(image, cfg: VisionConfig) -> int:
-    """The <|image|> tokens a PIL image stands for (image_patches' grid, from its size alone)."""
-    width, height = image.size
-    th, tw = canvas(height, width, cfg)
-    return image_tokens((th // cfg.patch_size, tw // cfg.patch_size), cfg)
+@dataclass(frozen=True)
+class Prepared:
+    """An image cut into patches for the tower (image_patches), the <|image|> tokens it stands for, and a digest
+    of its patches (the prefix cache's key for it)."""
+    patches: torch.Tensor
+    grid: tuple[int, int]
+    tokens: int
+    digest: bytes
+
+
+def prepare(source, cfg: VisionConfig) -> Prepared:
+    """An image as a request gives it (open_image) made ready for the tower: the CPU's part of reading it."""
+    patches, grid = image_patches(open_image(source), cfg)
+    return Prepared(patches, grid, image_tokens(grid, cfg),
+                    hashlib.blake2b(patches.numpy().tobytes(), digest_size=16).digest())
 
 
 # ---------------------------------------------------------------------------------------------

@@ -395,7 +395,7 @@ def test_images_through_the_three_apis(server, url, client, seeing):
     import anthropic
 
     image = png_data_url(0)
-    n = vision.token_count(vision.open_image(image), seeing.cfg)
+    n = vision.prepare(image, seeing.cfg).tokens
     text = [{"role": "user", "content": "What is this?"}]
     with_image = [{"role": "user", "content": [{"type": "text", "text": "What is this?"},
                                                {"type": "image_url", "image_url": {"url": image}}]}]
