@@ -1623,8 +1623,11 @@ def load(path_or_hf_id: str | Path | None = None, device: str | torch.device | N
     # The cache the plan reserves: as asked, else (CUDA, sized after loading) one full batch.
     tokens = num_blocks * block_size if num_blocks else max_cache_tokens or max(max_model_len or 0, max_batch_tokens)
     reserve = cache_mod.pool_bytes(config, -(-tokens // block_size), max_num_seqs + 1, block_size, dtype)
+    budgets = _budgets(devs, memory_per_device)
+    if budgets[0] is not None:  # the vision tower goes beside the embedding
+        budgets[0] -= vision.weight_bytes(path, dtype)
     plan = placement.plan(config, checkpoint.weight_bytes(path, config, dtype), devs, split_experts=split_experts,
-                          budgets=_budgets(devs, memory_per_device), cache=reserve)
+                          budgets=budgets, cache=reserve)
     print(plan.describe(), flush=True)
     model = GLMModel(config, checkpoint.load_weights(path, config, dtype, plan.device_of, progress,
                                                      fp8_core=fp8_core), plan)

@@ -322,6 +322,16 @@ def load(path: Path, dtype: torch.dtype, device: str | torch.device) -> VisionTo
                        config.get("image_token_id", IMAGE_TOKEN_ID))
 
 
+def weight_bytes(path: Path, dtype: torch.dtype) -> int:
+    """What the checkpoint's vision tower takes once loaded in `dtype` (0 for a text-only checkpoint), from the
+    headers alone."""
+    import checkpoint
+
+    inventory, _ = checkpoint.read_inventory(checkpoint.checkpoint_files(path))
+    size = torch.empty((), dtype=dtype).element_size()
+    return sum(math.prod(shape) * size for k, (_, shape) in inventory.items() if k.startswith(PREFIX))
+
+
 def _processor_config(path: Path) -> dict:
     """The image processor's settings the checkpoint ships: processor_config.json's image_processor (transformers
     5), else preprocessor_config.json; none (transformers' defaults) where it ships neither."""

@@ -124,9 +124,11 @@ def vlm(tmp_path_factory):
     model = GLMModel(config, checkpoint.load_weights(path, config, torch.float32, "cpu", progress=False))
     tower = vision.load(path, torch.float32, "cpu")
     assert tower is not None and tower.image_token_id == IMAGE
-    eng = E.Engine(model, make_tokenizer(512), eos_token_ids=[1], num_blocks=64, block_size=16, max_num_seqs=4,
+    tokenizer = make_tokenizer(512)
+    tokenizer.save(str(path / "tokenizer.json"))
+    eng = E.Engine(model, tokenizer, eos_token_ids=[1], num_blocks=64, block_size=16, max_num_seqs=4,
                    max_batch_tokens=64, vision_tower=tower)
-    return ref, eng
+    return ref, eng, path
 
 
 def hf_greedy(ref, ids: list[int], image, n: int) -> tuple[list[int], torch.Tensor]:
@@ -146,7 +148,7 @@ def test_an_image_prompt_matches_transformers(vlm):
     prefill chunks of 64 tokens), and greedy decoding continues as transformers' does."""
     import engine as E
 
-    ref, eng = vlm
+    ref, eng, _ = vlm
     g = torch.Generator().manual_seed(8)
     prompt = torch.randint(2, 400, (30,), generator=g).tolist() + [IMAGE] + torch.randint(
         2, 400, (50,), generator=g).tolist()
@@ -171,7 +173,7 @@ def test_an_image_prompt_matches_transformers(vlm):
 def test_the_prefix_cache_tells_images_apart(vlm):
     import engine as E
 
-    _, eng = vlm
+    _, eng, _ = vlm
     g = torch.Generator().manual_seed(9)
     prompt = torch.randint(2, 400, (40,), generator=g).tolist() + [IMAGE] + torch.randint(
         2, 400, (20,), generator=g).tolist()
@@ -191,3 +193,25 @@ def test_the_prefix_cache_tells_images_apart(vlm):
     a2, hit_a = run(random_image(60, 90, 2))
     assert a2 == a and len({tuple(a), tuple(b), tuple(c)}) == 3
     assert (hit_c, hit_a) == (32, 64)  # c: the two blocks before its image; a again: past the image too
+
+
+def test_load_reads_the_tower_and_plans_for_it(vlm):
+    """engine.load loads the tower beside the embedding; the placement plan counts it (a device budget that
+    holds the text model but not the tower too is refused before any weight is read)."""
+    import engine as E
+    import placement
+
+    _, eng, path = vlm
+    tower_bytes = vision.weight_bytes(path, torch.float32)
+    assert tower_bytes == sum(t.numel() * 4 for t in eng.vision.w.values())
+    opts = dict(device="cpu", dtype=torch.float32, num_blocks=64, block_size=16, max_num_seqs=4, max_batch_tokens=64,
+                progress=False)
+    budget = 1 << 34
+    loaded = E.load(path, memory_per_device=budget, **opts)
+    assert loaded.vision is not None and loaded.vision.image_token_id == IMAGE
+    plan = loaded.model.placement
+    assert plan.budget[0] == budget - tower_bytes
+    need = plan.weight_bytes[0] + plan.cache_bytes[0]  # the text model's weights and the cache planned for
+    assert E.load(path, memory_per_device=need + tower_bytes, **opts).vision is not None
+    with pytest.raises(placement.PlacementError):
+        E.load(path, memory_per_device=need + tower_bytes // 2, **opts)
