@@ -78,13 +78,12 @@ class SamplingParams:
     """Per-request sampling. temperature 0 is greedy; top_k 0, top_p 1, min_p 0 switch a filter off.
 
     Order: `allowed_token_ids` (vLLM's: every other token at -inf), `logit_bias` (added to the model's logits, as
-    OpenAI's field), then as vLLM: penalties,
-    temperature, top_k, top_p, min_p. `stop_token_ids` are extra stop ids; the checkpoint's eos ids
-    always stop unless `ignore_eos`. A stop string ends the text
-    before it (after it with `include_stop_str_in_output`, vLLM's field). `min_tokens=n` (vLLM's): the first n
-    tokens cannot stop the request: its stop tokens are drawn as if their logits were -inf, and a stop string
-    that ends inside them does not count. `logprobs=n` returns the chosen token's log-probability and the n most likely
-    tokens, from the model's distribution before any of the processing above.
+    OpenAI's field), then as vLLM: penalties, temperature, top_k, top_p, min_p. `stop_token_ids` are extra stop ids;
+    the checkpoint's eos ids always stop unless `ignore_eos`. A stop string ends the text before it (after it with
+    `include_stop_str_in_output`, vLLM's field). `min_tokens=n` (vLLM's): the first n tokens cannot stop the
+    request: its stop tokens are drawn as if their logits were -inf, and a stop string that ends inside them does
+    not count. `logprobs=n` returns the chosen token's log-probability and the n most likely tokens, from the
+    model's distribution before any of the processing above.
     `thinking_token_budget=n`: when the prompt ends inside a think block (after `<think>`, with no
     `</think>` since), at most n tokens are generated inside it, counting those the prompt already has
     there; the next one is `</think>`, forced whatever was sampled (serving.md §1.2: a reasoning budget
