@@ -215,3 +215,32 @@ def test_load_reads_the_tower_and_plans_for_it(vlm):
     assert E.load(path, memory_per_device=need + tower_bytes, **opts).vision is not None
     with pytest.raises(placement.PlacementError):
         E.load(path, memory_per_device=need + tower_bytes // 2, **opts)
+
+
+def test_generate_reads_the_images_of_chat_messages():
+    """engine.generate and stream with {"type": "image", "image": ...} parts (PIL images, bytes or URLs): the
+    template's placeholder is written out to the image's tokens; without a tower the request is refused."""
+    import io
+
+    import engine as E
+    import tiny
+
+    eng = E.load(None, device="cpu", progress=False)
+    assert eng.vision is None  # the built-in model has no tower
+    image = random_image(60, 90, 5)
+    png = io.BytesIO()
+    image.save(png, format="PNG")
+    messages = [{"role": "user", "content": [{"type": "text", "text": "What is this?"},
+                                             {"type": "image", "image": png.getvalue()}]}]
+    with pytest.raises(ValueError, match="has no vision tower"):
+        eng.generate([messages], E.SamplingParams(max_tokens=2))
+    eng.vision = tiny.random_vision_tower(eng.config.hidden_size, eng.tokenizer.token_to_id("<|image|>"))
+    greedy = E.SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    got = eng.generate([messages], greedy)[0]
+    text_only = eng.generate([[{"role": "user", "content": "What is this?"}]], greedy)[0]
+    placeholder = len(eng.tokenizer.encode("<|begin_of_image|><|image|><|end_of_image|>",
+                                           add_special_tokens=False).ids)
+    n = vision.prepare(image, eng.vision.cfg).tokens
+    assert got.usage.prompt_tokens == text_only.usage.prompt_tokens + placeholder - 1 + n
+    streamed = list(eng.stream(messages, greedy))
+    assert [t for o in streamed for t in o.token_ids] == got.token_ids
