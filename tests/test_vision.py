@@ -244,3 +244,44 @@ def test_generate_reads_the_images_of_chat_messages():
     assert got.usage.prompt_tokens == text_only.usage.prompt_tokens + placeholder - 1 + n
     streamed = list(eng.stream(messages, greedy))
     assert [t for o in streamed for t in o.token_ids] == got.token_ids
+
+
+def test_open_image_reads_data_urls_http_urls_and_bytes(monkeypatch):
+    import base64
+    import http.server
+    import io
+    import threading
+
+    image = random_image(20, 30, 7)
+    out = io.BytesIO()
+    image.save(out, format="PNG")
+    png = out.getvalue()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            ok = self.path == "/cat.png"
+            self.send_response(200 if ok else 404)
+            self.end_headers()
+            self.wfile.write(png if ok else b"")
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_port}"
+        for source in (png, "data:image/png;base64," + base64.b64encode(png).decode(), url + "/cat.png", image):
+            assert np.array_equal(np.asarray(vision.open_image(source).convert("RGB")), np.asarray(image)), source
+        with pytest.raises(ValueError, match="could not be fetched: HTTP Error 404"):
+            vision.open_image(url + "/dog.png")
+    finally:
+        server.shutdown()
+    for bad, words in ((b"not an image", "could not be decoded"), ("data:image/png,abc", "must be data:<type>;base64"),
+                       ("data:image/png;base64,@@", "base64 is not valid"), ("/etc/passwd", "an image is a data URL"),
+                       (5, "an image is a data URL")):
+        with pytest.raises(ValueError, match=words):
+            vision.open_image(bad)
+    monkeypatch.setattr(vision, "MAX_IMAGE_BYTES", len(png) - 1)
+    with pytest.raises(ValueError, match=f"the image has {len(png)} bytes, more than {len(png) - 1}"):
+        vision.open_image(png)
