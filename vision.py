@@ -219,8 +219,8 @@ def prepare(source, cfg: VisionConfig) -> Prepared:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    """weight * (x / sqrt(mean(x^2) + eps)), the division in fp32 (torch's fused kernel: 1 launch, not 6)."""
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
 def clamped_swiglu(x: torch.Tensor, w: dict[str, torch.Tensor], p: str, limit: float) -> torch.Tensor:
@@ -260,7 +260,10 @@ def attention(x: torch.Tensor, w: dict[str, torch.Tensor], p: str, cfg: VisionCo
     q, k, v = F.linear(x, w[p + "qkv.weight"], w.get(p + "qkv.bias")).reshape(n, 3, H, -1).unbind(1)
     q = rotate(rms_norm(q, w[p + "q_norm.weight"], cfg.rms_norm_eps), cos, sin)
     k = rotate(rms_norm(k, w[p + "k_norm.weight"], cfg.rms_norm_eps), cos, sin)
-    o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1))  # [H, n, d]
+    # [1, H, n, d], contiguous: torch's flash kernel takes it (a 3-D or strided input fell back to the fp32 math
+    # path: 14x slower at 1024 patches on an H100)
+    q, k, v = (t.transpose(0, 1)[None].contiguous() for t in (q, k, v))
+    o = F.scaled_dot_product_attention(q, k, v)[0]
     return F.linear(o.transpose(0, 1).reshape(n, -1), w[p + "proj.weight"], w.get(p + "proj.bias"))
 
 
