@@ -86,6 +86,27 @@ def test_prefill_matches_forward():
     assert _kl(model.forward(step, caches[0]).logits, fast.decoder.step(step).logits) < 1e-7
 
 
+def test_image_rows_replace_their_tokens_embedding():
+    """fp32. An image's rows (vision.py's, here random) across two chunks of one sequence, as the engine slices them:
+    the kernel prefill places them as model_glm's forward does, and they matter."""
+    model = _two_layers(torch.float32)
+    caches, fast = _both(model)
+    rows = torch.randn(12, model.config.hidden_size, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    steps = _chunks(model, [[19, 14]])
+    steps[0][0] = dataclasses.replace(steps[0][0], images=((10, rows[:9]),))
+    steps[1][0] = dataclasses.replace(steps[1][0], images=((0, rows[9:]),))
+    worst, kl = _steps(model, caches, fast, steps)
+    assert worst < (1e-3 if EXACT else 1e-2) and kl < (1e-7 if EXACT else 1e-6), (worst, kl)
+    _same_caches(caches, tight=EXACT)
+    last = []
+    for images in (True, False):  # the same tokens without the rows: other logits
+        pool = _both(model)[0][0]
+        for batch in steps:
+            out = model.forward([c if images else dataclasses.replace(c, images=()) for c in batch], pool)
+        last.append(out.logits)
+    assert float((last[0] - last[1]).abs().max()) > 1e-2
+
+
 def test_prefill_matches_forward_in_bf16():
     """bf16; a one-token first chunk, then one that starts one row into a KDA chunk."""
     model = _two_layers(torch.bfloat16)
