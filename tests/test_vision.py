@@ -144,20 +144,20 @@ def hf_greedy(ref, ids: list[int], image, n: int) -> tuple[list[int], torch.Tens
 
 
 def test_an_image_prompt_matches_transformers(vlm):
-    """The engine writes the <|image|> token out to the image's 20 tokens, puts the tower's rows there (across
-    prefill chunks of 64 tokens), and greedy decoding continues as transformers' does."""
+    """The engine writes the <|image|> token out to the image's 20 tokens, puts the tower's rows there (the image
+    across two prefill chunks of at most 64 tokens), and greedy decoding continues as transformers' does."""
     import engine as E
 
     ref, eng, _ = vlm
     g = torch.Generator().manual_seed(8)
-    prompt = torch.randint(2, 400, (30,), generator=g).tolist() + [IMAGE] + torch.randint(
-        2, 400, (50,), generator=g).tolist()
+    prompt = torch.randint(2, 400, (55,), generator=g).tolist() + [IMAGE] + torch.randint(
+        2, 400, (30,), generator=g).tolist()  # the image's rows 55..74 span the first chunk's end (64)
     image = random_image(60, 90, 1)
     rid = eng.add_request(prompt, E.SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3),
                           images=[image])
     seq = eng.requests[rid]
     n = vision.image_tokens(vision.image_patches(image, eng.vision.cfg)[1], eng.vision.cfg)
-    assert seq.token_ids == prompt[:30] + [IMAGE] * n + prompt[31:] and (seq.images[0].start, n) == (30, 20)
+    assert seq.token_ids == prompt[:55] + [IMAGE] * n + prompt[56:] and (seq.images[0].start, n) == (55, 20)
     outs = []
     while eng.has_work():
         outs += eng.step()
