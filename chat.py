@@ -117,12 +117,12 @@ def _text_of(content: Any, param: str) -> Any:
 
 
 def _text_part(part: Any, param: str) -> str | dict:
-    """A content part as the template reads it: a string, a text part, or an image part (OpenAI's
-    `{"type": "image_url", "image_url": {"url": ...}}`, or `{"type": "image", "image": ...}` with a PIL image, bytes
-    or a URL, in Python), which the template writes as <|begin_of_image|><|image|><|end_of_image|> and which keeps
-    its source (as {"type": "image", "image": source}) for image_sources. An assistant's refusal part (what OpenAI's API returns for a refused request) is
-    its text. Video and audio parts are refused: this engine has no encoder for them (the template would write
-    their placeholders, and the model would answer about media it never saw)."""
+    """A content part as the template reads it: a string, a text part, or an image part (OpenAI's `{"type": "image_url",
+    "image_url": {"url": ...}}`, or `{"type": "image", "image": ...}` with a PIL image, bytes or a URL, in
+    Python), which the template writes as <|begin_of_image|><|image|><|end_of_image|> and which keeps its source
+    (as {"type": "image", "image": source}) for image_sources. An assistant's refusal part (what OpenAI's API
+    returns for a refused request) is its text. Video and audio parts are refused: this engine has no encoder for
+    them (the template would write their placeholders, and the model would answer about media it never saw)."""
     if isinstance(part, str):
         return part
     if not (isinstance(part, dict) and isinstance(part.get("type"), str)):
@@ -252,6 +252,10 @@ class Delta:
     tool_call: ToolCall | None = None
 
 
+# a JSON value's type by its Python type (a dict, anything else: object)
+JSON_KINDS = {str: "string", bool: "boolean", int: "integer", float: "number", type(None): "null", list: "array"}
+
+
 def written_verbatim(prop: Any) -> bool:
     """Whether a tool argument of this property schema is written as its own text, not as JSON: the template
     writes a string verbatim, so a parameter that admits a string (typed so, alone or among others, or an anyOf /
@@ -271,9 +275,6 @@ def _kinds(prop: Any) -> set[str]:
     for alt in (prop.get("anyOf") or []) + (prop.get("oneOf") or []):
         kinds |= _kinds(alt)
     return kinds
-
-
-JSON_KINDS = {str: "string", bool: "boolean", int: "integer", float: "number", type(None): "null", list: "array"}
 
 
 def _param_schema(tools: list[dict] | None, name: str, key: str) -> Any:

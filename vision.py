@@ -51,7 +51,6 @@ class VisionConfig:
     patch_size: int = 14
     temporal_patch_size: int = 2
     spatial_merge_size: int = 2
-    in_channels: int = 3
     swiglu_limit: float = 10.0
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
