@@ -939,11 +939,19 @@ class Engine:
         for i, image in zip(at, images):
             ready = image if isinstance(image, vision.Prepared) else vision.prepare(image, self.vision.cfg)
             ids += prompt_ids[prev:i]
-            placed.append(ImageRows(len(ids), self.vision(ready.patches, ready.grid).to(self.device, self.dtype),
-                                    ready.digest))
+            placed.append(ImageRows(len(ids), self._tower_rows(ready), ready.digest))
             ids += [tok] * ready.tokens
             prev = i + 1
         return ids + prompt_ids[prev:], placed
+
+    def _tower_rows(self, ready: vision.Prepared) -> torch.Tensor:
+        """The tower's rows for an image: a live request's, where one holds the same image (a request's n choices,
+        clients sending one image at once), else the tower's run."""
+        for seq in self.requests.values():
+            for im in seq.images:
+                if im.digest == ready.digest:
+                    return im.rows
+        return self.vision(ready.patches, ready.grid).to(self.device, self.dtype)
 
     def _open_thought(self, prompt_ids: list[int]) -> tuple[bool, int]:
         """Whether the prompt ends inside a think block, and the tokens it holds there."""

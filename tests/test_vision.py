@@ -170,7 +170,9 @@ def test_an_image_prompt_matches_transformers(vlm):
     torch.testing.assert_close(torch.tensor([v for _, v in top]), lp.topk(3).values, atol=1e-4, rtol=0)
 
 
-def test_the_prefix_cache_tells_images_apart(vlm):
+def test_the_prefix_cache_tells_images_apart(vlm, monkeypatch):
+    """Two live requests with one image share the tower's run; the prefix cache hits an image it has seen and not
+    another one."""
     import engine as E
 
     _, eng, _ = vlm
@@ -187,6 +189,14 @@ def test_the_prefix_cache_tells_images_apart(vlm):
             outs += eng.step()
         return [t for o in outs if o.request_id == rid for t in o.token_ids], eng.stats().prefix_hit_tokens - before
 
+    calls = []
+    tower = eng.vision.__class__.__call__
+    monkeypatch.setattr(eng.vision.__class__, "__call__", lambda self, p, g: calls.append(g) or tower(self, p, g))
+    twins = [eng.add_request(prompt, greedy, images=[random_image(60, 90, 2)]) for _ in range(2)]
+    assert len(calls) == 1 and eng.requests[twins[0]].images[0].rows is eng.requests[twins[1]].images[0].rows
+    for rid in twins:
+        eng.cancel(rid)
+    eng.step()
     a, _ = run(random_image(60, 90, 2))
     b, _ = run(random_image(60, 90, 3))  # (snapshots the branch point, the block the image starts in)
     c, hit_c = run(random_image(60, 90, 4))
