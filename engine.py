@@ -925,7 +925,7 @@ class Engine:
 
     def _read_images(self, prompt_ids: list[int], images: Seq) -> tuple[list[int], list[ImageRows]]:
         """The prompt with each image's <|image|> token written out to the image's tokens, and the images' rows
-        (the vision tower runs here, once a request)."""
+        (the vision tower runs here, once for an image no live request holds)."""
         if not images:
             return prompt_ids, []
         if self.vision is None:
