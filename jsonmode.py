@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, fields
 from fractions import Fraction
 from typing import Any, Iterable
 
-from pattern import UTF8_BITS, UTF8_LEADS, Pattern, PatternError
+from pattern import Pattern, PatternError, utf8_byte
 
 WS = frozenset(b" \t\n\r")
 DIGITS = frozenset(b"0123456789")
@@ -859,23 +859,7 @@ class JsonPrefix:
         return self.node.pattern is None or self.node.pattern.matches(self.nfa)
 
     def _utf8_byte(self, b: int) -> bool:
-        if self.utf8_left:
-            lo, hi = self.utf8_next
-            self.utf8_left, self.utf8_next = self.utf8_left - 1, (0x80, 0xBF)
-            self.code = self.code << 6 | b & 0x3F
-            if not lo <= b <= hi:
-                return False
-            if self.utf8_left == 0:
-                return self._read(self.code)
-            low = self.code << 6 * self.utf8_left
-            return self._may_read(low, low + (1 << 6 * self.utf8_left) - 1)
-        if b not in UTF8_LEADS:
-            return False
-        self.utf8_left, lo, hi = UTF8_LEADS[b]
-        self.utf8_next, self.code = (lo, hi), b & UTF8_BITS[self.utf8_left]
-        rest = 6 * (self.utf8_left - 1)  # the bits after the first continuation byte
-        low = (self.code << 6 | lo & 0x3F) << rest
-        return self._may_read(low, (self.code << 6 | hi & 0x3F) << rest | (1 << rest) - 1)
+        return utf8_byte(self, b, self._read, self._may_read)
 
     def _key_byte(self, b: int) -> bool:
         """A byte of an object key, as written: the key must stay a prefix of a property the object can still

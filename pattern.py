@@ -18,6 +18,7 @@ the answer's UTF-8 bytes, refusing a byte as soon as no continuation can match.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 MAX_REPEAT = 1000  # {n,m} copies its atom m times: bounds on the NFA's size
 MAX_STATES = 20000
@@ -169,6 +170,29 @@ class Pattern:
         return frozenset(out)
 
 
+def utf8_byte(s, b: int, read: Callable[[int], bool], may_read: Callable[[int, int], bool]) -> bool:
+    """A byte of a multi-byte UTF-8 character into s.utf8_left, s.utf8_next and s.code (the character being
+    read): read(code) once the character is whole, else may_read(lo, hi) with the code points it can still
+    become; False for a byte no UTF-8 text has there. (JsonPrefix's strings and RegexPrefix read text so.)"""
+    if s.utf8_left:
+        lo, hi = s.utf8_next
+        s.utf8_left, s.utf8_next = s.utf8_left - 1, (0x80, 0xBF)
+        s.code = s.code << 6 | b & 0x3F
+        if not lo <= b <= hi:
+            return False
+        if s.utf8_left == 0:
+            return read(s.code)
+        low = s.code << 6 * s.utf8_left
+        return may_read(low, low + (1 << 6 * s.utf8_left) - 1)
+    if b not in UTF8_LEADS:
+        return False
+    s.utf8_left, lo, hi = UTF8_LEADS[b]
+    s.utf8_next, s.code = (lo, hi), b & UTF8_BITS[s.utf8_left]
+    rest = 6 * (s.utf8_left - 1)  # the bits after the first continuation byte
+    low = (s.code << 6 | lo & 0x3F) << rest
+    return may_read(low, (s.code << 6 | hi & 0x3F) << rest | (1 << rest) - 1)
+
+
 def choice_regex(choices: list[str]) -> str:
     """A pattern that matches exactly one of `choices` (each written with its syntax characters escaped)."""
     return "|".join("".join("\\" + c if c in SYNTAX else c for c in choice) for choice in choices)
@@ -209,25 +233,9 @@ class RegexPrefix:
         if b == STOP:
             self.stopped = self.utf8_left == 0 and self.pattern.matches(self.states)
             return self.stopped
-        if self.utf8_left:
-            lo, hi = self.utf8_next
-            self.utf8_left, self.utf8_next = self.utf8_left - 1, (0x80, 0xBF)
-            self.code = self.code << 6 | b & 0x3F
-            if not lo <= b <= hi:
-                return False
-            if self.utf8_left == 0:
-                return self._read(self.code)
-            low = self.code << 6 * self.utf8_left
-            return self.pattern.can_step(self.states, low, low + (1 << 6 * self.utf8_left) - 1)
-        if b < 0x80:
+        if b < 0x80 and not self.utf8_left:
             return self._read(b)
-        if b not in UTF8_LEADS:
-            return False
-        self.utf8_left, lo, hi = UTF8_LEADS[b]
-        self.utf8_next, self.code = (lo, hi), b & UTF8_BITS[self.utf8_left]
-        rest = 6 * (self.utf8_left - 1)  # the bits after the first continuation byte
-        low = (self.code << 6 | lo & 0x3F) << rest
-        return self.pattern.can_step(self.states, low, (self.code << 6 | hi & 0x3F) << rest | (1 << rest) - 1)
+        return utf8_byte(self, b, self._read, lambda lo, hi: self.pattern.can_step(self.states, lo, hi))
 
     def _read(self, code: int) -> bool:
         self.states = self.pattern.step(self.states, code)
