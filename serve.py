@@ -636,7 +636,8 @@ class Server:
                            "unsupported")
         if keep is not None:  # vLLM's: the prompt's start is cut off
             prompt_ids = prompt_ids[-(limit - 1 if keep == -1 else keep):]
-        length = prompt.length if prompt is not None else len(prompt_ids)
+        # (an image's tokens past its <|image|>; no image where the prompt was cut)
+        length = len(prompt_ids) + (prompt.length - len(prompt.ids) if prompt is not None else 0)
         if length >= limit:
             raise ApiError(400, f"the prompt has {length} tokens; this model's context is {limit} tokens "
                                 f"(at most {limit - 1} for the prompt)", prompt_param,

@@ -311,6 +311,10 @@ def test_truncate_prompt_tokens_keeps_the_prompts_end(server, client):
     assert r.usage.prompt_tokens == 5 and r.choices[0].text == tok.decode(ids[-5:]) + same.choices[0].text
     r = client.chat.completions.create(messages=HI, extra_body={"truncate_prompt_tokens": 3}, **kw)
     assert r.usage.prompt_tokens == 3
+    # a chat prompt longer than the context fits once cut (its length is checked after the cut)
+    long_chat = [{"role": "user", "content": "word " * (MAX_MODEL_LEN + 10)}]
+    r = client.chat.completions.create(messages=long_chat, extra_body={"truncate_prompt_tokens": 8}, **kw)
+    assert r.usage.prompt_tokens == 8
     whole = client.completions.create(prompt=ids, extra_body={"truncate_prompt_tokens": -1}, **kw)
     assert whole.usage.prompt_tokens == len(ids)
 
