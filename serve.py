@@ -456,7 +456,11 @@ class ChatPrompt:
     head: list[chat.Delta]
     held: dict
     images: list
-    length: int  # the prompt's tokens, each image's counted
+
+    @property
+    def length(self) -> int:
+        """The prompt's tokens, each image's counted (the engine writes its <|image|> out to them)."""
+        return len(self.ids) + sum(im.tokens - 1 for im in self.images)
 
 class Server:
     def __init__(self, args: argparse.Namespace):
@@ -623,12 +627,12 @@ class Server:
         return body
 
     def _job(self, body: dict, prompt_ids: list[int], logprobs: int | None, skip_special: bool,
-             prompt_param: str, held: dict | None = None, prompt: ChatPrompt | None = None) -> Job:
-        """`prompt_param`: the request field the prompt came from, named when the prompt is too long; `held`: the
-        SamplingParams fields that hold tool calls to their schemas (_chat_prompt), with the body's
-        parallel_tool_calls; `prompt`: the chat prompt prompt_ids come from (its images)."""
+             prompt_param: str, prompt: ChatPrompt | None = None) -> Job:
+        """`prompt_param`: the request field the prompt came from, named when the prompt is too long; `prompt`: the
+        chat prompt prompt_ids come from (its images, and the SamplingParams fields that hold its tool calls to their
+        schemas, with the body's parallel_tool_calls)."""
         limit = self.engine.max_model_len
-        images = prompt.images if prompt is not None else []
+        images, held = (prompt.images, prompt.held) if prompt is not None else ([], None)
         keep = field_of(body, "truncate_prompt_tokens", "int", None, lambda v: v >= 1 or v == -1,
                         "must be >= 1 (the prompt's last tokens kept) or -1 (as many as the context holds)")
         if keep is not None and images:
@@ -636,8 +640,7 @@ class Server:
                            "unsupported")
         if keep is not None:  # vLLM's: the prompt's start is cut off
             prompt_ids = prompt_ids[-(limit - 1 if keep == -1 else keep):]
-        # (an image's tokens past its <|image|>; no image where the prompt was cut)
-        length = len(prompt_ids) + (prompt.length - len(prompt.ids) if prompt is not None else 0)
+        length = len(prompt_ids) + sum(im.tokens - 1 for im in images)  # (no image where the prompt was cut)
         if length >= limit:
             raise ApiError(400, f"the prompt has {length} tokens; this model's context is {limit} tokens "
                                 f"(at most {limit - 1} for the prompt)", prompt_param,
@@ -774,7 +777,7 @@ class Server:
         if top and not logprobs:
             raise ApiError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs", "invalid_value")
         job = self._job(body, prompt.ids, top if logprobs else None, skip_special=False, prompt_param="messages",
-                        held=prompt.held, prompt=prompt)
+                        prompt=prompt)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         choices = self._choices(job, request.environ.get("werkzeug.socket"))
         # each choice parses its own answer; the head (a forced start) is already fed to the parser
@@ -849,7 +852,7 @@ class Server:
         parser = chat.StreamParser(thinking.enabled, tools, parse_tools=tool_choice != "none")
         head = parser.feed(forced)
         parser.feed(prefill)
-        return ChatPrompt(prompt_ids, parser, head, held, images, len(prompt_ids) + sum(im.tokens - 1 for im in images))
+        return ChatPrompt(prompt_ids, parser, head, held, images)
 
     def _images(self, messages: list[dict]) -> list[vision.Prepared]:
         """The messages' images, decoded and cut into patches here (a request's handler thread; the engine's runs
@@ -955,7 +958,7 @@ class Server:
             # Anthropic clients ask for one large max_tokens whatever the model's context (a maximum there,
             # not a promise): what the context leaves is the most this request can get.
             req.options["max_tokens"] = min(req.options["max_tokens"], left)
-        job = self._job(req.options, prompt.ids, None, skip_special=False, prompt_param="messages", held=prompt.held,
+        job = self._job(req.options, prompt.ids, None, skip_special=False, prompt_param="messages",
                         prompt=prompt)
         outputs = self._outputs(job, request.environ.get("werkzeug.socket"))
         events = self._stream_events(messages_api.MessageStream(self.model_name, prompt.length), outputs,
@@ -988,7 +991,7 @@ class Server:
 
     def responses(self):
         req, prompt = self._translated_prompt(responses_api.to_chat, self._body(), "input")
-        job = self._job(req.options, prompt.ids, None, skip_special=False, prompt_param="input", held=prompt.held,
+        job = self._job(req.options, prompt.ids, None, skip_special=False, prompt_param="input",
                         prompt=prompt)
         outputs = self._outputs(job, request.environ.get("werkzeug.socket"))
         events = self._stream_events(responses_api.ResponseStream(self.model_name, req.echo), outputs, prompt.parser,
