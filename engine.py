@@ -1630,9 +1630,9 @@ def load(path_or_hf_id: str | Path | None = None, device: str | torch.device | N
     # The cache the plan reserves: as asked, else (CUDA, sized after loading) one full batch.
     tokens = num_blocks * block_size if num_blocks else max_cache_tokens or max(max_model_len or 0, max_batch_tokens)
     reserve = cache_mod.pool_bytes(config, -(-tokens // block_size), max_num_seqs + 1, block_size, dtype)
-    budgets = _budgets(devs, memory_per_device)
+    budgets, tower_tensors = _budgets(devs, memory_per_device), vision.stored(path)
     if budgets[0] is not None:  # the vision tower goes beside the embedding
-        budgets[0] -= vision.weight_bytes(path, dtype)
+        budgets[0] -= vision.weight_bytes(tower_tensors, dtype)
     plan = placement.plan(config, checkpoint.weight_bytes(path, config, dtype), devs, split_experts=split_experts,
                           budgets=budgets, cache=reserve)
     print(plan.describe(), flush=True)
@@ -1647,7 +1647,7 @@ def load(path_or_hf_id: str | Path | None = None, device: str | torch.device | N
         raise ValueError(f"speculator={speculator!r} with drafter_path={drafter_path!r}: a drafter path goes "
                          "with speculator='dflash2', and only with it")
     drafter = dflash.load_drafter(drafter_path, model) if drafter_path is not None else None
-    tower = vision.load(path, dtype, model.weights["embed_tokens.weight"].device)
+    tower = vision.load(path, tower_tensors, dtype, model.weights["embed_tokens.weight"].device)
     if tower is not None:
         print(f"engine: vision tower, {sum(t.numel() for t in tower.w.values()) / 1e6:.1f} M parameters on "
               f"{tower.device}", flush=True)

@@ -304,34 +304,36 @@ class VisionTower:
         return clamped_swiglu(y, w, "merger.", cfg.swiglu_limit)
 
 
-def load(path: Path, dtype: torch.dtype, device: str | torch.device) -> VisionTower | None:
-    """The checkpoint's vision tower (config.json's vision_config, the `model.visual.*` tensors in `dtype` on
-    `device`); None for a text-only checkpoint, one without those tensors."""
+def stored(path: Path) -> dict[str, tuple[Path, tuple[int, ...]]]:
+    """The checkpoint's `model.visual.*` tensors, name -> (file, shape), from the headers (empty for a text-only
+    checkpoint): read once, for weight_bytes and load."""
     import checkpoint
 
-    config = json.loads((path / "config.json").read_text())
-    _, where = checkpoint.read_inventory(checkpoint.checkpoint_files(path))
-    names = sorted(k for k in where if k.startswith(PREFIX))
-    if not names:
+    inventory, where = checkpoint.read_inventory(checkpoint.checkpoint_files(path))
+    return {k: (where[k], shape) for k, (_, shape) in inventory.items() if k.startswith(PREFIX)}
+
+
+def weight_bytes(tensors: dict[str, tuple[Path, tuple[int, ...]]], dtype: torch.dtype) -> int:
+    """What the tower of these tensors (stored) takes once loaded in `dtype`."""
+    size = torch.empty((), dtype=dtype).element_size()
+    return sum(math.prod(shape) * size for _, shape in tensors.values())
+
+
+def load(path: Path, tensors: dict[str, tuple[Path, tuple[int, ...]]], dtype: torch.dtype,
+         device: str | torch.device) -> VisionTower | None:
+    """The checkpoint's vision tower (config.json's vision_config, its `tensors` (stored) in `dtype` on `device`);
+    None for a text-only checkpoint, one without those tensors."""
+    if not tensors:
         return None
+    config = json.loads((path / "config.json").read_text())
     if "vision_config" not in config:
-        raise ValueError(f"{path}: {len(names)} {PREFIX}* tensors but no vision_config in config.json")
+        raise ValueError(f"{path}: {len(tensors)} {PREFIX}* tensors but no vision_config in config.json")
     weights = {}
-    for f in sorted({where[k] for k in names}):
+    for f in sorted({f for f, _ in tensors.values()}):
         with safe_open(f, framework="pt") as st:
-            weights |= {k[len(PREFIX):]: st.get_tensor(k).to(device, dtype) for k in names if where[k] == f}
+            weights |= {k[len(PREFIX):]: st.get_tensor(k).to(device, dtype) for k, (g, _) in tensors.items() if g == f}
     return VisionTower(VisionConfig.from_dict(config["vision_config"], _processor_config(path)), weights,
                        config.get("image_token_id", IMAGE_TOKEN_ID))
-
-
-def weight_bytes(path: Path, dtype: torch.dtype) -> int:
-    """What the checkpoint's vision tower takes once loaded in `dtype` (0 for a text-only checkpoint), from the
-    headers alone."""
-    import checkpoint
-
-    inventory, _ = checkpoint.read_inventory(checkpoint.checkpoint_files(path))
-    size = torch.empty((), dtype=dtype).element_size()
-    return sum(math.prod(shape) * size for k, (_, shape) in inventory.items() if k.startswith(PREFIX))
 
 
 def _processor_config(path: Path) -> dict:

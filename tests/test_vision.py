@@ -122,7 +122,7 @@ def vlm(tmp_path_factory):
     ref.save_pretrained(path)
     config = GLMConfig.from_file(path)
     model = GLMModel(config, checkpoint.load_weights(path, config, torch.float32, "cpu", progress=False))
-    tower = vision.load(path, torch.float32, "cpu")
+    tower = vision.load(path, vision.stored(path), torch.float32, "cpu")
     assert tower is not None and tower.image_token_id == IMAGE
     tokenizer = make_tokenizer(512)
     tokenizer.save(str(path / "tokenizer.json"))
@@ -212,7 +212,7 @@ def test_load_reads_the_tower_and_plans_for_it(vlm):
     import placement
 
     _, eng, path = vlm
-    tower_bytes = vision.weight_bytes(path, torch.float32)
+    tower_bytes = vision.weight_bytes(vision.stored(path), torch.float32)
     assert tower_bytes == sum(t.numel() * 4 for t in eng.vision.w.values())
     opts = dict(device="cpu", dtype=torch.float32, num_blocks=64, block_size=16, max_num_seqs=4, max_batch_tokens=64,
                 progress=False)
