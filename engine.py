@@ -557,16 +557,20 @@ Grammar = jsonmode.JsonPrefix | toolmode.ToolCallPrefix | pattern.RegexPrefix
 
 
 @dataclass
-class ImageRows:
-    """An image of a prompt: its first position, the vision tower's rows for its positions (its <|image|> tokens),
-    and a digest of its patches, which the prefix cache's block hashes take in."""
+class PromptImage:
+    """An image of a prompt: its first position and the image made ready for the tower (patches, token count, and
+    the digest the prefix cache's block hashes take in). Its rows are the tower's run, made when a chunk first needs
+    them (Engine._image_rows): an image the prefix cache holds runs no tower."""
     start: int
-    rows: torch.Tensor
-    digest: bytes
+    image: vision.Prepared
 
     @property
     def end(self) -> int:
-        return self.start + len(self.rows)
+        return self.start + self.image.tokens
+
+    @property
+    def digest(self) -> bytes:
+        return self.image.digest
 
 
 @dataclass(eq=False)  # a sequence is itself: `in` / remove on the running list compare identities, not every field
@@ -597,7 +601,7 @@ class Sequence:
     thought: int = 0  # tokens inside that block so far, the prompt's included
     reasoning_tokens: int = 0  # generated inside it
     grammar: Grammar | None = None  # the answer so far, where one holds it
-    images: list[ImageRows] = field(default_factory=list)  # the prompt's, in order
+    images: list[PromptImage] = field(default_factory=list)  # the prompt's, in order
     # block_table's mirror for table(): the list it mirrors, and its first `_mirrored` entries
     _table: np.ndarray = field(default_factory=lambda: np.zeros(16, dtype=np.int64), repr=False)
     _table_of: list[int] | None = field(default=None, repr=False)
@@ -718,6 +722,7 @@ class Engine:
         # decode graphs are captured.
         self.use_kernels = use_kernels  # the sampler's kernel too
         self.vision = vision_tower
+        self.image_rows: dict[bytes, torch.Tensor] = {}  # the tower's rows of images still to compute, by digest
         self.fast = self._fast_decoder(max_num_seqs) if use_kernels and speculator == "none" else None
         self.prefill = self._fast_prefill(self.cache, self.max_model_len, self.fast) if use_kernels else None
         if self.prefill is not None:
@@ -923,9 +928,8 @@ class Engine:
             calls.feed(bytes([toolmode.CALL]))
         return calls
 
-    def _read_images(self, prompt_ids: list[int], images: Seq) -> tuple[list[int], list[ImageRows]]:
-        """The prompt with each image's <|image|> token written out to the image's tokens, and the images' rows
-        (the vision tower runs here, once for an image no live request holds)."""
+    def _read_images(self, prompt_ids: list[int], images: Seq) -> tuple[list[int], list[PromptImage]]:
+        """The prompt with each image's <|image|> token written out to the image's tokens, and its images."""
         if not images:
             return prompt_ids, []
         if self.vision is None:
@@ -939,19 +943,26 @@ class Engine:
         for i, image in zip(at, images):
             ready = image if isinstance(image, vision.Prepared) else vision.prepare(image, self.vision.cfg)
             ids += prompt_ids[prev:i]
-            placed.append(ImageRows(len(ids), self._tower_rows(ready), ready.digest))
+            placed.append(PromptImage(len(ids), ready))
             ids += [tok] * ready.tokens
             prev = i + 1
         return ids + prompt_ids[prev:], placed
 
-    def _tower_rows(self, ready: vision.Prepared) -> torch.Tensor:
-        """The tower's rows for an image: a live request's, where one holds the same image (a request's n choices,
-        clients sending one image at once), else the tower's run."""
-        for seq in self.requests.values():
-            for im in seq.images:
-                if im.digest == ready.digest:
-                    return im.rows
-        return self.vision(ready.patches, ready.grid).to(self.device, self.dtype)
+    def _image_rows(self, image: vision.Prepared) -> torch.Tensor:
+        """The tower's rows for an image: run once while live sequences have its positions to compute (a request's
+        n choices, clients sending one image at once, an image across several prefill chunks)."""
+        rows = self.image_rows.get(image.digest)
+        if rows is None:
+            rows = self.image_rows[image.digest] = self.vision(image.patches, image.grid).to(self.device, self.dtype)
+        return rows
+
+    def _drop_image_rows(self) -> None:
+        """Forget the rows of images no live sequence has positions of left to compute (one preempted runs the
+        tower again)."""
+        if self.image_rows:
+            pending = {im.digest for seq in self.requests.values() for im in seq.images if im.end > seq.num_computed}
+            for digest in self.image_rows.keys() - pending:
+                del self.image_rows[digest]
 
     def _open_thought(self, prompt_ids: list[int]) -> tuple[bool, int]:
         """Whether the prompt ends inside a think block, and the tokens it holds there."""
@@ -1033,6 +1044,7 @@ class Engine:
         if self.ahead is not None:
             return outputs + self._step_ahead()
         batch = self._schedule()
+        self._drop_image_rows()
         if not batch:
             return outputs
         self._draft(batch)
@@ -1097,13 +1109,13 @@ class Engine:
         chunks = [SeqChunk(torch.zeros(1, dtype=torch.long), seq.num_computed, seq.table(), seq.slot) for seq in seqs]
         return Ahead([(seq, 1) for seq in seqs], self.fast.step(chunks, tokens=drawn).logits)
 
-    @staticmethod
-    def _seq_chunk(seq: Sequence, n: int, device: str | torch.device) -> SeqChunk:
+    def _seq_chunk(self, seq: Sequence, n: int, device: str | torch.device) -> SeqChunk:
         """The next n positions of seq (its pending drafts after the last real token)."""
         tokens = seq.token_ids[seq.num_computed:seq.num_computed + n - seq.k] + (seq.draft.tokens if seq.draft else [])
         lo, hi = seq.num_computed, seq.num_computed + n
         inside = tuple(sorted(b for b in seq.snapshot_at if lo < b < hi))
-        images = tuple((max(im.start, lo) - lo, im.rows[max(im.start, lo) - im.start:min(im.end, hi) - im.start])
+        images = tuple((max(im.start, lo) - lo,
+                        self._image_rows(im.image)[max(im.start, lo) - im.start:min(im.end, hi) - im.start])
                        for im in seq.images if im.start < hi and im.end > lo)
         return SeqChunk(fastdecode.to_device(tokens, device), seq.num_computed,
                         fastdecode.to_device(seq.table(), device), seq.slot, inside, images)
@@ -1466,6 +1478,8 @@ class Engine:
         if seq in self.waiting:
             self.waiting.remove(seq)
         del self.requests[seq.request_id]
+        if seq.images:
+            self._drop_image_rows()
 
     def _output(self, seq: Sequence, token_ids: list[int], logprobs: list[TokenLogprob] | None) -> RequestOutput:
         finished = seq.finish_reason is not None

@@ -143,9 +143,18 @@ def hf_greedy(ref, ids: list[int], image, n: int) -> tuple[list[int], torch.Tens
     return out[0, len(ids):].tolist(), first
 
 
-def test_an_image_prompt_matches_transformers(vlm):
+def count_tower_runs(eng, monkeypatch) -> list:
+    """The grids of the tower's runs from here on."""
+    calls = []
+    tower = eng.vision.__class__.__call__
+    monkeypatch.setattr(eng.vision.__class__, "__call__", lambda self, p, g: calls.append(g) or tower(self, p, g))
+    return calls
+
+
+def test_an_image_prompt_matches_transformers(vlm, monkeypatch):
     """The engine writes the <|image|> token out to the image's 20 tokens, puts the tower's rows there (the image
-    across two prefill chunks of at most 64 tokens), and greedy decoding continues as transformers' does."""
+    across two prefill chunks of at most 64 tokens, from one run of the tower), and greedy decoding continues as
+    transformers' does."""
     import engine as E
 
     ref, eng, _ = vlm
@@ -153,6 +162,7 @@ def test_an_image_prompt_matches_transformers(vlm):
     prompt = torch.randint(2, 400, (55,), generator=g).tolist() + [IMAGE] + torch.randint(
         2, 400, (30,), generator=g).tolist()  # the image's rows 55..74 span the first chunk's end (64)
     image = random_image(60, 90, 1)
+    calls = count_tower_runs(eng, monkeypatch)
     rid = eng.add_request(prompt, E.SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3),
                           images=[image])
     seq = eng.requests[rid]
@@ -161,6 +171,7 @@ def test_an_image_prompt_matches_transformers(vlm):
     outs = []
     while eng.has_work():
         outs += eng.step()
+    assert len(calls) == 1 and eng.image_rows == {}
     got = [t for o in outs for t in o.token_ids]
     want, first = hf_greedy(ref, seq.prompt_tensor.tolist(), image, 6)
     assert got == want
@@ -171,8 +182,8 @@ def test_an_image_prompt_matches_transformers(vlm):
 
 
 def test_the_prefix_cache_tells_images_apart(vlm, monkeypatch):
-    """Two live requests with one image share the tower's run; the prefix cache hits an image it has seen and not
-    another one."""
+    """Live requests with one image share the tower's run; the prefix cache hits an image it has seen (and runs no
+    tower for it) and not another one."""
     import engine as E
 
     _, eng, _ = vlm
@@ -189,20 +200,21 @@ def test_the_prefix_cache_tells_images_apart(vlm, monkeypatch):
             outs += eng.step()
         return [t for o in outs if o.request_id == rid for t in o.token_ids], eng.stats().prefix_hit_tokens - before
 
-    calls = []
-    tower = eng.vision.__class__.__call__
-    monkeypatch.setattr(eng.vision.__class__, "__call__", lambda self, p, g: calls.append(g) or tower(self, p, g))
-    twins = [eng.add_request(prompt, greedy, images=[random_image(60, 90, 2)]) for _ in range(2)]
-    assert len(calls) == 1 and eng.requests[twins[0]].images[0].rows is eng.requests[twins[1]].images[0].rows
-    for rid in twins:
-        eng.cancel(rid)
-    eng.step()
+    calls = count_tower_runs(eng, monkeypatch)
+    short = prompt[:30] + [IMAGE, 5, 6]  # the image ends in the prompt's last block, which is not full: no hit past it
+    for _ in range(3):  # one token each: the last request ends with its prefill, and no later step drops the rows
+        eng.add_request(short, E.SamplingParams(max_tokens=1), images=[random_image(60, 90, 2)])
+    while eng.has_work():
+        eng.step()
+    assert len(calls) == 1 and eng.image_rows == {}
     a, _ = run(random_image(60, 90, 2))
     b, _ = run(random_image(60, 90, 3))  # (snapshots the branch point, the block the image starts in)
     c, hit_c = run(random_image(60, 90, 4))
+    assert len(calls) == 4
     a2, hit_a = run(random_image(60, 90, 2))
     assert a2 == a and len({tuple(a), tuple(b), tuple(c)}) == 3
     assert (hit_c, hit_a) == (32, 64)  # c: the two blocks before its image; a again: past the image too
+    assert len(calls) == 4  # so no tower for it
 
 
 def test_load_reads_the_tower_and_plans_for_it(vlm):
