@@ -934,19 +934,9 @@ class Engine:
             return prompt_ids, []
         if self.vision is None:
             raise ValueError("this checkpoint has no vision tower (no model.visual.* tensors): it cannot read images")
-        tok = self.vision.image_token_id
-        at = [i for i, t in enumerate(prompt_ids) if t == tok]
-        if len(at) != len(images):
-            raise ValueError(f"the prompt has {len(at)} <|image|> tokens for {len(images)} images: one each (the "
-                             f"chat template writes it), which the engine writes out to the image's size")
-        ids, placed, prev = [], [], 0
-        for i, image in zip(at, images):
-            ready = image if isinstance(image, vision.Prepared) else vision.prepare(image, self.vision.cfg)
-            ids += prompt_ids[prev:i]
-            placed.append(PromptImage(len(ids), ready))
-            ids += [tok] * ready.tokens
-            prev = i + 1
-        return ids + prompt_ids[prev:], placed
+        ready = [im if isinstance(im, vision.Prepared) else vision.prepare(im, self.vision.cfg) for im in images]
+        ids, starts = vision.write_out(prompt_ids, self.vision.image_token_id, ready)
+        return ids, [PromptImage(start, im) for start, im in zip(starts, ready)]
 
     def _image_rows(self, image: vision.Prepared) -> torch.Tensor:
         """The tower's rows for an image: run once while live sequences have its positions to compute (a request's

@@ -1171,8 +1171,10 @@ class Server:
         (with its tools and thinking fields) rendered as /v1/chat/completions renders them."""
         body = self._body()
         if "messages" in body:
-            prompt = self._openai_chat_prompt(body)
-            return {"count": prompt.length, "max_model_len": self.engine.max_model_len, "tokens": prompt.ids}
+            prompt = self._openai_chat_prompt(body)  # (its images' tokens written out, as the model reads them)
+            ids = vision.write_out(prompt.ids, self.engine.vision.image_token_id, prompt.images)[0] \
+                if prompt.images else prompt.ids
+            return {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids}
         prompt_ids = self._completion_prompt(body)
         return {"count": len(prompt_ids), "max_model_len": self.engine.max_model_len, "tokens": prompt_ids}
 

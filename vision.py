@@ -213,6 +213,22 @@ def prepare(source, cfg: VisionConfig) -> Prepared:
                     hashlib.blake2b(patches.numpy().tobytes(), digest_size=16).digest())
 
 
+def write_out(ids: list[int], image_token_id: int, images: list[Prepared]) -> tuple[list[int], list[int]]:
+    """A prompt with its i-th <|image|> token (one per image, as the chat template writes it) written out to
+    images[i].tokens of them, the model's input, and the position where each image starts."""
+    at = [i for i, t in enumerate(ids) if t == image_token_id]
+    if len(at) != len(images):
+        raise ValueError(f"the prompt has {len(at)} <|image|> tokens for {len(images)} images: one each (the chat "
+                         f"template writes it), which is written out to the image's size")
+    out, starts, prev = [], [], 0
+    for i, image in zip(at, images):
+        out += ids[prev:i]
+        starts.append(len(out))
+        out += [image_token_id] * image.tokens
+        prev = i + 1
+    return out + ids[prev:], starts
+
+
 # ---------------------------------------------------------------------------------------------
 # The tower
 

@@ -410,7 +410,10 @@ def test_images_through_the_three_apis(server, url, client, seeing):
     assert seen.usage.prompt_tokens == plain.usage.prompt_tokens + extra + n and n == 20
     tokenized = requests.post(url + "/tokenize", json={"model": default_model.NAME, "messages": with_image,
                                                        "reasoning_effort": "none"}, timeout=30).json()
-    assert tokenized["count"] == seen.usage.prompt_tokens
+    assert tokenized["count"] == len(tokenized["tokens"]) == seen.usage.prompt_tokens
+    ids, image_id = tokenized["tokens"], server.engine.vision.image_token_id
+    at = ids.index(image_id)
+    assert ids[at:at + n] == [image_id] * n and ids.count(image_id) == n  # written out, as the model reads it
     a = anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0)
     block = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": image.split(",")[1]}}
     msg = a.messages.create(model=default_model.NAME, max_tokens=4, messages=[{"role": "user", "content": [

@@ -163,6 +163,8 @@ def test_an_image_prompt_matches_transformers(vlm, monkeypatch):
         2, 400, (30,), generator=g).tolist()  # the image's rows 55..74 span the first chunk's end (64)
     image = random_image(60, 90, 1)
     calls = count_tower_runs(eng, monkeypatch)
+    with pytest.raises(ValueError, match=r"has 1 <\|image\|> tokens for 2 images"):
+        eng.add_request(prompt, images=[image, image])
     rid = eng.add_request(prompt, E.SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3),
                           images=[image])
     seq = eng.requests[rid]
