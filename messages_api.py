@@ -52,8 +52,8 @@ def _text(content: Any, q: str) -> str:
     parts = []
     for i, b in enumerate(content):
         if isinstance(b, dict) and b.get("type") == "image":
-            raise chat.ChatError(f"{q}[{i}].type 'image': an image is read in a user message's content, not here",
-                                 f"{q}[{i}].type", "unsupported")
+            raise chat.ChatError(f"{q}[{i}].type 'image': an image is read in a user message or a tool result, "
+                                 "not here", f"{q}[{i}].type", "unsupported")
         if not (isinstance(b, dict) and b.get("type") == "text"):
             raise _bad_block(b, f"{q}[{i}]", "text")
         parts.append(_block_text(b, f"{q}[{i}]", "text"))
@@ -77,25 +77,42 @@ def _blocks(m: dict, p: str) -> list[dict]:
 
 def _user_turn(m: dict, p: str) -> list[dict]:
     """Tool results become tool messages, put first (the template expects them right after the assistant's
-    calls); the text and image blocks become one user message (its text joined where it has no image)."""
-    results, parts = [], []
+    calls); the text and image blocks become one user message."""
+    results, blocks = [], []
     for j, b in enumerate(_blocks(m, p)):
         q = f"{p}.content[{j}]"
-        kind = b.get("type") if isinstance(b, dict) else None
-        if kind == "tool_result":
+        if isinstance(b, dict) and b.get("type") == "tool_result":
             if not isinstance(b.get("tool_use_id"), str):
                 raise chat.ChatError(f"{q}.tool_use_id must be a string", f"{q}.tool_use_id")
-            results.append({"role": "tool", "tool_call_id": b["tool_use_id"],
-                            "content": _text(b.get("content", ""), f"{q}.content")})
-        elif kind == "text":
-            parts.append({"type": "text", "text": _block_text(b, q, "text")})
-        elif kind == "image":
-            parts.append({"type": "image_url", "image_url": {"url": _image_url(b.get("source"), f"{q}.source")}})
+            content = b.get("content", "")
+            results.append({"role": "tool", "tool_call_id": b["tool_use_id"], "content": content if isinstance(
+                content, str) else _parts(content, f"{q}.content", "text, image")})
         else:
-            raise _bad_block(b, q, "text, image, tool_result")
-    if all(part["type"] == "text" for part in parts):
-        parts = "".join(part["text"] for part in parts)
-    return results + ([{"role": "user", "content": parts}] if parts else [])
+            blocks.append((b, q))
+    parts = [_part(b, q, "text, image, tool_result") for b, q in blocks]
+    return results + ([{"role": "user", "content": _joined(parts)}] if parts else [])
+
+
+def _parts(blocks: Any, q: str, where: str) -> str | list[dict]:
+    """A list of text and image blocks (a tool result's content: a screenshot a tool returns) as chat content."""
+    if not isinstance(blocks, list):
+        raise chat.ChatError(f"{q} must be a string or a list of text and image blocks", q)
+    return _joined([_part(b, f"{q}[{i}]", where) for i, b in enumerate(blocks)])
+
+
+def _part(b: Any, q: str, where: str) -> dict:
+    """A text or image block as a chat content part."""
+    kind = b.get("type") if isinstance(b, dict) else None
+    if kind == "text":
+        return {"type": "text", "text": _block_text(b, q, "text")}
+    if kind == "image":
+        return {"type": "image_url", "image_url": {"url": _image_url(b.get("source"), f"{q}.source")}}
+    raise _bad_block(b, q, where)
+
+
+def _joined(parts: list[dict]) -> str | list[dict]:
+    """Text parts alone as one string, as the template joins them."""
+    return "".join(p["text"] for p in parts) if all(p["type"] == "text" for p in parts) else parts
 
 
 def _image_url(source: Any, q: str) -> str:

@@ -24,8 +24,8 @@ STATEFUL_FIELDS = ("previous_response_id", "conversation")
 
 def _text(content: Any, q: str, images: bool = False) -> str | list[dict]:
     """A string, or a list of text parts (input_text, output_text) joined, as plain text; where `images` are
-    allowed (a message's content) and one comes (input_image, its image_url a data or http(s) URL), the chat
-    path's text and image parts instead."""
+    allowed (a message's content, a function call's output) and one comes (input_image, its image_url a data or
+    http(s) URL), the chat path's text and image parts instead."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -35,7 +35,7 @@ def _text(content: Any, q: str, images: bool = False) -> str | list[dict]:
         kind = part.get("type") if isinstance(part, dict) else None
         if kind in UNSUPPORTED_PARTS or kind == "input_image" and not images:
             raise chat.ChatError(f"{q}[{i}].type {kind!r}: not supported (this engine reads text, and images in a "
-                                 "message)", f"{q}[{i}].type", "unsupported")
+                                 "message or a function call's output)", f"{q}[{i}].type", "unsupported")
         if kind == "input_image":
             if not isinstance(part.get("image_url"), str):
                 raise chat.ChatError(f"{q}[{i}].image_url must be a data or http(s) URL (file_id is not supported: "
@@ -89,7 +89,7 @@ def _messages(body: dict) -> list[dict]:
             if not isinstance(item.get("call_id"), str):
                 raise chat.ChatError(f"{q}.call_id must be a string", f"{q}.call_id")
             out.append({"role": "tool", "tool_call_id": item["call_id"],
-                        "content": _text(item.get("output", ""), f"{q}.output")})
+                        "content": _text(item.get("output", ""), f"{q}.output", images=True)})
         else:
             raise chat.ChatError(f"{q}.type must be message, reasoning, function_call or function_call_output; got "
                                  f"{kind!r} (this server stores nothing, so items cannot be referenced)", f"{q}.type",

@@ -88,6 +88,21 @@ def test_image_blocks_become_image_parts():
                                                                          "https://x/y.png"]
 
 
+def test_a_tool_results_images_become_image_parts():
+    """A tool's result may hold images (a screenshot): the tool message gets the image parts, which the template
+    writes as it writes a user's."""
+    shot = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}
+    got = m.to_chat({"max_tokens": 5, "messages": [
+        U[0], {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "shot", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": [
+            {"type": "text", "text": "the screen:"}, shot]}, {"type": "text", "text": "and?"}]}]})
+    assert got.messages[2:] == [
+        {"role": "tool", "tool_call_id": "t1", "content": [{"type": "text", "text": "the screen:"}, {
+            "type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]},
+        {"role": "user", "content": "and?"}]
+    assert chat.image_sources(chat.normalize_messages(got.messages)) == ["data:image/png;base64,AAAA"]
+
+
 U = [{"role": "user", "content": "hi"}]
 BAD = [  # (body, param, code)
     ({"max_tokens": 5, "messages": U, "output_config": {"format": {"type": "json_object"}}}, "output_config.format",
@@ -109,8 +124,14 @@ BAD = [  # (body, param, code)
     ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "tool_result", "content": "x"}]}]},
      "messages[0].content[0].tool_use_id", "invalid_value"),
     ({"max_tokens": 5, "messages": [{"role": "user", "content": [
-        {"type": "tool_result", "tool_use_id": "t", "content": [{"type": "image"}]}]}]},
+        {"type": "tool_result", "tool_use_id": "t", "content": [{"type": "document"}]}]}]},
      "messages[0].content[0].content[0].type", "unsupported"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "t", "content": [{"type": "image"}]}]}]},
+     "messages[0].content[0].content[0].source", "invalid_value"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "t", "content": {"type": "text", "text": "x"}}]}]},
+     "messages[0].content[0].content", "invalid_value"),
     ({"max_tokens": 5, "messages": [{"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f",
                                                                        "input": [1]}]}]},
      "messages[0].content[0].input", "invalid_value"),

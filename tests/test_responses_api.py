@@ -40,6 +40,10 @@ def test_input_images_become_image_parts():
     got = r.to_chat({"input": [{"role": "user", "content": [{"type": "input_text", "text": "Describe "}, image]}]})
     assert got.messages[-1]["content"] == [{"type": "text", "text": "Describe "},
                                            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}}]
+    got = r.to_chat({"input": [{"type": "function_call", "call_id": "c1", "name": "shot", "arguments": "{}"},
+                               {"type": "function_call_output", "call_id": "c1", "output": [image]}]})
+    assert got.messages[-1] == {"role": "tool", "tool_call_id": "c1", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}}]}
 
 
 @pytest.mark.parametrize("effort, enabled, template", [("none", False, "low"), ("minimal", True, "low"),

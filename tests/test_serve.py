@@ -420,6 +420,14 @@ def test_images_through_the_three_apis(server, url, client, seeing):
         {"type": "text", "text": "What is this?"}, block]}])
     assert msg.usage.input_tokens == a.messages.count_tokens(model=default_model.NAME, messages=[
         {"role": "user", "content": [{"type": "text", "text": "What is this?"}, block]}]).input_tokens
+    def result(content) -> list[dict]:  # a conversation whose tool returned `content`
+        return [{"role": "user", "content": "Look."}, {"role": "assistant", "content": [
+            {"type": "tool_use", "id": "t1", "name": "shot", "input": {}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": content}]}]
+
+    counted = [a.messages.count_tokens(model=default_model.NAME, messages=result(c)).input_tokens
+               for c in ([{"type": "text", "text": "x"}], [{"type": "text", "text": "x"}, block])]
+    assert counted[1] == counted[0] + extra + n  # an image in a tool's result is read
     resp = client.responses.create(model=default_model.NAME, max_output_tokens=4, reasoning={"effort": "none"},
                                    input=[{"role": "user", "content": [{"type": "input_text", "text": "What is this?"},
                                                                        {"type": "input_image", "image_url": image}]}])
