@@ -560,7 +560,7 @@ Grammar = jsonmode.JsonPrefix | toolmode.ToolCallPrefix | pattern.RegexPrefix
 class PromptImage:
     """An image of a prompt: its first position and the image made ready for the tower (patches, token count, and
     the digest the prefix cache's block hashes take in). Its rows are the tower's run, made when a chunk first needs
-    them (Engine._image_rows): an image the prefix cache holds runs no tower."""
+    them (Engine._run_tower): an image the prefix cache holds runs no tower."""
     start: int
     image: vision.Prepared
 
@@ -938,13 +938,18 @@ class Engine:
         ids, starts = vision.write_out(prompt_ids, self.vision.image_token_id, ready)
         return ids, [PromptImage(start, im) for start, im in zip(starts, ready)]
 
-    def _image_rows(self, image: vision.Prepared) -> torch.Tensor:
-        """The tower's rows for an image: run once while live sequences have its positions to compute (a request's
-        n choices, clients sending one image at once, an image across several prefill chunks)."""
-        rows = self.image_rows.get(image.digest)
-        if rows is None:
-            rows = self.image_rows[image.digest] = self.vision(image.patches, image.grid).to(self.device, self.dtype)
-        return rows
+    def _run_tower(self, batch: list[tuple[Sequence, int]]) -> None:
+        """The tower's rows of the images this step's chunks need that no live sequence's chunk has needed before
+        (a request's n choices, clients sending one image at once, an image across chunks: one run), in runs of
+        the patches of one image of the processor's largest size at most (vision.runs)."""
+        need = {}
+        for seq, n in batch:
+            lo, hi = seq.num_computed, seq.num_computed + n
+            need |= {im.digest: im.image for im in seq.images
+                     if im.start < hi and im.end > lo and im.digest not in self.image_rows}
+        for run in vision.runs(list(need.values()), self.vision.cfg):
+            rows = self.vision([(image.patches, image.grid) for image in run])
+            self.image_rows.update((image.digest, r.to(self.device, self.dtype)) for image, r in zip(run, rows))
 
     def _drop_image_rows(self) -> None:
         """Forget the rows of images no live sequence has positions of left to compute (one preempted runs the
@@ -1037,6 +1042,7 @@ class Engine:
         self._drop_image_rows()
         if not batch:
             return outputs
+        self._run_tower(batch)
         self._draft(batch)
         # Single decode tokens go to the fast decode step (inputs on the host), prefill chunks to the
         # fast prefill (or the reference forward); the two touch different slots and blocks.
@@ -1104,8 +1110,8 @@ class Engine:
         tokens = seq.token_ids[seq.num_computed:seq.num_computed + n - seq.k] + (seq.draft.tokens if seq.draft else [])
         lo, hi = seq.num_computed, seq.num_computed + n
         inside = tuple(sorted(b for b in seq.snapshot_at if lo < b < hi))
-        images = tuple((max(im.start, lo) - lo,
-                        self._image_rows(im.image)[max(im.start, lo) - im.start:min(im.end, hi) - im.start])
+        images = tuple((max(im.start, lo) - lo, self.image_rows[im.digest][max(im.start, lo) - im.start:
+                                                                           min(im.end, hi) - im.start])
                        for im in seq.images if im.start < hi and im.end > lo)
         return SeqChunk(fastdecode.to_device(tokens, device), seq.num_computed,
                         fastdecode.to_device(seq.table(), device), seq.slot, inside, images)

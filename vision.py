@@ -8,7 +8,7 @@ written twice: the patch embedding reads two frames, and an image is a video of 
 block of patches becomes one token, so an image of gh x gw patches stands for gh * gw / 4 <|image|> tokens; the
 patches are laid out block by block, so a block's four patches are consecutive rows.
 
-The tower, on the patches of one image (attention never crosses images):
+The tower, on the patches of one image (attention never crosses images; a run takes several at once):
     x = patch_embed(patches)                                   a linear over the 3 x 2 x 14 x 14 values
     depth blocks:  x = x + attn(rms_norm(x)),  x = x + mlp(rms_norm(x))
         attn: q, k, v = qkv(x); q, k = rms_norm per head; the axial rotary embedding of the patch's row and
@@ -229,6 +229,19 @@ def write_out(ids: list[int], image_token_id: int, images: list[Prepared]) -> tu
     return out + ids[prev:], starts
 
 
+def runs(images: list[Prepared], cfg: VisionConfig) -> list[list[Prepared]]:
+    """Images, in order, cut into tower runs of at most the patches of one image of the processor's largest size:
+    the activations of one run are at most the largest image's."""
+    cap, out, size = cfg.max_image_tokens * cfg.spatial_merge_size ** 2, [], 0
+    for image in images:
+        if not out or size + len(image.patches) > cap:
+            out.append([])
+            size = 0
+        out[-1].append(image)
+        size += len(image.patches)
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # The tower
 
@@ -269,17 +282,40 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return (xf * cos[:, None] + torch.cat([-x2, x1], -1) * sin[:, None]).to(x.dtype)
 
 
+@dataclass(frozen=True)
+class Group:
+    """The rows of a tower run's images of one size n (attention never crosses images): their images' patches
+    stacked, so one attention call takes them all."""
+    rows: torch.Tensor  # [images * n]: the images' rows in the run, image after image
+    images: int
+    n: int
+
+
+def groups(grids: list[tuple[int, int]], device: torch.device) -> list[Group]:
+    """The images of a run (in its row order) grouped by their number of patches."""
+    sizes = [gh * gw for gh, gw in grids]
+    starts = np.cumsum([0] + sizes)
+    out = []
+    for n in dict.fromkeys(sizes):
+        of = [i for i, size in enumerate(sizes) if size == n]
+        rows = torch.cat([torch.arange(starts[i], starts[i] + n) for i in of]).to(device)
+        out.append(Group(rows, len(of), n))
+    return out
+
+
 def attention(x: torch.Tensor, w: dict[str, torch.Tensor], p: str, cfg: VisionConfig,
-              cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    n, H = x.shape[0], cfg.num_heads
-    q, k, v = F.linear(x, w[p + "qkv.weight"], w.get(p + "qkv.bias")).reshape(n, 3, H, -1).unbind(1)
+              cos: torch.Tensor, sin: torch.Tensor, by_size: list[Group]) -> torch.Tensor:
+    N, H = x.shape[0], cfg.num_heads
+    q, k, v = F.linear(x, w[p + "qkv.weight"], w.get(p + "qkv.bias")).reshape(N, 3, H, -1).unbind(1)
     q = rotate(rms_norm(q, w[p + "q_norm.weight"], cfg.rms_norm_eps), cos, sin)
     k = rotate(rms_norm(k, w[p + "k_norm.weight"], cfg.rms_norm_eps), cos, sin)
-    # [1, H, n, d], contiguous: torch's flash kernel takes it (a 3-D or strided input fell back to the fp32 math
-    # path: 14x slower at 1024 patches on an H100)
-    q, k, v = (t.transpose(0, 1)[None].contiguous() for t in (q, k, v))
-    o = F.scaled_dot_product_attention(q, k, v)[0]
-    return F.linear(o.transpose(0, 1).reshape(n, -1), w[p + "proj.weight"], w.get(p + "proj.bias"))
+    o = torch.empty_like(q)
+    for g in by_size:
+        # [images, H, n, d], contiguous: torch's flash kernel takes it (a 3-D or strided input fell back to the
+        # fp32 math path: 14x slower at 1024 patches on an H100)
+        qg, kg, vg = (t[g.rows].reshape(g.images, g.n, H, -1).transpose(1, 2).contiguous() for t in (q, k, v))
+        o[g.rows] = F.scaled_dot_product_attention(qg, kg, vg).transpose(1, 2).reshape(g.images * g.n, H, -1)
+    return F.linear(o.reshape(N, -1), w[p + "proj.weight"], w.get(p + "proj.bias"))
 
 
 class VisionTower:
@@ -296,17 +332,24 @@ class VisionTower:
         self.device, self.dtype = weights["patch_embed.proj.weight"].device, weights["patch_embed.proj.weight"].dtype
 
     @torch.no_grad()
-    def __call__(self, patches: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
-        """One image's patches (image_patches) -> its rows for the language model, [tokens, out_hidden_size]."""
+    def __call__(self, images: list[tuple[torch.Tensor, tuple[int, int]]]) -> list[torch.Tensor]:
+        """Images' (patches, grid) (image_patches) -> each one's rows for the language model, [tokens,
+        out_hidden_size]. One run takes them all: its linear layers on all their patches at once, its attention on
+        the images of each size at once (a prompt's sixteen screenshots: one run, not sixteen)."""
         cfg, w = self.cfg, self.w
-        if patches.shape[0] != grid[0] * grid[1]:
-            raise ValueError(f"{patches.shape[0]} patches for a grid of {grid[0]}x{grid[1]}")
+        for i, (patches, grid) in enumerate(images):
+            if patches.shape[0] != grid[0] * grid[1]:
+                raise ValueError(f"image {i}: {patches.shape[0]} patches for a grid of {grid[0]}x{grid[1]}")
+        grids = [grid for _, grid in images]
         embed = w["patch_embed.proj.weight"]
-        x = F.linear(patches.to(self.device, self.dtype), embed.reshape(embed.shape[0], -1), w["patch_embed.proj.bias"])
-        cos, sin = (t.to(self.device) for t in rotary(positions(grid, cfg), cfg))
+        x = F.linear(torch.cat([patches for patches, _ in images]).to(self.device, self.dtype),
+                     embed.reshape(embed.shape[0], -1), w["patch_embed.proj.bias"])
+        cos, sin = (t.to(self.device) for t in rotary(torch.cat([positions(g, cfg) for g in grids]), cfg))
+        by_size = groups(grids, self.device)
         for b in range(cfg.depth):
             p = f"blocks.{b}."
-            x = x + attention(rms_norm(x, w[p + "norm1.weight"], cfg.rms_norm_eps), w, p + "attn.", cfg, cos, sin)
+            x = x + attention(rms_norm(x, w[p + "norm1.weight"], cfg.rms_norm_eps), w, p + "attn.", cfg, cos, sin,
+                              by_size)
             x = x + clamped_swiglu(rms_norm(x, w[p + "norm2.weight"], cfg.rms_norm_eps), w, p + "mlp.",
                                    cfg.swiglu_limit)
         x = rms_norm(x, w["post_layernorm.weight"], cfg.rms_norm_eps)
@@ -317,7 +360,7 @@ class VisionTower:
         y = F.linear(y, w["merger.proj.weight"])
         y = F.gelu(F.layer_norm(y, (y.shape[-1],), w["merger.post_projection_norm.weight"],
                                 w["merger.post_projection_norm.bias"]))
-        return clamped_swiglu(y, w, "merger.", cfg.swiglu_limit)
+        return list(clamped_swiglu(y, w, "merger.", cfg.swiglu_limit).split([image_tokens(g, cfg) for g in grids]))
 
 
 def stored(path: Path) -> dict[str, tuple[Path, tuple[int, ...]]]:

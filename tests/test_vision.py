@@ -73,19 +73,21 @@ def hf_tower(seed: int) -> "hf.Glm5NextVisionModel":
 
 
 def test_tower_matches_transformers():
-    """Two images of different grids in one transformers call (attention kept within each) against ours one at a
-    time: the merged rows match in fp32."""
+    """Three images, two of one grid, in one transformers call (attention kept within each) against ours in one run
+    (the two of a size in one attention call) and one at a time: the merged rows match in fp32."""
     ref = hf_tower(0)
     cfg = vision.VisionConfig.from_dict(TINY)
     tower = vision.VisionTower(cfg, {k: v.detach() for k, v in ref.state_dict().items()})
-    images = [vision.image_patches(random_image(h, w, h), cfg) for h, w in ((60, 90), (150, 40))]
+    images = [vision.image_patches(random_image(h, w, seed), cfg) for h, w, seed in ((60, 90, 1), (150, 40, 2),
+                                                                                     (60, 90, 3))]
     grids = torch.tensor([[1, *g] for _, g in images])
     with torch.no_grad():
         want = ref(torch.cat([p for p, _ in images]), grid_thw=grids).pooler_output
-    got = torch.cat([tower(p, g) for p, g in images])
-    assert got.shape == (sum(vision.image_tokens(g, cfg) for _, g in images), TINY["out_hidden_size"])
+    got = tower(images)
+    assert [len(r) for r in got] == [vision.image_tokens(g, cfg) for _, g in images]
     assert 0.3 < want.abs().mean() < 3
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(torch.cat(got), want, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(torch.cat([tower([image])[0] for image in images]), want, atol=1e-5, rtol=1e-4)
 
 
 def test_tower_names_what_it_misses():
@@ -131,10 +133,10 @@ def vlm(tmp_path_factory):
     return ref, eng, path
 
 
-def hf_greedy(ref, ids: list[int], image, n: int) -> tuple[list[int], torch.Tensor]:
-    """transformers' greedy continuation of ids (the image's placeholder written out) and its first logits."""
+def hf_greedy(ref, ids: list[int], images: list, n: int) -> tuple[list[int], torch.Tensor]:
+    """transformers' greedy continuation of ids (the images' placeholders written out) and its first logits."""
     proc = hf_image.Glm5NextImageProcessorPil()
-    px = proc(images=[image], return_tensors="pt")
+    px = proc(images=images, return_tensors="pt")
     x = torch.tensor([ids])
     with torch.no_grad():
         first = ref(input_ids=x, pixel_values=px["pixel_values"], image_grid_thw=px["image_grid_thw"]).logits[0, -1]
@@ -144,10 +146,11 @@ def hf_greedy(ref, ids: list[int], image, n: int) -> tuple[list[int], torch.Tens
 
 
 def count_tower_runs(eng, monkeypatch) -> list:
-    """The grids of the tower's runs from here on."""
+    """The tower's runs from here on, each the grids of its images."""
     calls = []
     tower = eng.vision.__class__.__call__
-    monkeypatch.setattr(eng.vision.__class__, "__call__", lambda self, p, g: calls.append(g) or tower(self, p, g))
+    monkeypatch.setattr(eng.vision.__class__, "__call__",
+                        lambda self, images: calls.append([g for _, g in images]) or tower(self, images))
     return calls
 
 
@@ -175,12 +178,39 @@ def test_an_image_prompt_matches_transformers(vlm, monkeypatch):
         outs += eng.step()
     assert len(calls) == 1 and eng.image_rows == {}
     got = [t for o in outs for t in o.token_ids]
-    want, first = hf_greedy(ref, seq.prompt_tensor.tolist(), image, 6)
+    want, first = hf_greedy(ref, seq.prompt_tensor.tolist(), [image], 6)
     assert got == want
     lp = torch.log_softmax(first, -1)
     top = outs[0].logprobs[0].top
     assert [i for i, _ in top] == lp.topk(3).indices.tolist()
     torch.testing.assert_close(torch.tensor([v for _, v in top]), lp.topk(3).values, atol=1e-4, rtol=0)
+
+
+def test_two_images_in_one_prompt_match_transformers(vlm, monkeypatch):
+    """A prompt with two images of different sizes: one run of the tower reads both, and greedy decoding continues
+    as transformers' does."""
+    import engine as E
+
+    ref, eng, _ = vlm
+    g = torch.Generator().manual_seed(10)
+    words = lambda n: torch.randint(2, 400, (n,), generator=g).tolist()
+    prompt = words(5) + [IMAGE] + words(3) + [IMAGE] + words(4)
+    images = [random_image(60, 90, 11), random_image(150, 40, 12)]
+    calls = count_tower_runs(eng, monkeypatch)
+    rid = eng.add_request(prompt, E.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), images=images)
+    ids = eng.requests[rid].prompt_tensor.tolist()
+    outs = []
+    while eng.has_work():
+        outs += eng.step()
+    assert calls == [[vision.image_patches(im, eng.vision.cfg)[1] for im in images]]
+    assert [t for o in outs for t in o.token_ids] == hf_greedy(ref, ids, images, 4)[0]
+
+
+def test_tower_runs_hold_one_largest_image():
+    cfg = vision.VisionConfig.from_dict(TINY, {"max_image_tokens": 16})  # runs of 64 patches at most
+    sizes = [16, 40, 8, 64, 4]
+    images = [vision.Prepared(torch.zeros(n, 1), (n, 1), n // 4, bytes([n])) for n in sizes]
+    assert [[len(im.patches) for im in run] for run in vision.runs(images, cfg)] == [[16, 40, 8], [64], [4]]
 
 
 def test_the_prefix_cache_tells_images_apart(vlm, monkeypatch):
