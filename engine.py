@@ -947,6 +947,8 @@ class Engine:
             lo, hi = seq.num_computed, seq.num_computed + n
             need |= {im.digest: im.image for im in seq.images
                      if im.start < hi and im.end > lo and im.digest not in self.image_rows}
+        if not need:
+            return
         for run in vision.runs(list(need.values()), self.vision.cfg):
             rows = self.vision([(image.patches, image.grid) for image in run])
             self.image_rows.update((image.digest, r.to(self.device, self.dtype)) for image, r in zip(run, rows))
