@@ -204,6 +204,19 @@ def _check_index_operands(name: str, q_idx: torch.Tensor, w_idx: torch.Tensor, p
     return Hi, d, ppb
 
 
+MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension
+
+
+def _pool_programs(name: str, P: int, block: int) -> int:
+    """Programs over a table's P pools, on the grid's second dimension: a table longer than it holds is an error
+    that says so, not a launch that fails with "invalid argument"."""
+    programs = triton.cdiv(P, block)
+    if programs > MAX_GRID_Y:
+        raise ValueError(f"{name}: a table of {P} pools needs {programs} programs on the grid's second dimension, "
+                         f"past CUDA's {MAX_GRID_Y}: {MAX_GRID_Y * block} pools at most")
+    return programs
+
+
 def dsa_index_scores(q_idx: torch.Tensor, w_idx: torch.Tensor, pooled: torch.Tensor, tables: torch.Tensor,
                      positions: torch.Tensor, kpool: int) -> torch.Tensor:
     """The indexer's pool scores (model_glm.select_tokens before its top-k) over every pool of the
@@ -213,8 +226,9 @@ def dsa_index_scores(q_idx: torch.Tensor, w_idx: torch.Tensor, pooled: torch.Ten
     B = _check_tables("dsa_index_scores", tables, positions)
     Hi, d, ppb = _check_index_operands("dsa_index_scores", q_idx, w_idx, pooled, B)
     P = tables.shape[1] * ppb
+    programs = _pool_programs("dsa_index_scores", P, DSA_SCORE_BLOCK)
     out = torch.empty(B, P, dtype=torch.float32, device=q_idx.device)
-    _dsa_scores_kernel[(B, triton.cdiv(P, DSA_SCORE_BLOCK))](
+    _dsa_scores_kernel[(B, programs)](
         q_idx, q_idx.stride(0), w_idx.float().contiguous(), pooled, tables, tables.stride(0), positions, out, P, ppb,
         d ** 0.5, Hi ** 0.5, HI=Hi, DI=d, KPOOL=kpool, BP=DSA_SCORE_BLOCK, TC=q_idx.is_cuda, num_warps=DSA_SCORE_WARPS,
         launch_pdl=_pdl())
@@ -497,6 +511,7 @@ def dsa_prefill_index_scores(q_idx: torch.Tensor, w_idx: torch.Tensor, pooled: t
         raise ValueError(f"dsa_prefill_index_scores: table must be one sequence's [width] block ids with unit "
                          f"stride, got {tuple(table.shape)} {table.stride()}")
     P = table.shape[0] * ppb
+    programs = _pool_programs("dsa_prefill_index_scores", P, DSA_PREFILL_SCORE_BLOCK)
     if scratch is None:
         out = torch.empty(n, P, dtype=torch.float32, device=q_idx.device)
     elif scratch.dtype != torch.float32 or scratch.dim() != 1 or scratch.numel() < n * P:
@@ -504,7 +519,7 @@ def dsa_prefill_index_scores(q_idx: torch.Tensor, w_idx: torch.Tensor, pooled: t
                          f"elements, got {scratch.dtype} {tuple(scratch.shape)}")
     else:
         out = scratch[:n * P].view(n, P)
-    grid = (triton.cdiv(n, DSA_PREFILL_SCORE_ROWS), triton.cdiv(P, DSA_PREFILL_SCORE_BLOCK))
+    grid = (triton.cdiv(n, DSA_PREFILL_SCORE_ROWS), programs)
     _dsa_prefill_scores_kernel[grid](q_idx, q_idx.stride(0), w_idx.float().contiguous(), pooled, table, out, n, start,
                                      P, ppb, d ** 0.5, Hi ** 0.5, HI=Hi, DI=d, KPOOL=kpool, BR=DSA_PREFILL_SCORE_ROWS,
                                      BP=DSA_PREFILL_SCORE_BLOCK, TC=q_idx.is_cuda)

@@ -677,6 +677,8 @@ class Engine:
         max_batch_tokens: the tokens of one forward (prefill chunks and decode tokens together). When
         CUDA memory sizes the cache, one chunk of that many tokens runs first (`_chunk_peak`) and the
         memory it takes is kept out of the pool.
+        max_model_len: the context limit, at most (and by default) the model's max_position_embeddings; the
+        cache's size caps it too.
         vision_tower: reads the images of a prompt (vision.py; None: a prompt with images is refused)."""
         self.model, self.tokenizer, self.chat_template = model, tokenizer, chat_template
         self.config: GLMConfig = model.config
@@ -694,6 +696,11 @@ class Engine:
         if max_batch_tokens < 1 or max_num_seqs < 1:
             raise ValueError(f"max_batch_tokens ({max_batch_tokens}) and max_num_seqs ({max_num_seqs}) must be >= 1")
         self.block_size, self.max_num_seqs, self.max_batch_tokens = block_size, max_num_seqs, max_batch_tokens
+        trained = self.config.max_position_embeddings
+        if max_model_len is not None and not 0 < max_model_len <= trained:
+            raise ValueError(f"max_model_len={max_model_len} must be in [1, {trained}]: the model's "
+                             f"max_position_embeddings (config.json), past which its positions were never trained")
+        max_model_len = max_model_len or trained
         num_slots = max_num_seqs + 1  # the last slot belongs to score(), so scoring never waits
         plan = model.placement
         # Per-block and per-slot bytes of each device's cache rows (its layers' rows).
@@ -707,14 +714,14 @@ class Engine:
         if num_blocks is None and max_cache_tokens is None and any(d.type == "cuda" for d in plan.devices):
             # the longest context this engine could serve: the pool sized as if the chunk took nothing
             longest = self._size_pool(None, None, memory_fraction, per_device, num_slots) * block_size
-            self.chunk_peak = self._chunk_peak(use_kernels, min(longest, max_model_len or longest))
+            self.chunk_peak = self._chunk_peak(use_kernels, min(longest, max_model_len))
         num_blocks = self._size_pool(num_blocks, max_cache_tokens, memory_fraction, per_device, num_slots)
         self.cache = CachePool(self.config, num_blocks, num_slots, block_size=block_size, dtype=self.dtype,
                                device=list(plan.devices), layer_device=dict(enumerate(plan.layer_device)))
         if 0 < snapshot_bytes < slot_bytes:
             raise ValueError(f"snapshot_bytes={snapshot_bytes} cannot hold one KDA snapshot ({slot_bytes} bytes); "
                              f"0 turns the prefix cache off")
-        self.max_model_len = min(max_model_len or num_blocks * block_size, num_blocks * block_size)
+        self.max_model_len = min(max_model_len, num_blocks * block_size)
         print(f"engine: cache {num_blocks} blocks x {block_size} tokens, {block_bytes / block_size:.0f} B/token, "
               f"{slot_bytes / 2**20:.1f} MiB KDA state per sequence, {num_slots} slots, "
               f"{(num_blocks * block_bytes + num_slots * slot_bytes) / 2**30:.3f} GiB; context {self.max_model_len}")

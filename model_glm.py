@@ -105,6 +105,7 @@ class GLMConfig:
     num_nextn_predict_layers: int
     eos_token_ids: tuple[int, ...]
     pad_token_id: int | None
+    max_position_embeddings: int  # the longest context the model was trained for: the engine's default limit
 
     @property
     def kda_layers(self) -> tuple[int, ...]:
@@ -180,6 +181,7 @@ class GLMConfig:
             num_nextn_predict_layers=t.get("num_nextn_predict_layers", 0),
             eos_token_ids=tuple(eos) if isinstance(eos, list) else (eos,),
             pad_token_id=t.get("pad_token_id"),
+            max_position_embeddings=_field(t, "max_position_embeddings"),
         )
         _check_consistency(cfg, t)
         return cfg

@@ -1334,7 +1334,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--split-experts", action="store_true",
                     help="with --devices: also split the routed experts of every MoE layer between the devices")
     ap.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"])
-    ap.add_argument("--max-model-len", type=int, default=None, help="context limit in tokens")
+    ap.add_argument("--max-model-len", type=int, default=None,
+                    help="context limit in tokens (default: the model's max_position_embeddings, less where the cache "
+                         "holds less)")
     ap.add_argument("--max-num-seqs", type=int, default=None, help="sequences in one batch")
     ap.add_argument("--max-batch-tokens", type=int, default=None, help="tokens in one forward")
     ap.add_argument("--max-cache-tokens", type=int, default=None, help="paged cache size in tokens")

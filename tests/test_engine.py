@@ -5,6 +5,7 @@ each prompt alone on an engine whose prefix cache is off (snapshot_bytes=0), so 
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
@@ -924,6 +925,20 @@ def test_admission_errors_are_clear(make_engine):
     # a sequence that fills the whole context ends with "length"
     r = eng.generate([prompt(1, 4 * BS - 3)], E.SamplingParams(temperature=0, ignore_eos=True))[0]
     assert r.finish_reason == "length" and r.usage.prompt_tokens + r.usage.completion_tokens == 4 * BS
+
+
+def test_the_context_is_at_most_the_models_trained_length(parts):
+    """max_model_len defaults to config.json's max_position_embeddings (the cache's size capping it) and may not
+    pass it."""
+    model, tok = parts
+    trained = model.config.max_position_embeddings
+    with pytest.raises(ValueError, match=rf"max_model_len={trained + 1} must be in \[1, {trained}\]"):
+        E.Engine(model, tok, eos_token_ids=[EOS], num_blocks=4, block_size=BS, max_model_len=trained + 1)
+    short = GLMModel(dataclasses.replace(model.config, max_position_embeddings=3 * BS), model.weights)
+    eng, full = (E.Engine(m, tok, eos_token_ids=[EOS], num_blocks=64, block_size=BS) for m in (short, model))
+    assert (eng.max_model_len, full.max_model_len) == (3 * BS, 64 * BS)
+    with pytest.raises(ValueError, match=f"prompt has {3 * BS} tokens; the limit is {3 * BS - 1}"):
+        eng.add_request(prompt(0, 3 * BS))
 
 
 def test_text_and_chat_prompts(make_engine):

@@ -649,6 +649,12 @@ def test_dsa_prefill_index_scores_match_the_decode_kernels(dtype):
         torch.testing.assert_close(got[ok], want[ok], rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match=r"table must be one sequence's \[width\] block ids"):
         dsa_kernels.dsa_prefill_index_scores(q_idx, w_idx, pooled, table[None], 0, kpool)
+    long = torch.zeros(dsa_kernels.MAX_GRID_Y * dsa_kernels.DSA_PREFILL_SCORE_BLOCK // 2 + 1, dtype=torch.long,
+                       device=DEVICE)  # 2 pools a block: one pool past what the grid holds
+    with pytest.raises(ValueError, match=r"a table of 4194242 pools needs 65536 programs .* past CUDA's 65535"):
+        dsa_kernels.dsa_prefill_index_scores(q_idx, w_idx, pooled, long, 0, kpool)
+    with pytest.raises(ValueError, match=r"dsa_index_scores: a table of 4194242 pools needs 131071 programs"):
+        dsa_kernels.dsa_index_scores(q_idx, w_idx, pooled, long.expand(n, -1), positions, kpool)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

@@ -36,7 +36,7 @@ TEXT = dict(
     hc_mult=4, hc_eps=1e-6, hc_sinkhorn_iters=20,
     # Weights ~N(0, 0.1) put gate/up activations around ±1, so a limit of 1 clamps a good share of them.
     swiglu_limit=1.0, initializer_range=0.1,
-    rms_norm_eps=1e-5, pad_token_id=0, eos_token_id=1, tie_word_embeddings=False,
+    rms_norm_eps=1e-5, pad_token_id=0, eos_token_id=1, tie_word_embeddings=False, max_position_embeddings=4096,
 )
 VISION = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=64,
               projection_intermediate_size=64)
