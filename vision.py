@@ -284,8 +284,8 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 @dataclass(frozen=True)
 class Group:
-    """The rows of a tower run's images of one size n (attention never crosses images): their images' patches
-    stacked, so one attention call takes them all."""
+    """A tower run's images of one size n (attention never crosses images): the indices of their rows in the run,
+    by which one attention call takes them all, stacked."""
     rows: torch.Tensor  # [images * n]: the images' rows in the run, image after image
     images: int
     n: int
