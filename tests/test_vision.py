@@ -206,6 +206,34 @@ def test_two_images_in_one_prompt_match_transformers(vlm, monkeypatch):
     assert [t for o in outs for t in o.token_ids] == hf_greedy(ref, ids, images, 4)[0]
 
 
+def test_a_preempted_image_prompt_runs_the_tower_again_and_answers_the_same(vlm, monkeypatch):
+    """A pool too small for four image prompts and their answers preempts one as it decodes, its image's rows
+    dropped: it runs the tower again and all answer as each does alone."""
+    import engine as E
+
+    _, eng, _ = vlm
+    g = torch.Generator().manual_seed(14)
+    prompts = [torch.randint(2, 400, (n,), generator=g).tolist() + [IMAGE, 7, 8, 9] for n in (5, 8, 3, 6)]
+    images = [[random_image(60, 90, 20 + i)] for i in range(4)]
+    greedy = E.SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
+    alone = []
+    for ids, im in zip(prompts, images):
+        rid = eng.add_request(ids, greedy, images=im)
+        outs = []
+        while eng.has_work():
+            outs += eng.step()
+        alone.append([t for o in outs if o.request_id == rid for t in o.token_ids])
+    small = E.Engine(eng.model, eng.tokenizer, eos_token_ids=[1], num_blocks=10, block_size=16, max_num_seqs=4,
+                     max_batch_tokens=64, snapshot_bytes=0, vision_tower=eng.vision)  # 160 tokens for 170
+    calls = count_tower_runs(small, monkeypatch)
+    rids = [small.add_request(ids, greedy, images=im) for ids, im in zip(prompts, images)]
+    outs = []
+    while small.has_work():
+        outs += small.step()
+    assert small.stats().preemptions > 0 and sum(map(len, calls)) > 4 and small.image_rows == {}
+    assert [[t for o in outs if o.request_id == rid for t in o.token_ids] for rid in rids] == alone
+
+
 def test_tower_runs_hold_one_largest_image():
     cfg = vision.VisionConfig.from_dict(TINY, {"max_image_tokens": 16})  # runs of 64 patches at most
     sizes = [16, 40, 8, 64, 4]
