@@ -234,6 +234,32 @@ def test_a_preempted_image_prompt_runs_the_tower_again_and_answers_the_same(vlm,
     assert [[t for o in outs if o.request_id == rid for t in o.token_ids] for rid in rids] == alone
 
 
+def test_an_image_prompt_with_the_mtp_speculator_answers_as_without():
+    """Verify passes carry the image's rows as prefill chunks do: greedy tokens with speculator="mtp" (which reads
+    the image's positions as the <|image|> embedding: only its drafts suffer) equal the plain engine's."""
+    import engine as E
+    import tiny
+    from model_glm import GLMConfig, GLMModel
+    from test_engine import make_tokenizer
+
+    cfg = GLMConfig.from_dict(tiny.tiny_config_dict())
+    model, tok = GLMModel(cfg, tiny.random_weights(cfg)), make_tokenizer(cfg.vocab_size)
+    tower = tiny.random_vision_tower(cfg.hidden_size, 300)
+    prompt = list(range(5, 30)) + [300] + list(range(40, 50))
+    got = {}
+    for spec in ("none", "mtp"):
+        eng = E.Engine(model, tok, eos_token_ids=[1], num_blocks=64, block_size=16, max_batch_tokens=64,
+                       speculator=spec, vision_tower=tower, draft_tokens=3 if spec == "mtp" else None)
+        eng.add_request(prompt, E.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                        images=[random_image(60, 90, 30)])
+        outs = []
+        while eng.has_work():
+            outs += eng.step()
+        got[spec] = [t for o in outs for t in o.token_ids]
+        assert spec == "none" or eng.stats().spec_draft_tokens > 0
+    assert got["mtp"] == got["none"]
+
+
 def test_tower_runs_hold_one_largest_image():
     cfg = vision.VisionConfig.from_dict(TINY, {"max_image_tokens": 16})  # runs of 64 patches at most
     sizes = [16, 40, 8, 64, 4]
