@@ -235,8 +235,9 @@ def test_a_preempted_image_prompt_runs_the_tower_again_and_answers_the_same(vlm,
 
 
 def test_an_image_prompt_with_the_mtp_speculator_answers_as_without():
-    """Verify passes carry the image's rows as prefill chunks do: greedy tokens with speculator="mtp" (which reads
-    the image's positions as the <|image|> embedding: only its drafts suffer) equal the plain engine's."""
+    """With a speculator the prompt's chunks run through the target pass of dflash.py, which carries the image's
+    rows too: greedy tokens with speculator="mtp" (whose layer reads the image's positions as the <|image|>
+    embedding: only its drafts suffer) equal the plain engine's."""
     import engine as E
     import tiny
     from model_glm import GLMConfig, GLMModel
