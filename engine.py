@@ -957,7 +957,7 @@ class Engine:
         if not need:
             return
         for run in vision.runs(list(need.values()), self.vision.cfg):
-            rows = self.vision([(image.patches, image.grid) for image in run])
+            rows = self.vision.read(run)
             self.image_rows.update((image.digest, r.to(self.device, self.dtype)) for image, r in zip(run, rows))
 
     def _drop_image_rows(self) -> None:

@@ -167,8 +167,9 @@ def canvas(height: int, width: int, cfg: VisionConfig) -> tuple[int, int]:
     return h, w
 
 
-def image_patches(image, cfg: VisionConfig) -> tuple[torch.Tensor, tuple[int, int]]:
-    """A PIL image -> its patches, fp32 [gh * gw, 3 * 2 * 14 * 14] in block order, and its grid (gh, gw)."""
+def canvas_pixels(image, cfg: VisionConfig) -> tuple[np.ndarray, tuple[int, int]]:
+    """A PIL image resized into its canvas (canvas) and padded black right and below: uint8 [th, tw, 3], and its
+    grid of patches (gh, gw)."""
     from PIL import Image
 
     rgb = image.convert("RGB")
@@ -183,13 +184,25 @@ def image_patches(image, cfg: VisionConfig) -> tuple[torch.Tensor, tuple[int, in
         rgb = rgb.resize((cw, ch), Image.BICUBIC)
     pixels = np.zeros((th, tw, 3), dtype=np.uint8)
     pixels[:ch, :cw] = np.asarray(rgb)
-    x = torch.from_numpy(pixels).permute(2, 0, 1).float() / 255.0
-    x = (x - torch.tensor(cfg.image_mean)[:, None, None]) / torch.tensor(cfg.image_std)[:, None, None]
-    p, m = cfg.patch_size, cfg.spatial_merge_size
-    gh, gw = th // p, tw // p
+    return pixels, (th // cfg.patch_size, tw // cfg.patch_size)
+
+
+def patchify(pixels: torch.Tensor, cfg: VisionConfig) -> torch.Tensor:
+    """A canvas's uint8 pixels [th, tw, 3] (on any device) -> its patches, fp32 [gh * gw, 3 * 2 * 14 * 14] in block
+    order: scaled to [0, 1], normalized, each patch written as its frames."""
+    mean, std = (torch.tensor(v, device=pixels.device)[:, None, None] for v in (cfg.image_mean, cfg.image_std))
+    x = (pixels.permute(2, 0, 1).float() / 255.0 - mean) / std
+    p, m, f = cfg.patch_size, cfg.spatial_merge_size, cfg.temporal_patch_size
+    gh, gw = pixels.shape[0] // p, pixels.shape[1] // p
     x = x.reshape(3, gh // m, m, p, gw // m, m, p).permute(1, 4, 2, 5, 0, 3, 6)  # blocks, block rows, patch
     x = x[:, :, :, :, :, None].expand(-1, -1, -1, -1, -1, f, -1, -1)  # each patch as f frames
-    return x.reshape(gh * gw, 3 * f * p * p), (gh, gw)
+    return x.reshape(gh * gw, 3 * f * p * p)
+
+
+def image_patches(image, cfg: VisionConfig) -> tuple[torch.Tensor, tuple[int, int]]:
+    """A PIL image -> its patches, fp32 [gh * gw, 3 * 2 * 14 * 14] in block order, and its grid (gh, gw)."""
+    pixels, grid = canvas_pixels(image, cfg)
+    return patchify(torch.from_numpy(pixels), cfg), grid
 
 
 def image_tokens(grid: tuple[int, int], cfg: VisionConfig) -> int:
@@ -198,19 +211,24 @@ def image_tokens(grid: tuple[int, int], cfg: VisionConfig) -> int:
 
 @dataclass(frozen=True)
 class Prepared:
-    """An image cut into patches for the tower (image_patches), the <|image|> tokens it stands for, and a digest
-    of its patches (the prefix cache's key for it)."""
-    patches: torch.Tensor
+    """An image resized into its canvas (canvas_pixels: uint8, an eighth of its fp32 patches' bytes; the tower
+    makes the patches on its device), its grid, the <|image|> tokens it stands for, and a digest of its pixels
+    (the prefix cache's key for it)."""
+    pixels: torch.Tensor
     grid: tuple[int, int]
     tokens: int
     digest: bytes
 
+    @property
+    def num_patches(self) -> int:
+        return self.grid[0] * self.grid[1]
+
 
 def prepare(source, cfg: VisionConfig) -> Prepared:
     """An image as a request gives it (open_image) made ready for the tower: the CPU's part of reading it."""
-    patches, grid = image_patches(open_image(source), cfg)
-    return Prepared(patches, grid, image_tokens(grid, cfg),
-                    hashlib.blake2b(patches.numpy().tobytes(), digest_size=16).digest())
+    pixels, grid = canvas_pixels(open_image(source), cfg)
+    return Prepared(torch.from_numpy(pixels), grid, image_tokens(grid, cfg),
+                    hashlib.blake2b(pixels, digest_size=16).digest())
 
 
 def write_out(ids: list[int], image_token_id: int, images: list[Prepared]) -> tuple[list[int], list[int]]:
@@ -234,11 +252,11 @@ def runs(images: list[Prepared], cfg: VisionConfig) -> list[list[Prepared]]:
     the activations of one run are at most the largest image's."""
     cap, out, size = cfg.max_image_tokens * cfg.spatial_merge_size ** 2, [], 0
     for image in images:
-        if not out or size + len(image.patches) > cap:
+        if not out or size + image.num_patches > cap:
             out.append([])
             size = 0
         out[-1].append(image)
-        size += len(image.patches)
+        size += image.num_patches
     return out
 
 
@@ -330,6 +348,10 @@ class VisionTower:
                              f"({len(missing)} of {len(expected_names(cfg))} tensors)")
         self.w = weights
         self.device, self.dtype = weights["patch_embed.proj.weight"].device, weights["patch_embed.proj.weight"].dtype
+
+    def read(self, images: list[Prepared]) -> list[torch.Tensor]:
+        """Prepared images -> each one's rows, in one run: their patches made on the tower's device."""
+        return self([(patchify(im.pixels.to(self.device, non_blocking=True), self.cfg), im.grid) for im in images])
 
     @torch.no_grad()
     def __call__(self, images: list[tuple[torch.Tensor, tuple[int, int]]]) -> list[torch.Tensor]:

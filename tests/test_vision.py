@@ -265,7 +265,7 @@ def test_tower_runs_hold_one_largest_image():
     cfg = vision.VisionConfig.from_dict(TINY, {"max_image_tokens": 16})  # runs of 64 patches at most
     sizes = [16, 40, 8, 64, 4]
     images = [vision.Prepared(torch.zeros(n, 1), (n, 1), n // 4, bytes([n])) for n in sizes]
-    assert [[len(im.patches) for im in run] for run in vision.runs(images, cfg)] == [[16, 40, 8], [64], [4]]
+    assert [[im.num_patches for im in run] for run in vision.runs(images, cfg)] == [[16, 40, 8], [64], [4]]
 
 
 def test_the_prefix_cache_tells_images_apart(vlm, monkeypatch):
