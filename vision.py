@@ -351,7 +351,7 @@ class VisionTower:
 
     def read(self, images: list[Prepared]) -> list[torch.Tensor]:
         """Prepared images -> each one's rows, in one run: their patches made on the tower's device."""
-        return self([(patchify(im.pixels.to(self.device, non_blocking=True), self.cfg), im.grid) for im in images])
+        return self([(patchify(im.pixels.to(self.device), self.cfg), im.grid) for im in images])
 
     @torch.no_grad()
     def __call__(self, images: list[tuple[torch.Tensor, tuple[int, int]]]) -> list[torch.Tensor]:
