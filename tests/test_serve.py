@@ -420,6 +420,7 @@ def test_images_through_the_three_apis(server, url, client, seeing):
         {"type": "text", "text": "What is this?"}, block]}])
     assert msg.usage.input_tokens == a.messages.count_tokens(model=default_model.NAME, messages=[
         {"role": "user", "content": [{"type": "text", "text": "What is this?"}, block]}]).input_tokens
+
     def result(content) -> list[dict]:  # a conversation whose tool returned `content`
         return [{"role": "user", "content": "Look."}, {"role": "assistant", "content": [
             {"type": "tool_use", "id": "t1", "name": "shot", "input": {}}]},
