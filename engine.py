@@ -558,15 +558,19 @@ Grammar = jsonmode.JsonPrefix | toolmode.ToolCallPrefix | pattern.RegexPrefix
 
 @dataclass
 class PromptImage:
-    """An image of a prompt: its first position and the image made ready for the tower (patches, token count, and
-    the digest the prefix cache's block hashes take in). Its rows are the tower's run, made when a chunk first needs
-    them (Engine._run_tower): an image the prefix cache holds runs no tower."""
+    """An image of a prompt: its first position and the image made ready for the tower (its canvas's pixels, token
+    count, and the digest the prefix cache's block hashes take in). Its rows are the tower's run, made when a chunk
+    first needs them (Engine._run_tower): an image the prefix cache holds runs no tower."""
     start: int
     image: vision.Prepared
 
     @property
     def end(self) -> int:
         return self.start + self.image.tokens
+
+    def meets(self, lo: int, hi: int) -> bool:
+        """Whether the image has a position in [lo, hi)."""
+        return self.start < hi and self.end > lo
 
     @property
     def digest(self) -> bytes:
@@ -953,7 +957,7 @@ class Engine:
         for seq, n in batch:
             lo, hi = seq.num_computed, seq.num_computed + n
             need |= {im.digest: im.image for im in seq.images
-                     if im.start < hi and im.end > lo and im.digest not in self.image_rows}
+                     if im.meets(lo, hi) and im.digest not in self.image_rows}
         if not need:
             return
         for run in vision.runs(list(need.values()), self.vision.cfg):
@@ -1057,7 +1061,7 @@ class Engine:
         # fast prefill (or the reference forward); the two touch different slots and blocks.
         fast = [i for i, (seq, n) in enumerate(batch)  # (no fast step is built with a speculator; it embeds tokens)
                 if self.fast is not None and n == 1 and seq.num_computed > 0
-                and not any(im.start <= seq.num_computed < im.end for im in seq.images)]
+                and not any(im.meets(seq.num_computed, seq.num_computed + 1) for im in seq.images)]
         chunks = [self._seq_chunk(seq, n, "cpu" if i in fast else self.device) for i, (seq, n) in enumerate(batch)]
         if self.speculator is not None:
             return outputs + self._speculative_step(batch, chunks)
@@ -1121,7 +1125,7 @@ class Engine:
         inside = tuple(sorted(b for b in seq.snapshot_at if lo < b < hi))
         images = tuple((max(im.start, lo) - lo, self.image_rows[im.digest][max(im.start, lo) - im.start:
                                                                            min(im.end, hi) - im.start])
-                       for im in seq.images if im.start < hi and im.end > lo)
+                       for im in seq.images if im.meets(lo, hi))
         return SeqChunk(fastdecode.to_device(tokens, device), seq.num_computed,
                         fastdecode.to_device(seq.table(), device), seq.slot, inside, images)
 
