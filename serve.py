@@ -459,8 +459,13 @@ class ChatPrompt:
 
     @property
     def length(self) -> int:
-        """The prompt's tokens, each image's counted (the engine writes its <|image|> out to them)."""
-        return len(self.ids) + sum(im.tokens - 1 for im in self.images)
+        return prompt_length(self.ids, self.images)
+
+
+def prompt_length(ids: list[int], images: list) -> int:
+    """A prompt's tokens, each image's counted (the engine writes its <|image|> out to them)."""
+    return len(ids) + sum(im.tokens - 1 for im in images)
+
 
 class Server:
     def __init__(self, args: argparse.Namespace):
@@ -640,7 +645,7 @@ class Server:
                            "unsupported")
         if keep is not None:  # vLLM's: the prompt's start is cut off
             prompt_ids = prompt_ids[-(limit - 1 if keep == -1 else keep):]
-        length = len(prompt_ids) + sum(im.tokens - 1 for im in images)  # (no image where the prompt was cut)
+        length = prompt_length(prompt_ids, images)  # (no image where the prompt was cut)
         if length >= limit:
             raise ApiError(400, f"the prompt has {length} tokens; this model's context is {limit} tokens "
                                 f"(at most {limit - 1} for the prompt)", prompt_param,
@@ -855,9 +860,9 @@ class Server:
         return ChatPrompt(prompt_ids, parser, head, held, images)
 
     def _images(self, messages: list[dict]) -> list[vision.Prepared]:
-        """The messages' images, decoded and cut into patches here (a request's handler thread; the engine's runs
-        the tower): a 400 names the part that cannot be read, or the first image where the checkpoint has no
-        vision tower."""
+        """The messages' images, decoded and resized into their canvases here (a request's handler thread; the
+        engine's runs the tower): a 400 names the part that cannot be read, or the first image where the checkpoint
+        has no vision tower."""
         at = [(f"messages[{i}].content[{j}]", part["image"]) for i, m in enumerate(messages)
               if isinstance(m.get("content"), list) for j, part in enumerate(m["content"])
               if isinstance(part, dict) and part.get("type") == "image"]
