@@ -256,20 +256,21 @@ def fast_vs_reference(model: GLMModel, fast: FastDecoder, cache: CachePool, tabl
     x = the reference itself with this token's embedding row moved by one bf16 ulp per element
     (random signs): how far a rounding-sized change at the input moves this model's logits."""
     used = table[:ctx // cache.block_size + 2].to(cache.device)
-    names = ("latent", "index_k", "gate", "pooled")
+    by_block, by_slot = ("latent", "pooled"), ("index_k", "gate", "kda_state", "conv_state")
     embed = model.w("embed_tokens.weight")
     gen = torch.Generator(device=embed.device).manual_seed(5)
     kls: dict[str, list[float]] = {"fast": [], "reference, input moved 1 ulp": []}
     agree = dict.fromkeys(kls, 0)
     tok = torch.ones(1, dtype=torch.long)
     for i in range(steps):
-        saved = ([getattr(cache, n)[:, used].clone() for n in names],
-                 cache.kda_state[:, 0].clone(), cache.conv_state[:, 0].clone())
+        saved = ([getattr(cache, n)[:, used].clone() for n in by_block],
+                 [getattr(cache, n)[:, 0].clone() for n in by_slot])
 
         def restore() -> None:
-            for n, t in zip(names, saved[0]):
+            for n, t in zip(by_block, saved[0]):
                 getattr(cache, n)[:, used] = t
-            cache.kda_state[:, 0], cache.conv_state[:, 0] = saved[1], saved[2]
+            for n, t in zip(by_slot, saved[1]):
+                getattr(cache, n)[:, 0] = t
 
         batch = [SeqChunk(tok, ctx + i, table, 0)]
         got = {"fast": fast.step(batch).logits}

@@ -69,15 +69,22 @@ def _on(x, device: torch.device):
     return x.to(device) if isinstance(x, torch.Tensor) else x
 
 
+# Positions of a sequence's indexer keys and gate scores its slot keeps (§4.4: they are needed only until
+# their pool completes). A pass writes its last TAIL_RING positions at position % TAIL_RING; the next pass
+# starts where the accepted rows end and reads back the at most kpool - 1 before it: they are intact as
+# long as a pass leaves at most TAIL_RING - (kpool - 1) rows rejected (a speculator's drafts, engine.py).
+TAIL_RING = 64
+
+
 def layer_bytes(config: "GLMConfig", layer: int, block_size: int, dtype: torch.dtype) -> tuple[int, int]:
     """(bytes per block, bytes per slot) of one layer's cache rows: a DSA layer (trunk or MTP) pays
-    per block (latent, indexer keys, gate scores, pooled keys), a KDA layer per slot (fp32 state and
-    conv window). The one place that states the row sizes; CachePool allocates exactly these."""
+    per block (latent, pooled keys) and per slot (the tail ring of indexer keys and gate scores), a KDA
+    layer per slot (fp32 state and conv window). The one place that states the row sizes; CachePool
+    allocates exactly these."""
     e = torch.empty((), dtype=dtype).element_size()
     if layer == config.mtp_layer or config.layer_types[layer] == "dsa":
         dI = config.index_head_dim
-        per_token = config.kv_lora_rank + 2 * dI
-        return e * (block_size * per_token + block_size // config.index_kpool * dI), 0
+        return e * block_size * (config.kv_lora_rank + dI // config.index_kpool), e * 2 * TAIL_RING * dI
     H, d = config.linear_num_heads, config.linear_head_dim
     return 0, 4 * H * d * d + e * 3 * (config.linear_conv_kernel - 1) * H * d
 
@@ -97,8 +104,9 @@ class CachePool:
     """Tensors (row = a DSA or KDA layer, see dsa_index / kda_index):
 
     latent     [n_dsa, num_blocks, block_size, kv_lora_rank]        MLA latent after kv_a_layernorm
-    index_k    [n_dsa, num_blocks, block_size, index_head_dim]      indexer keys k^I
-    gate       [n_dsa, num_blocks, block_size, index_head_dim]      k-pool gate scores γ
+    index_k    [n_dsa, num_slots, TAIL_RING, index_head_dim]        indexer keys k^I of a sequence's last positions
+    gate       [n_dsa, num_slots, TAIL_RING, index_head_dim]        k-pool gate scores γ of the same positions
+                                                                    (position % TAIL_RING: the slot's tail ring)
     pooled     [n_dsa, num_blocks, block_size // index_kpool, index_head_dim]  pooled keys K_p
     kda_state  [n_kda, num_slots, H, d_k, d_v] fp32                 KDA recurrent state
     conv_state [n_kda, num_slots, 3, conv_kernel - 1, H * d]        q, k, v pre-conv rows, oldest first
@@ -146,8 +154,8 @@ class CachePool:
             return LayerRows(parts, starts)
 
         self.latent = rows(dsa_layers, num_blocks, block_size, config.kv_lora_rank)
-        self.index_k = rows(dsa_layers, num_blocks, block_size, dI)
-        self.gate = rows(dsa_layers, num_blocks, block_size, dI)
+        self.index_k = rows(dsa_layers, num_slots, TAIL_RING, dI)
+        self.gate = rows(dsa_layers, num_slots, TAIL_RING, dI)
         self.pooled = rows(dsa_layers, num_blocks, block_size // config.index_kpool, dI)
         self.kda_state = rows(config.kda_layers, num_slots, H, d, d, dt=torch.float32)
         self.conv_state = rows(config.kda_layers, num_slots, 3, config.linear_conv_kernel - 1, H * d)
@@ -169,5 +177,11 @@ class CachePool:
         return sum(layer_bytes(self.config, L, self.block_size, self.dtype)[0] for L in self._dsa_rows) // self.block_size
 
     def bytes_per_sequence(self) -> int:
-        """KDA bytes one sequence slot costs (recurrent + conv state), whatever its length."""
+        """Bytes one sequence slot costs whatever its length: the KDA rows' recurrent and conv state, the DSA
+        rows' tail rings."""
+        rows = (*self._kda_rows, *self._dsa_rows)
+        return sum(layer_bytes(self.config, L, self.block_size, self.dtype)[1] for L in rows)
+
+    def kda_bytes_per_sequence(self) -> int:
+        """The KDA part of bytes_per_sequence: what a prefix-cache snapshot of a slot holds."""
         return sum(layer_bytes(self.config, L, self.block_size, self.dtype)[1] for L in self._kda_rows)

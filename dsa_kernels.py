@@ -20,9 +20,10 @@ from kernels import (_cast, _check_pow2, _dot_bf16, _dot_f32, _dot_pair, _dot_tf
                      _rms_scaled, _rows, _split)
 
 # ================================================================ decode-step kernels: DSA (§4.4)
-# One token per sequence against a paged cache: row tensors latent [blocks, bs, R], index_k / gate
-# [blocks, bs, d], pooled [blocks, bs / kpool, d]; tables [B, width] (block ids) and positions [B] on
-# the device. Pools are numbered along the table (pool p = block table[p // (bs / kpool)]).
+# One token per sequence against a paged cache: row tensors latent [blocks, bs, R], pooled
+# [blocks, bs / kpool, d], and the slots' tail rings index_k / gate [slots, ring, d] (position % ring);
+# tables [B, width] (block ids), positions and slots [B] on the device. Pools are numbered along the
+# table (pool p = block table[p // (bs / kpool)]).
 # `dsa_decode_inputs`: q_a_layernorm, and this token's latent (kv_a_layernorm), indexer key (k_norm)
 # and gate rows, and the pooled key of its pool when the token completes it: one program per sequence.
 # `dsa_index_scores`: Σ_h w[h] · relu(q[h] · K_p / √d) for every pool of the table, -inf past the
@@ -63,10 +64,10 @@ def _rms_norm_of(x, w, eps, N: tl.constexpr, X_DT: tl.constexpr, OUT_DT: tl.cons
 @triton.jit
 def _dsa_inputs_kernel(qa_ptr, qa_stride, kv_ptr, kv_stride, wk_ptr, wk_stride, g_ptr, g_stride, qn_ptr, kvn_ptr,
                        knw_ptr, knb_ptr, ape_ptr, qr_ptr, lat_ptr, ik_ptr, gate_ptr, pool_ptr, tables_ptr, t_stride,
-                       pos_ptr, rms_eps, bs, Q: tl.constexpr, QP: tl.constexpr, R: tl.constexpr, DI: tl.constexpr,
-                       KPOOL: tl.constexpr, C_DT: tl.constexpr):
-    # A program's time is latency: every load comes first (the cache rows the pooled key needs behind the
-    # table's block, which they depend on), before the norms' sums exchange values between warps.
+                       pos_ptr, slots_ptr, ring, rms_eps, bs, Q: tl.constexpr, QP: tl.constexpr, R: tl.constexpr,
+                       DI: tl.constexpr, KPOOL: tl.constexpr, C_DT: tl.constexpr):
+    # A program's time is latency: every load comes first (the ring rows the pooled key needs behind the
+    # slot, which they depend on), before the norms' sums exchange values between warps.
     _pdl_enter()
     b = tl.program_id(0)
     i = tl.arange(0, QP)
@@ -85,10 +86,11 @@ def _dsa_inputs_kernel(qa_ptr, qa_stride, kv_ptr, kv_stride, wk_ptr, wk_stride, 
     ape = tl.load(ape_ptr + m[:, None] * DI + d[None, :])
     blk = tl.load(tables_ptr + b * t_stride + pos // bs)
     off = pos % bs
+    tail = tl.load(slots_ptr + b).to(tl.int64) * ring
     # the pooled key (model_glm.pool_keys) when this token is its pool's last: the other members come from
-    # the cache, this one from registers
+    # the slot's ring, this one from registers
     last = (pos + 1) % KPOOL == 0
-    rows = (blk * bs + off - (KPOOL - 1) + m)[:, None] * DI + d[None, :]
+    rows = (tail + (pos - (KPOOL - 1) + m) % ring)[:, None] * DI + d[None, :]
     earlier = ((m < KPOOL - 1) & ((pos + 1 + 0 * m) % KPOOL == 0))[:, None]  # (a vector: see _attn_rows)
     k_prev = tl.load(ik_ptr + rows, mask=earlier, other=0.0)
     g_prev = tl.load(gate_ptr + rows, mask=earlier, other=0.0)
@@ -103,8 +105,8 @@ def _dsa_inputs_kernel(qa_ptr, qa_stride, kv_ptr, kv_stride, wk_ptr, wk_stride, 
     k = k * knw + knb
     k = _cast(_cast(k, wk_ptr.dtype.element_ty).to(tl.float32), ik_ptr.dtype.element_ty)
     g = _cast(g_raw.to(tl.float32), gate_ptr.dtype.element_ty)
-    tl.store(ik_ptr + (blk * bs + off) * DI + d, k)
-    tl.store(gate_ptr + (blk * bs + off) * DI + d, g)
+    tl.store(ik_ptr + (tail + pos % ring) * DI + d, k)
+    tl.store(gate_ptr + (tail + pos % ring) * DI + d, g)
     if last:
         mine = (m == KPOOL - 1)[:, None]
         km = tl.where(mine, k[None, :], k_prev).to(tl.float32)
@@ -136,19 +138,22 @@ def _check_tables(name: str, tables: torch.Tensor, positions: torch.Tensor) -> i
 def dsa_decode_inputs(q_a: torch.Tensor, kv_a: torch.Tensor, wk: torch.Tensor, gamma: torch.Tensor,
                       q_norm: torch.Tensor, kv_norm: torch.Tensor, k_norm_w: torch.Tensor, k_norm_b: torch.Tensor,
                       ape: torch.Tensor, latent: torch.Tensor, index_k: torch.Tensor, gate: torch.Tensor,
-                      pooled: torch.Tensor, tables: torch.Tensor, positions: torch.Tensor,
+                      pooled: torch.Tensor, tables: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                       rms_eps: float) -> torch.Tensor:
     """§4.4 for one token per sequence, from the first projections' outputs q_a [B, q_lora], kv_a
     [B, R], wk and gamma [B, d] (rows may be strided): returns q_r = rms_norm(q_a, q_norm), and
-    writes the token's cache rows as model_glm.GLMModel.dsa does: latent ← rms_norm(kv_a, kv_norm),
-    index_k ← layer_norm(wk, k_norm_w, k_norm_b, eps 1e-6), gate ← gamma, and pooled ←
-    pool_keys(the pool's members, ape [kpool, d] fp32) when position + 1 completes a pool."""
+    writes the token's cache rows as model_glm.write_dsa_rows does: latent ← rms_norm(kv_a, kv_norm),
+    its slot's ring rows index_k ← layer_norm(wk, k_norm_w, k_norm_b, eps 1e-6) and gate ← gamma, and
+    pooled ← pool_keys(the pool's members, ape [kpool, d] fp32) when position + 1 completes a pool."""
     B = _check_tables("dsa_decode_inputs", tables, positions)
     Q, R, (kpool, d) = q_a.shape[-1], kv_a.shape[-1], ape.shape
     nb, bs = latent.shape[:2]
     _check_cache_row("dsa_decode_inputs: latent", latent, nb, bs, R)
-    _check_cache_row("dsa_decode_inputs: index_k", index_k, nb, bs, d)
-    _check_cache_row("dsa_decode_inputs: gate", gate, nb, bs, d)
+    ns, ring = index_k.shape[:2]
+    _check_cache_row("dsa_decode_inputs: index_k", index_k, ns, ring, d)
+    _check_cache_row("dsa_decode_inputs: gate", gate, ns, ring, d)
+    if tuple(slots.shape) != (B,):
+        raise ValueError(f"dsa_decode_inputs: slots must be [{B}], got {tuple(slots.shape)}")
     _check_cache_row("dsa_decode_inputs: pooled", pooled, nb, bs // kpool, d)
     for name, t, width in (("q_a", q_a, Q), ("kv_a", kv_a, R), ("wk", wk, d), ("gamma", gamma, d)):
         _rows(t, f"dsa_decode_inputs: {name}", B, width)
@@ -158,7 +163,7 @@ def dsa_decode_inputs(q_a: torch.Tensor, kv_a: torch.Tensor, wk: torch.Tensor, g
     q_r = torch.empty(B, Q, dtype=torch.promote_types(q_norm.dtype, q_a.dtype), device=q_a.device)
     _dsa_inputs_kernel[(B,)](q_a, q_a.stride(0), kv_a, kv_a.stride(0), wk, wk.stride(0), gamma, gamma.stride(0),
                              q_norm, kv_norm, k_norm_w, k_norm_b, ape.float().contiguous(), q_r, latent, index_k,
-                             gate, pooled, tables, tables.stride(0), positions, rms_eps, bs, Q=Q,
+                             gate, pooled, tables, tables.stride(0), positions, slots, ring, rms_eps, bs, Q=Q,
                              QP=triton.next_power_of_2(Q), R=R, DI=d, KPOOL=kpool,
                              C_DT=_TL_DTYPES[torch.promote_types(kv_norm.dtype, kv_a.dtype)], launch_pdl=_pdl())
     return q_r

@@ -722,12 +722,13 @@ class Engine:
         num_blocks = self._size_pool(num_blocks, max_cache_tokens, memory_fraction, per_device, num_slots)
         self.cache = CachePool(self.config, num_blocks, num_slots, block_size=block_size, dtype=self.dtype,
                                device=list(plan.devices), layer_device=dict(enumerate(plan.layer_device)))
-        if 0 < snapshot_bytes < slot_bytes:
-            raise ValueError(f"snapshot_bytes={snapshot_bytes} cannot hold one KDA snapshot ({slot_bytes} bytes); "
+        if 0 < snapshot_bytes < self.cache.kda_bytes_per_sequence():
+            raise ValueError(f"snapshot_bytes={snapshot_bytes} cannot hold one KDA snapshot "
+                             f"({self.cache.kda_bytes_per_sequence()} bytes); "
                              f"0 turns the prefix cache off")
         self.max_model_len = min(max_model_len, num_blocks * block_size)
         print(f"engine: cache {num_blocks} blocks x {block_size} tokens, {block_bytes / block_size:.0f} B/token, "
-              f"{slot_bytes / 2**20:.1f} MiB KDA state per sequence, {num_slots} slots, "
+              f"{slot_bytes / 2**20:.1f} MiB per sequence (KDA state, indexer tails), {num_slots} slots, "
               f"{(num_blocks * block_bytes + num_slots * slot_bytes) / 2**30:.3f} GiB; context {self.max_model_len}")
         # Speculative steps verify several rows per sequence: FastPrefill runs them (eagerly), and no
         # decode graphs are captured.
@@ -756,6 +757,10 @@ class Engine:
                              spec_accepted_tokens=0)
         self.speculator_name = speculator
         self.speculator = self._make_speculator(speculator, drafter)
+        if self.speculator and self.speculator.max_draft > cache_mod.TAIL_RING - (self.config.index_kpool - 1):
+            raise ValueError(f"speculator {speculator!r} drafts up to {self.speculator.max_draft} tokens; a verify "
+                             f"pass may reject at most {cache_mod.TAIL_RING - (self.config.index_kpool - 1)} (the DSA "
+                             f"layers' tail ring, cache.TAIL_RING)")
         if draft_tokens is not None and not (self.speculator and 1 <= draft_tokens <= self.speculator.max_draft):
             raise ValueError(f"draft_tokens={draft_tokens}: needs a speculator and 1..max drafts "
                              f"({self.speculator.max_draft if self.speculator else 0})")

@@ -496,7 +496,7 @@ class FastDecoder:
                 if layer.kind == "kda":
                     y = self.kda(layer, x, slots)
                 else:
-                    y = self.dsa(layer, x, positions, tables)
+                    y = self.dsa(layer, x, positions, slots, tables)
                 X, h, post, C = self._mhc(X, (y, None, post, C), layer.ffn_hc, layer.post_norm)
                 if layer.experts is not None:
                     done = (*self.moe(layer, h), post, C)
@@ -555,7 +555,8 @@ class FastDecoder:
 
     # -- §4.4 DSA ------------------------------------------------------------------------------
 
-    def dsa(self, layer: Layer, x: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+    def dsa(self, layer: Layer, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+            tables: torch.Tensor) -> torch.Tensor:
         cfg, cache, a, row = self.cfg, self.cache, layer.attn, layer.row
         q_a, kv_a, wk = layer.proj(x)
         gamma = gate_linear(x, a["gate"])
@@ -563,7 +564,7 @@ class FastDecoder:
         # pool's pooled key once the pool is complete.
         q_r = dsa_kernels.dsa_decode_inputs(q_a, kv_a, wk, gamma, a["q_norm"], a["kv_norm"], a["k_norm_w"], a["k_norm_b"],
                                         a["ape"], cache.latent[row], cache.index_k[row], cache.gate[row],
-                                        cache.pooled[row], tables, positions, cfg.rms_norm_eps)
+                                        cache.pooled[row], tables, positions, slots, cfg.rms_norm_eps)
         q, q_idx = layer.proj2[0](q_r)
         out = torch.empty(x.shape[0], cfg.num_attention_heads, cfg.v_head_dim, dtype=x.dtype, device=x.device)
         self.sparse_attention(layer, x, q, q_idx, positions, tables, out)

@@ -504,26 +504,30 @@ def mla_attention(q: torch.Tensor, latent: torch.Tensor, kv_b: torch.Tensor, mas
 
 def write_dsa_rows(cache: CachePool, row: int, chunk: SeqChunk, c: torch.Tensor, k_idx: torch.Tensor,
                    gamma: torch.Tensor, ape: torch.Tensor, kpool: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The cache side of §4.4 for one chunk of n tokens: their latent, indexer-key and gate rows, and
-    the pooled key of every pool the chunk completes (older pools are cached). Returns the chunk's
-    whole context: pooled keys [T // kpool, d] and latents [T, R], T = chunk.start + n."""
-    bs, device = cache.block_size, c.device
+    """The cache side of §4.4 for one chunk of n tokens: their latent rows, the pooled key of every pool
+    the chunk completes (older pools are cached), and the indexer-key and gate rows of its last
+    positions in the slot's tail ring (cache.TAIL_RING), where the next chunk finds the members of a pool
+    this one leaves open. Returns the chunk's whole context: pooled keys [T // kpool, d] and latents
+    [T, R], T = chunk.start + n."""
+    bs, ring, device = cache.block_size, cache.index_k.shape[2], c.device
     T = chunk.start + c.shape[0]
     positions = torch.arange(chunk.start, T, device=device)
     blocks = chunk.block_table.to(device)
-    new_blocks, new_offsets = blocks[positions // bs], positions % bs
-    cache.latent[row, new_blocks, new_offsets] = c.to(cache.latent.dtype)
-    cache.index_k[row, new_blocks, new_offsets] = k_idx.to(cache.index_k.dtype)
-    cache.gate[row, new_blocks, new_offsets] = gamma.to(cache.gate.dtype)
-    used = blocks[:(T + bs - 1) // bs]
+    cache.latent[row, blocks[positions // bs], positions % bs] = c.to(cache.latent.dtype)
+    k_new, g_new = k_idx.to(cache.index_k.dtype), gamma.to(cache.gate.dtype)
     first_new, n_pools = chunk.start // kpool, T // kpool
-    if n_pools > first_new:
-        span = slice(first_new * kpool, n_pools * kpool)
-        k_hist = cache.index_k[row, used].flatten(0, 1)[span]
-        g_hist = cache.gate[row, used].flatten(0, 1)[span]
+    if n_pools > first_new:  # members before the chunk come from the ring (read before this chunk writes it)
+        held = torch.arange(first_new * kpool, chunk.start, device=device) % ring
+        span = n_pools * kpool - chunk.start
+        k_hist = torch.cat([cache.index_k[row, chunk.slot, held], k_new[:span]])
+        g_hist = torch.cat([cache.gate[row, chunk.slot, held], g_new[:span]])
         pool_pos = torch.arange(first_new, n_pools, device=device) * kpool
         cache.pooled[row, blocks[pool_pos // bs], (pool_pos % bs) // kpool] = \
             pool_keys(k_hist, g_hist, ape).to(cache.pooled.dtype)
+    last = positions[-ring:] % ring
+    cache.index_k[row, chunk.slot, last] = k_new[-ring:]
+    cache.gate[row, chunk.slot, last] = g_new[-ring:]
+    used = blocks[:(T + bs - 1) // bs]
     return cache.pooled[row, used].flatten(0, 1)[:n_pools], cache.latent[row, used].flatten(0, 1)[:T]
 
 

@@ -170,14 +170,16 @@ def build_weights(cfg: GLMConfig, bits: dict[int, int], core: str, dtype: torch.
 
 
 def fill_context(cache: CachePool, blocks: torch.Tensor, slot: int, ctx: int, gen: torch.Generator) -> None:
-    """Stand-in for a prefill of `ctx` tokens: random latent rows, index keys, gate scores and pooled
-    keys in the sequence's blocks, a random KDA and conv state in its slot (unit-scale values).
+    """Stand-in for a prefill of `ctx` tokens: random latent rows and pooled keys in the sequence's blocks;
+    random indexer-key and gate tail rows, KDA and conv state in its slot (unit-scale values).
     Drawn on the generator's device; a pool split over devices (cache.LayerRows) sends each layer's
     rows to its device."""
     used = blocks[:-(-ctx // cache.block_size)].to(cache.device)
-    for t in (cache.latent, cache.index_k, cache.gate, cache.pooled):
+    for t in (cache.latent, cache.pooled):
         t[:, used] = torch.randn((t.shape[0], len(used), *t.shape[2:]), dtype=t.dtype, device=gen.device,
                                  generator=gen)
+    for t in (cache.index_k, cache.gate):
+        t[:, slot] = torch.randn((t.shape[0], *t.shape[2:]), dtype=t.dtype, device=gen.device, generator=gen)
     s = cache.kda_state
     cache.kda_state[:, slot] = 0.05 * torch.randn((s.shape[0], *s.shape[2:]), device=gen.device, generator=gen)
     c = cache.conv_state

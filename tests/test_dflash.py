@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import cache as cache_mod
 import dflash
 import engine as E
 import tiny
@@ -192,7 +193,7 @@ def test_published_config_parses_and_names_every_tensor(fixtures_dir):
     assert dflash.build_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]  # the spec's example
 
 
-def test_bad_drafters_are_named(target, tmp_path):
+def test_bad_drafters_are_named(target, tmp_path, monkeypatch):
     model, _ = target
     d = drafter_config_dict(layers=1)
     with pytest.raises(ValueError, match="DFlash2DraftModel"):
@@ -224,6 +225,9 @@ def test_bad_drafters_are_named(target, tmp_path):
     no_mtp = GLMConfig.from_dict(tiny.tiny_config_dict(num_nextn_predict_layers=0))
     with pytest.raises(ValueError, match="needs the checkpoint's MTP layer"):
         make_engine((GLMModel(no_mtp, tiny.random_weights(no_mtp)), target[1]), speculator="mtp")
+    monkeypatch.setattr(cache_mod, "TAIL_RING", 9)  # 7 drafts rejected would overwrite an open pool's members
+    with pytest.raises(ValueError, match="drafts up to 7 tokens; a verify pass may reject at most 6"):
+        make_engine(target, speculator="mtp")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -342,12 +346,17 @@ def test_rejection_sampling_preserves_the_target_distribution(q_aware):
 # Rollback
 
 
-def test_rollback_equals_a_run_that_saw_only_the_accepted_tokens(target):
-    """Verify [anchor, d1..d5] at position 10, keep 2 rows: pools [8..11] and [12..15] were completed
+@pytest.mark.parametrize("ring", [cache_mod.TAIL_RING, 8], ids=["ring", "smallest_ring"])
+@pytest.mark.parametrize("kept", [2, 1])
+def test_rollback_equals_a_run_that_saw_only_the_accepted_tokens(target, monkeypatch, kept, ring):
+    """Verify [anchor, d1..d5] at position 10, keep `kept` rows: pools [8..11] and [12..15] were completed
     in the verify, the second only by rejected drafts. After rollback the KDA state, conv window,
-    DSA rows and pooled keys equal a run that computed just [anchor, d1], and so does the next step."""
+    DSA rows and pooled keys equal a run that computed just the kept rows, and so does the next step,
+    which reads its open pool's first members back from the slot's tail ring. A ring of 8 is the
+    smallest that holds them past 5 rejected rows (cache.TAIL_RING)."""
     model, _ = target
     cfg = model.config
+    monkeypatch.setattr(cache_mod, "TAIL_RING", ring)
     cache = CachePool(cfg, 4, 2, block_size=BS, dtype=torch.float32)
     ctx, anchor_d = prompt(20, 10), prompt(21, 6)
     a_bt, b_bt = torch.tensor([0, 2]), torch.tensor([1, 3])
@@ -356,17 +365,20 @@ def test_rollback_equals_a_run_that_saw_only_the_accepted_tokens(target):
     saved = dflash.save_kda_slots(cache, [0])
     verify_batch = [SeqChunk(torch.tensor(anchor_d), 10, a_bt, 0)]
     verify = dflash.target_forward(model, verify_batch, cache, list(range(6)), record_rows=list(range(6)))
-    dflash.rollback_kda(model, cache, verify, verify_batch, {0: 2}, saved)
-    ref = model.forward([SeqChunk(torch.tensor(anchor_d[:2]), 10, b_bt, 1)], cache, all_logits=True)
-    assert torch.allclose(verify.logits[:2], ref.logits, atol=1e-5)
+    dflash.rollback_kda(model, cache, verify, verify_batch, {0: kept}, saved)
+    ref = model.forward([SeqChunk(torch.tensor(anchor_d[:kept]), 10, b_bt, 1)], cache, all_logits=True)
+    end = 10 + kept
+    assert torch.allclose(verify.logits[:kept], ref.logits, atol=1e-5)
     assert torch.allclose(cache.kda_state[:, 0], cache.kda_state[:, 1], atol=1e-5)
     assert torch.allclose(cache.conv_state[:, 0], cache.conv_state[:, 1], atol=1e-6)
-    for t in (cache.latent, cache.index_k, cache.gate):
-        assert torch.allclose(t[:, 0, :12], t[:, 1, :12], atol=1e-5)
-    assert torch.allclose(cache.pooled[:, 0, :3], cache.pooled[:, 1, :3], atol=1e-5)
+    assert torch.allclose(cache.latent[:, 0, :end], cache.latent[:, 1, :end], atol=1e-5)
+    open_pool = torch.arange(end // 4 * 4, end) % ring
+    for t in (cache.index_k, cache.gate):
+        assert torch.allclose(t[:, 0, open_pool], t[:, 1, open_pool], atol=1e-5)
+    assert torch.allclose(cache.pooled[:, 0, :end // 4], cache.pooled[:, 1, :end // 4], atol=1e-5)
     assert not torch.allclose(cache.pooled[:, 0, 3], cache.pooled[:, 1, 3])  # the rejected pool's stale key
-    nxt = prompt(22, 5)  # positions 12..16: completes pool [12..15] from accepted rows only
-    after = [model.forward([SeqChunk(torch.tensor(nxt), 12, bt, s)], cache, all_logits=True).logits
+    nxt = prompt(22, 5)  # completes the open pool and [12..15] from accepted rows only
+    after = [model.forward([SeqChunk(torch.tensor(nxt), end, bt, s)], cache, all_logits=True).logits
              for s, bt in ((0, a_bt), (1, b_bt))]
     assert torch.allclose(after[0], after[1], atol=1e-5)
     assert torch.allclose(cache.pooled[:, 0, :4], cache.pooled[:, 1, :4], atol=1e-5)

@@ -470,18 +470,20 @@ def test_glue_kernels_name_bad_operands():
                                      None, 4, True, 1.0)
 
 
-def _dsa_cache(dtype, g, nb=6, bs=8, R=32, d=32, kpool=4):
-    return [torch.randn(nb, rows, width, generator=g).to(dtype).to(DEVICE)
-            for rows, width in ((bs, R), (bs, d), (bs, d), (bs // kpool, d))]
+def _dsa_cache(dtype, g, nb=6, bs=8, R=32, d=32, kpool=4, slots=4, ring=8):
+    """latent, the tail rings index_k and gate, pooled: random rows."""
+    return [torch.randn(n, rows, width, generator=g).to(dtype).to(DEVICE)
+            for n, rows, width in ((nb, bs, R), (slots, ring, d), (slots, ring, d), (nb, bs // kpool, d))]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_dsa_decode_inputs_match_model_glm(dtype):
     g = torch.Generator().manual_seed(4)
-    B, Q, R, d, kpool, bs, eps = 4, 48, 32, 32, 4, 8, 1e-5  # Q: not a power of two, as q_lora_rank 1536
-    latent, index_k, gate, pooled = _dsa_cache(dtype, g)
+    B, Q, R, d, kpool, bs, ring, eps = 4, 48, 32, 32, 4, 8, 8, 1e-5  # Q: not a power of two, as q_lora_rank 1536
+    latent, index_k, gate, pooled = _dsa_cache(dtype, g, ring=ring)
     tables = torch.tensor([[5, 2, 0], [1, 3, 4], [4, 0, 1], [2, 5, 3]], device=DEVICE)
-    positions = torch.tensor([7, 12, 18, 21], device=DEVICE)  # completes a pool (end of a block), no, no, yes
+    positions = torch.tensor([7, 12, 18, 23], device=DEVICE)  # completes a pool (end of a block), no, no, yes
+    slots = torch.tensor([2, 0, 3, 1], device=DEVICE)
     fused = torch.randn(B, Q + R + 2 * d + 5, generator=g).to(dtype).to(DEVICE)  # strided rows
     q_a, kv_a, wk, gamma = fused[:, :Q], fused[:, Q:Q + R], fused[:, Q + R:Q + R + d], fused[:, Q + R + d:Q + R + 2 * d]
     q_norm, kv_norm, k_w, k_b = ((1 + 0.1 * torch.randn(n, generator=g)).to(dtype).to(DEVICE) for n in (Q, R, d, d))
@@ -489,14 +491,14 @@ def test_dsa_decode_inputs_match_model_glm(dtype):
     want = [t.clone() for t in (latent, index_k, gate, pooled)]
     blk, off = tables.gather(1, (positions // bs)[:, None])[:, 0], positions % bs
     want[0][blk, off] = rms_norm(kv_a, kv_norm, eps).to(dtype)
-    want[1][blk, off] = F.layer_norm(wk, (d,), k_w, k_b, eps=1e-6).to(dtype)
-    want[2][blk, off] = gamma.to(dtype)
-    for b, o, p in zip(blk.tolist(), off.tolist(), positions.tolist()):
+    want[1][slots, positions % ring] = F.layer_norm(wk, (d,), k_w, k_b, eps=1e-6).to(dtype)
+    want[2][slots, positions % ring] = gamma.to(dtype)
+    for b, o, p, s in zip(blk.tolist(), off.tolist(), positions.tolist(), slots.tolist()):
         if (p + 1) % kpool == 0:
-            first = o + 1 - kpool
-            want[3][b, first // kpool] = pool_keys(want[1][b, first:o + 1], want[2][b, first:o + 1], ape)
+            members = [(p + 1 - kpool + m) % ring for m in range(kpool)]
+            want[3][b, o // kpool] = pool_keys(want[1][s, members], want[2][s, members], ape)
     q_r = dsa_kernels.dsa_decode_inputs(q_a, kv_a, wk, gamma, q_norm, kv_norm, k_w, k_b, ape, latent, index_k, gate,
-                                    pooled, tables, positions, eps)
+                                        pooled, tables, positions, slots, eps)
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-2)
     torch.testing.assert_close(q_r, rms_norm(q_a, q_norm, eps), **tol)
     for got, ref, name in zip((latent, index_k, gate, pooled), want, ("latent", "index_k", "gate", "pooled")):

@@ -12,10 +12,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import cache as cache_mod
 import checkpoint
 import exl3
 import model_glm
-from cache import CachePool
+from cache import TAIL_RING, CachePool
 from model_glm import GLMConfig, GLMModel, SeqChunk
 
 transformers = pytest.importorskip("transformers")
@@ -123,8 +124,12 @@ def test_prefill_and_decode_match_transformers(oracle):
     assert expected.std() > 0.5  # the logits are not near-constant, so 1e-4 is a tight bound
 
 
-def test_uneven_chunked_prefill_equals_one_shot(oracle, monkeypatch):
+@pytest.mark.parametrize("ring", [TAIL_RING, 4], ids=["ring", "smallest_ring"])
+def test_uneven_chunked_prefill_equals_one_shot(oracle, monkeypatch, ring):
+    """Chunks that start inside a pool read its first members back from the slot's tail ring; the
+    smallest ring (one pool) holds only the positions a chunk leaves open."""
     _, cfg, model, ids, expected = oracle
+    monkeypatch.setattr(cache_mod, "TAIL_RING", ring)
     one_shot = run_chunks(model, new_pool(cfg), ids[:PREFILL], [PREFILL], table(0))
     # The chunked run also splits the DSA queries into groups of 7 rows.
     monkeypatch.setattr(model_glm, "SCORE_BUDGET", 7 * cfg.index_n_heads * PREFILL)
@@ -356,13 +361,15 @@ def test_cache_pool_layout_and_sizes(oracle):
     pool = CachePool(mtp_cfg, num_blocks=3, num_slots=2, block_size=8, dtype=torch.bfloat16)
     assert pool.latent.shape == (3, 3, 8, cfg.kv_lora_rank)  # 2 DSA layers + MTP
     assert pool.pooled.shape == (3, 3, 2, cfg.index_head_dim)
+    assert pool.index_k.shape == pool.gate.shape == (3, 2, TAIL_RING, cfg.index_head_dim)  # a ring a slot
     assert pool.kda_state.shape == (2, 2, 2, 16, 16) and pool.kda_state.dtype == torch.float32
     assert pool.conv_state.shape == (2, 2, 3, 3, 32)
     assert [pool.dsa_index(L) for L in (1, 3, 4)] == [0, 1, 2] and pool.kda_index(2) == 1
     with pytest.raises(ValueError, match="not a DSA layer"):
         pool.dsa_index(0)
-    assert pool.bytes_per_token() == 3 * 2 * (16 + 16 + 16 + 16 // 4)
-    assert pool.bytes_per_sequence() == 2 * (2 * 16 * 16 * 4 + 3 * 3 * 32 * 2)
+    assert pool.bytes_per_token() == 3 * 2 * (16 + 16 // 4)  # latent, pooled key
+    assert pool.kda_bytes_per_sequence() == 2 * (2 * 16 * 16 * 4 + 3 * 3 * 32 * 2)
+    assert pool.bytes_per_sequence() == pool.kda_bytes_per_sequence() + 3 * 2 * 2 * TAIL_RING * 16
     with pytest.raises(ValueError, match="block_size"):
         CachePool(cfg, num_blocks=3, num_slots=2, block_size=6)
 
