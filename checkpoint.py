@@ -58,7 +58,7 @@ class Stored:
 class Inventory:
     specs: dict[str, TensorSpec]  # expected_tensors(config)
     stored: dict[str, Stored]
-    skipped: list[str] = field(default_factory=list)  # vision tower keys, read by nobody
+    skipped: list[str] = field(default_factory=list)  # vision tower keys (and MTP keys left out), read by nobody
 
 
 # ---------------------------------------------------------------------------------------------
@@ -287,12 +287,13 @@ def _raise(problems: list[str], what: str) -> None:
         raise CheckpointError(f"{what}: {len(problems)} problem(s)\n  " + "\n  ".join(shown) + more)
 
 
-def check_inventory(inventory: Mapping[str, tuple[str, tuple]], config: Any) -> Inventory:
+def check_inventory(inventory: Mapping[str, tuple[str, tuple]], config: Any, mtp: bool = True) -> Inventory:
     """Match checkpoint keys (name -> (safetensors dtype, shape)) against the config's layout.
 
     Every language-model tensor must be present with the shape the config implies, as a plain
     float tensor, FP8 block-128 (+ `weight_scale_inv`) or EXL3 (linears only); `model.visual.*` is
-    skipped; anything else is an error. All problems are reported together, each naming its key."""
+    skipped; anything else is an error. All problems are reported together, each naming its key.
+    mtp=False: the MTP layer's tensors are checked but left out of `stored` (nobody reads them)."""
     keys = list(inventory)
     prefix = _text_prefix(keys)
     problems: list[str] = []
@@ -311,6 +312,10 @@ def check_inventory(inventory: Mapping[str, tuple[str, tuple]], config: Any) -> 
     problems += [f"{k}: unexpected tensor (not in the layout the config implies)" for k in keys
                  if k not in claimed and not k.startswith(VISION_PREFIX)]
     _raise(problems, "checkpoint does not match the config")
+    if not mtp and config.mtp_layer is not None:
+        mine = f"layers.{config.mtp_layer}."
+        skipped += [k for name, s in stored.items() if name.startswith(mine) for k in s.keys.values()]
+        stored = {name: s for name, s in stored.items() if not name.startswith(mine)}
     return Inventory(specs, stored, skipped)
 
 
@@ -379,13 +384,15 @@ def read_inventory(files: list[Path]) -> tuple[dict[str, tuple[str, tuple]], dic
 _FLOAT_BYTES = {"BF16": 2, "F16": 2, "F32": 4}
 
 
-def weight_bytes(path: str | Path, config: Any, dtype: torch.dtype = torch.bfloat16) -> dict[str, int]:
+def weight_bytes(path: str | Path, config: Any, dtype: torch.dtype = torch.bfloat16, *,
+                 mtp: bool = True) -> dict[str, int]:
     """Bytes each weight will take once loaded (what `load_weights` makes of it), by in-memory name,
     from the headers alone: plain and FP8 tensors in `dtype` (fp32 ones in fp32; FP8 is dequantized),
     an EXL3 linear as its int16 trellis, fp16 suh/svh and its bias as stored. placement.py plans
-    devices from these. (On CPU an EXL3 linear also keeps its decoded Ŵ, not counted here.)"""
+    devices from these. (On CPU an EXL3 linear also keeps its decoded Ŵ, not counted here.)
+    mtp=False: without the MTP layer's, as load_weights(mtp=False) leaves them out."""
     inventory, _ = read_inventory(checkpoint_files(Path(path)))
-    plan = check_inventory(inventory, config)
+    plan = check_inventory(inventory, config, mtp)
     size = torch.empty((), dtype=dtype).element_size()
     out = {}
     for name, s in plan.stored.items():
@@ -403,10 +410,12 @@ def weight_bytes(path: str | Path, config: Any, dtype: torch.dtype = torch.bfloa
 
 def load_weights(path: str | Path, config: Any, dtype: torch.dtype = torch.bfloat16,
                  device: str | torch.device | Callable[[str], torch.device] = "cpu",
-                 progress: bool = True, *, fp8_core: str | None = None) -> dict[str, Any]:
+                 progress: bool = True, *, fp8_core: str | None = None, mtp: bool = True) -> dict[str, Any]:
     """Language-model weights by in-memory name: tensors in `dtype` (fp32 ones stay fp32), FP8
     dequantized, EXL3 linears as `exl3.EXL3Linear`. The inventory is checked before any data is read.
     `device` is one device for every weight, or a function of the in-memory name (a placement).
+    mtp=False: the MTP layer's tensors are checked but not read (a model without its speculator:
+    `config.without_mtp()`).
 
     fp8_core "amax" | "pow2": every non-routed projection (`is_fp8_core`) becomes an `fp8.FP8Linear`,
     half the bytes of BF16: stored FP8 as stored (the checkpoint's scales), anything else quantized
@@ -415,7 +424,7 @@ def load_weights(path: str | Path, config: Any, dtype: torch.dtype = torch.bfloa
         raise ValueError(f"fp8_core must be one of {fp8.SCALE_RULES} or None, got {fp8_core!r}")
     files = checkpoint_files(Path(path))
     inventory, where = read_inventory(files)
-    plan = check_inventory(inventory, config)
+    plan = check_inventory(inventory, config, mtp)
     device_of = device if callable(device) else (lambda name, d=torch.device(device): d)
     weights: dict[str, Any] = {}
     with ExitStack() as stack:

@@ -1625,7 +1625,8 @@ def load(path_or_hf_id: str | Path | None = None, device: str | torch.device | N
     """A checkpoint folder or Hugging Face id (None: the built-in default model) -> a ready Engine.
 
     `speculator`: "none", "mtp" (the checkpoint's MTP layer) or "dflash2" (a DFlash2 drafter folder or
-    Hugging Face id in `drafter_path`); `draft_tokens` fixes the draft length (default adaptive).
+    Hugging Face id in `drafter_path`); `draft_tokens` fixes the draft length (default adaptive). The
+    MTP layer's weights are read, and its cache row kept, only for speculator="mtp".
 
     `fp8_core` "amax" | "pow2": the non-routed projections run as FP8 block-128 linears (stored FP8
     kept as stored, BF16 quantized at load with that scale rule; checkpoint.load_weights). The
@@ -1652,7 +1653,11 @@ def load(path_or_hf_id: str | Path | None = None, device: str | torch.device | N
     devs = placement.parse_devices(devices if devices is not None else
                                    [device or ("cuda" if torch.cuda.is_available() else "cpu")])
     dtype = dtype or (torch.bfloat16 if devs[0].type == "cuda" else torch.float32)
-    config = GLMConfig.from_file(path)
+    stored = GLMConfig.from_file(path)
+    # The MTP layer (on GLM-5.3-Flash a DSA layer and 288 experts: ~3 GB at K3.25, and a cache row) serves
+    # only the MTP speculator: without it, it is checked but not read, and no cache row is kept for it.
+    mtp = speculator == "mtp"
+    config = stored if mtp else stored.without_mtp()
     if num_blocks is None and max_cache_tokens is None and all(d.type == "cpu" for d in devs):
         num_blocks = CPU_CACHE_TOKENS // block_size  # what the engine would pick; planned for up front
     # The cache the plan reserves: as asked, else (CUDA, sized after loading) one full batch.
@@ -1661,11 +1666,11 @@ def load(path_or_hf_id: str | Path | None = None, device: str | torch.device | N
     budgets, tower_tensors = _budgets(devs, memory_per_device), vision.stored(path)
     if budgets[0] is not None:  # the vision tower goes beside the embedding
         budgets[0] -= vision.weight_bytes(tower_tensors, dtype)
-    plan = placement.plan(config, checkpoint.weight_bytes(path, config, dtype), devs, split_experts=split_experts,
-                          budgets=budgets, cache=reserve)
+    plan = placement.plan(config, checkpoint.weight_bytes(path, stored, dtype, mtp=mtp), devs,
+                          split_experts=split_experts, budgets=budgets, cache=reserve)
     print(plan.describe(), flush=True)
-    model = GLMModel(config, checkpoint.load_weights(path, config, dtype, plan.device_of, progress,
-                                                     fp8_core=fp8_core), plan)
+    model = GLMModel(config, checkpoint.load_weights(path, stored, dtype, plan.device_of, progress,
+                                                     fp8_core=fp8_core, mtp=mtp), plan)
     if not (path / "tokenizer.json").is_file():
         raise FileNotFoundError(f"{path / 'tokenizer.json'} is missing: the engine needs the checkpoint's tokenizer")
     tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Union
 
@@ -119,6 +119,11 @@ class GLMConfig:
     def mtp_layer(self) -> int | None:
         """Layer id of the MTP block (stored right after the trunk), or None without MTP."""
         return self.num_hidden_layers if self.num_nextn_predict_layers > 0 else None
+
+    def without_mtp(self) -> "GLMConfig":
+        """This config with no MTP layer: the model a server without the MTP speculator runs (the layer's
+        weights and its cache rows are then not on the device)."""
+        return replace(self, num_nextn_predict_layers=0)
 
     @property
     def kda_dim(self) -> int:

@@ -63,6 +63,19 @@ def test_real_headers_fully_claimed(real_inventory, real_config):
     assert specs["layers.0.self_attn.A_log"].fp32 and specs["layers.44.hc_ffn_base"].fp32
 
 
+def test_real_headers_without_the_mtp_layer(real_inventory, real_config):
+    """mtp=False (a server without the MTP speculator): layer 45's 1,760 keys are checked, then left out."""
+    plan = checkpoint.check_inventory(real_inventory, real_config, mtp=False)
+    mtp_keys = {k for k in real_inventory if k.startswith("model.language_model.layers.45.")}
+    assert len(mtp_keys) == 1_760 and mtp_keys <= set(plan.skipped)
+    assert not any(n.startswith("layers.45.") for n in plan.stored)
+    assert len(plan.stored) == len(checkpoint.expected_tensors(real_config.without_mtp()))
+    inv = dict(real_inventory)
+    inv["model.language_model.layers.45.eh_proj.weight"] = ("BF16", (4096, 4096))
+    with pytest.raises(CheckpointError, match=r"layers.45.eh_proj.weight.*\[4096, 4096\]"):
+        checkpoint.check_inventory(inv, real_config, mtp=False)
+
+
 def _error(inventory, config) -> str:
     with pytest.raises(CheckpointError) as e:
         checkpoint.check_inventory(inventory, config)

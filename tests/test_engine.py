@@ -987,6 +987,21 @@ def test_random_arrivals_cancellations_and_lengths_match_solo_runs(make_engine, 
         assert outputs[rid] == solo(cold, specs[rid], p).token_ids, rid
 
 
+def test_the_mtp_layer_is_loaded_only_for_its_speculator(tmp_path):
+    """Without speculator="mtp" the checkpoint's MTP layer is not read and has no cache row (on GLM-5.3-Flash
+    ~3 GB of weights); the trunk, and so the greedy answer, is the same."""
+    path = tiny.make_tiny_checkpoint(tmp_path / "ckpt")
+    make_tokenizer(512).save(str(path / "tokenizer.json"))
+    opts = dict(device="cpu", dtype=torch.float32, progress=False, num_blocks=16, block_size=BS)
+    plain, mtp = E.load(path, **opts), E.load(path, speculator="mtp", **opts)
+    L = plain.config.num_hidden_layers
+    assert not plain.model.has_mtp and not any(n.startswith(f"layers.{L}.") for n in plain.model.weights)
+    assert mtp.model.has_mtp and f"layers.{L}.eh_proj.weight" in mtp.model.weights
+    assert plain.cache.latent.shape[0] == len(plain.config.dsa_layers) == mtp.cache.latent.shape[0] - 1
+    p = E.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    assert plain.generate("a b c d", p)[0].token_ids == mtp.generate("a b c d", p)[0].token_ids
+
+
 def test_load_from_a_tiny_checkpoint(tmp_path, monkeypatch):
     path = tiny.make_tiny_checkpoint(tmp_path / "ckpt")
     make_tokenizer(512).save(str(path / "tokenizer.json"))
