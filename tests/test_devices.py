@@ -63,7 +63,7 @@ def test_weight_bytes_are_what_loading_makes(ckpt):
 
 
 def test_plan_is_printed_and_balanced(ckpt, capsys):
-    eng = E.load(ckpt, devices=["cpu", "cpu"], **OPTS)
+    eng = E.load(ckpt, devices=["cpu", "cpu"], speculator="mtp", **OPTS)  # (only the MTP speculator loads it)
     printed = capsys.readouterr().out
     p = eng.model.placement
     assert "placement: 2 device(s), layer split" in printed
