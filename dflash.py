@@ -533,8 +533,10 @@ class DFlash2Drafter:
     def taps(self) -> tuple[int, ...]:
         return self.config.target_layer_ids
 
-    def observe(self, key: str, start: int, rows: TargetPass, span: tuple[int, int]) -> None:
-        """Committed rows start.. of one sequence: project their taps into the drafter cache."""
+    def observe(self, key: str, start: int, rows: TargetPass, span: tuple[int, int],
+                images: tuple[tuple[int, torch.Tensor], ...] = ()) -> None:
+        """Committed rows start.. of one sequence: project their taps into the drafter cache. (An image's
+        rows, `images`, reach the drafter through the taps.)"""
         with torch.no_grad():
             a, b = span
             pos = torch.arange(start, start + b - a, device=rows.taps.device)
@@ -599,6 +601,17 @@ def init_drafter_weights(cfg: DFlash2Config, seed: int = 0, std: float = 0.02) -
 class _Pending:
     start: int  # position of the first row not yet fed to the MTP layer
     hidden: list[torch.Tensor] = field(default_factory=list)  # trunk final-norm rows from start on
+    images: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (position, rows): an image's input rows
+
+    def fed_images(self, n: int) -> tuple[tuple[int, torch.Tensor], ...]:
+        """SeqChunk.images of the step that feeds the n rows from start: the chunk's tokens are those at
+        start+1 .. start+n, so an image's rows sit one row earlier than in the trunk's chunk."""
+        out = []
+        for pos, rows in self.images:
+            lo, hi = max(pos, self.start + 1), min(pos + len(rows), self.start + n + 1)
+            if lo < hi:
+                out.append((lo - self.start - 1, rows[lo - pos:hi - pos]))
+        return tuple(out)
 
 
 class MTPDrafter:
@@ -617,12 +630,16 @@ class MTPDrafter:
         self.model, self.cache = model, cache
         self.pending: dict[str, _Pending] = {}
 
-    def observe(self, key: str, start: int, rows: TargetPass, span: tuple[int, int]) -> None:
+    def observe(self, key: str, start: int, rows: TargetPass, span: tuple[int, int],
+                images: tuple[tuple[int, torch.Tensor], ...] = ()) -> None:
+        """Committed rows start.. of one sequence (their chunk's `images`, SeqChunk.images) wait for the
+        next draft, which feeds them with their next tokens."""
         a, b = span
         pend = self.pending.get(key)
         if pend is None or pend.start + sum(h.shape[0] for h in pend.hidden) != start:
             pend = self.pending[key] = _Pending(start)  # a hole (prefix hit): restart from here
         pend.hidden.append(rows.hidden[a:b])
+        pend.images += [(start + r, im) for r, im in images if r < b - a]
 
     def release(self, key: str) -> None:
         self.pending.pop(key, None)
@@ -637,7 +654,7 @@ class MTPDrafter:
                 pend = self.pending.pop(r.key)
                 n = sum(h.shape[0] for h in pend.hidden)
                 next_tokens = torch.tensor(r.token_ids[pend.start + 1:pend.start + n + 1], device=self.cache.device)
-                batch.append(SeqChunk(next_tokens, pend.start, r.block_table, r.slot))
+                batch.append(SeqChunk(next_tokens, pend.start, r.block_table, r.slot, images=pend.fed_images(n)))
                 hidden.append(torch.cat(pend.hidden))
             out = self.model.mtp_forward(torch.cat(hidden), batch, self.cache)
             live = list(range(len(requests)))

@@ -1191,7 +1191,7 @@ class Engine:
                 self.blocks.release(seq.drop_blocks(keep))
             else:
                 self._commit(seq, n, {p: snap for (j, p), snap in verify.snapshots.items() if j == i})
-            self.speculator.observe(seq.request_id, start, verify, (offsets[i], offsets[i] + n))
+            self.speculator.observe(seq.request_id, start, verify, (offsets[i], offsets[i] + n), chunks[i].images)
             if i not in emitted and seq.num_computed == len(seq.token_ids):
                 done.append((seq, first[i]))
         return outputs + self._sample(done, logits)

@@ -809,8 +809,9 @@ class GLMModel:
                     all_logits: bool = False) -> ForwardOutput:
         """One MTP step. hidden [sum n, D]: the trunk's final-norm output h_t for each position t of
         the chunks; batch[i].tokens: the tokens at t+1 for the same positions (chunk positions are
-        those of h_t, and the MTP DSA cache row is written there). Returns draft logits for t+2 and
-        h' (to feed back as `hidden` for the next draft step)."""
+        those of h_t, and the MTP DSA cache row is written there), whose embedding batch[i].images'
+        rows replace as in `forward` (an image's). Returns draft logits for t+2 and h' (to feed back
+        as `hidden` for the next draft step)."""
         cfg = self.config
         if cfg.mtp_layer is None:
             raise ValueError("this model has no MTP layer (config num_nextn_predict_layers is 0)")
@@ -822,6 +823,7 @@ class GLMModel:
         embed = self.w("embed_tokens.weight")
         first, device = embed.device, self.placement.device(L)
         e = embed[torch.cat([c.tokens for c in batch]).to(first)].to(device)
+        place_images(e[:, None, :], batch, spans)  # (in place: a one-stream view of e)
         hidden = hidden.to(device, e.dtype)
         with on_device(device):
             z = linear(torch.cat([rms_norm(e, self.w(p + "enorm.weight"), eps),

@@ -231,14 +231,25 @@ def test_mtp_matches_hand_computation(oracle):
     def norm(x, name):
         return weights[p + name + ".weight"] * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
-    with torch.no_grad():
-        e = weights["embed_tokens.weight"][ids[1:T]]
-        z = torch.cat([norm(e, "enorm"), norm(h[:T - 1], "hnorm")], -1) @ weights[p + "eh_proj.weight"].T
-        mask = torch.ones(1, T - 1, dtype=torch.bool)
-        r1 = z + attn(norm(z, "input_layernorm")[None], attention_mask=mask)[0][0]
-        r2 = r1 + moe(norm(r1, "post_attention_layernorm")[None])[0]
-        expected = norm(r2, "shared_head.norm") @ weights["lm_head.weight"].T
+    def by_hand(e: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            z = torch.cat([norm(e, "enorm"), norm(h[:T - 1], "hnorm")], -1) @ weights[p + "eh_proj.weight"].T
+            mask = torch.ones(1, T - 1, dtype=torch.bool)
+            r1 = z + attn(norm(z, "input_layernorm")[None], attention_mask=mask)[0][0]
+            r2 = r1 + moe(norm(r1, "post_attention_layernorm")[None])[0]
+            return norm(r2, "shared_head.norm") @ weights["lm_head.weight"].T
+
+    e = weights["embed_tokens.weight"][ids[1:T]]
+    expected = by_hand(e)
     assert (got - expected).abs().max() <= 1e-4
+
+    # Rows in SeqChunk.images (an image's) stand for their tokens' embedding, as in forward.
+    image = torch.randn(6, cfg.hidden_size, generator=torch.Generator().manual_seed(6))
+    with_image = mtp.mtp_forward(h[:T - 1], [SeqChunk(ids[1:T], 0, bt, 2, images=((40, image),))], new_pool(cfg),
+                                 all_logits=True).logits
+    e_image = e.clone()
+    e_image[40:46] = image
+    assert (with_image - by_hand(e_image)).abs().max() <= 1e-4 < (with_image - expected).abs().max()
 
     # The same drafts one step at a time after a partial prefill of the MTP cache.
     pool2 = new_pool(cfg)

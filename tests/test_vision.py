@@ -234,14 +234,24 @@ def test_a_preempted_image_prompt_runs_the_tower_again_and_answers_the_same(vlm,
     assert [[t for o in outs if o.request_id == rid for t in o.token_ids] for rid in rids] == alone
 
 
-def test_an_image_prompt_with_the_mtp_speculator_answers_as_without():
+def test_an_image_prompt_with_the_mtp_speculator_answers_as_without(monkeypatch):
     """With a speculator the prompt's chunks run through the target pass of dflash.py, which carries the image's
-    rows too: greedy tokens with speculator="mtp" (whose layer reads the image's positions as the <|image|>
-    embedding: only its drafts suffer) equal the plain engine's."""
+    rows too: greedy tokens with speculator="mtp" equal the plain engine's. The MTP layer reads the same rows at
+    the image's positions (its input at t is token t+1's: each row one earlier), not the <|image|> embedding."""
+    import dflash
     import engine as E
     import tiny
     from model_glm import GLMConfig, GLMModel
     from test_engine import make_tokenizer
+
+    trunk, mtp = {}, {}  # position -> the image row the trunk's / the MTP layer's chunks carry there
+
+    def recording(fn, seen: dict, shift: int):  # fn(model or hidden, batch, ...)
+        def run(*args, **kwargs):
+            for c in args[1]:
+                seen.update({c.start + shift + r + j: rows[j] for r, rows in c.images for j in range(len(rows))})
+            return fn(*args, **kwargs)
+        return run
 
     cfg = GLMConfig.from_dict(tiny.tiny_config_dict())
     model, tok = GLMModel(cfg, tiny.random_weights(cfg)), make_tokenizer(cfg.vocab_size)
@@ -251,6 +261,9 @@ def test_an_image_prompt_with_the_mtp_speculator_answers_as_without():
     for spec in ("none", "mtp"):
         eng = E.Engine(model, tok, eos_token_ids=[1], num_blocks=64, block_size=16, max_batch_tokens=64,
                        speculator=spec, vision_tower=tower, draft_tokens=3 if spec == "mtp" else None)
+        if spec == "mtp":  # (chunk positions are t's; the MTP chunk's tokens are t+1's)
+            monkeypatch.setattr(dflash, "target_forward", recording(dflash.target_forward, trunk, 0))
+            monkeypatch.setattr(model, "mtp_forward", recording(model.mtp_forward, mtp, 1))
         eng.add_request(prompt, E.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
                         images=[random_image(60, 90, 30)])
         outs = []
@@ -259,6 +272,7 @@ def test_an_image_prompt_with_the_mtp_speculator_answers_as_without():
         got[spec] = [t for o in outs for t in o.token_ids]
         assert spec == "none" or eng.stats().spec_draft_tokens > 0
     assert got["mtp"] == got["none"]
+    assert len(trunk) > 16 and mtp.keys() == trunk.keys() and all(torch.equal(mtp[p], trunk[p]) for p in trunk)
 
 
 def test_tower_runs_hold_one_largest_image():
