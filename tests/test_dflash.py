@@ -433,6 +433,22 @@ def test_greedy_speculation_is_token_identical_to_plain_greedy(which, target, mt
         assert rate > 0.3 and sum(a.mean_accepted_length for a in acc) / len(acc) > 1.8
 
 
+@pytest.mark.parametrize("which", ["dflash2", "mtp"])
+def test_greedy_speculation_with_the_smallest_tail_ring_the_engine_takes(which, target, mtp_target, drafters,
+                                                                        plain_greedy, monkeypatch):
+    """The DSA layers' tail ring only just long enough for the drafter's rejected rows (max_draft + kpool - 1:
+    the engine refuses one less): greedy tokens still equal plain greedy's, through passes that rejected drafts.
+    (With the engine's check taken out, a ring of one pool gives other tokens here; rings 2 and 4 shorter than
+    this one happened not to: the rollback test above holds the bound exactly.)"""
+    max_draft = drafters["trained"].max_draft if which == "dflash2" else dflash.MTPDrafter.max_draft
+    monkeypatch.setattr(cache_mod, "TAIL_RING", max_draft + target[0].config.index_kpool - 1)
+    eng = (make_engine(target, speculator="dflash2", drafter=drafters["trained"]) if which == "dflash2"
+           else make_engine(mtp_target, speculator="mtp"))
+    assert [r.token_ids for r in eng.generate(TEST_PROMPTS, GREEDY)] == plain_greedy
+    st = eng.stats()
+    assert 0 < st.spec_accepted_tokens < st.spec_draft_tokens
+
+
 def test_mixed_batch_and_stops(target, drafters, plain_greedy):
     """Speculative decodes share steps with prefill chunks (a small token budget), a request that
     stops on a token, and one with max_tokens=1 (never drafts); outputs equal plain runs."""
