@@ -33,7 +33,7 @@ from safetensors.torch import save_file
 
 import checkpoint
 from cache import CachePool
-from model_glm import GLMConfig, GLMModel, SeqChunk, linear, rms_norm
+from model_glm import GLMConfig, GLMModel, SeqChunk, chunk_images, linear, rms_norm
 
 # Config fields of other DFlash2 checkpoints (§2.1.3) that the GLM drafter does not set.
 _UNSUPPORTED_FIELDS = ("input_embedding_scale", "output_multiplier", "final_logit_softcapping")
@@ -606,12 +606,7 @@ class _Pending:
     def fed_images(self, n: int) -> tuple[tuple[int, torch.Tensor], ...]:
         """SeqChunk.images of the step that feeds the n rows from start: the chunk's tokens are those at
         start+1 .. start+n, so an image's rows sit one row earlier than in the trunk's chunk."""
-        out = []
-        for pos, rows in self.images:
-            lo, hi = max(pos, self.start + 1), min(pos + len(rows), self.start + n + 1)
-            if lo < hi:
-                out.append((lo - self.start - 1, rows[lo - pos:hi - pos]))
-        return tuple(out)
+        return chunk_images(self.images, self.start + 1, self.start + n + 1)
 
 
 class MTPDrafter:

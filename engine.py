@@ -51,7 +51,7 @@ import toolmode
 import vision
 from cache import CachePool
 from prefix_cache import BlockManager, SnapshotStore, block_hash
-from model_glm import GLMConfig, GLMModel, KDASnapshot, SeqChunk
+from model_glm import GLMConfig, GLMModel, KDASnapshot, SeqChunk, chunk_images
 
 CPU_CACHE_TOKENS = 65536  # the cache pool's size when neither the caller nor CUDA memory sets it
 # Tokens of one forward. An 8K prompt through the engine: 5.56K tok/s against 4.12K in 2048-token
@@ -722,9 +722,9 @@ class Engine:
         num_blocks = self._size_pool(num_blocks, max_cache_tokens, memory_fraction, per_device, num_slots)
         self.cache = CachePool(self.config, num_blocks, num_slots, block_size=block_size, dtype=self.dtype,
                                device=list(plan.devices), layer_device=dict(enumerate(plan.layer_device)))
-        if 0 < snapshot_bytes < self.cache.kda_bytes_per_sequence():
-            raise ValueError(f"snapshot_bytes={snapshot_bytes} cannot hold one KDA snapshot "
-                             f"({self.cache.kda_bytes_per_sequence()} bytes); "
+        snapshot_size = self.cache.kda_bytes_per_sequence()
+        if 0 < snapshot_bytes < snapshot_size:
+            raise ValueError(f"snapshot_bytes={snapshot_bytes} cannot hold one KDA snapshot ({snapshot_size} bytes); "
                              f"0 turns the prefix cache off")
         self.max_model_len = min(max_model_len, num_blocks * block_size)
         print(f"engine: cache {num_blocks} blocks x {block_size} tokens, {block_bytes / block_size:.0f} B/token, "
@@ -757,10 +757,10 @@ class Engine:
                              spec_accepted_tokens=0)
         self.speculator_name = speculator
         self.speculator = self._make_speculator(speculator, drafter)
-        if self.speculator and self.speculator.max_draft > cache_mod.TAIL_RING - (self.config.index_kpool - 1):
+        rejectable = cache_mod.TAIL_RING - (self.config.index_kpool - 1)
+        if self.speculator and self.speculator.max_draft > rejectable:
             raise ValueError(f"speculator {speculator!r} drafts up to {self.speculator.max_draft} tokens; a verify "
-                             f"pass may reject at most {cache_mod.TAIL_RING - (self.config.index_kpool - 1)} (the DSA "
-                             f"layers' tail ring, cache.TAIL_RING)")
+                             f"pass may reject at most {rejectable} (the DSA layers' tail ring, cache.TAIL_RING)")
         if draft_tokens is not None and not (self.speculator and 1 <= draft_tokens <= self.speculator.max_draft):
             raise ValueError(f"draft_tokens={draft_tokens}: needs a speculator and 1..max drafts "
                              f"({self.speculator.max_draft if self.speculator else 0})")
@@ -1128,9 +1128,9 @@ class Engine:
         tokens = seq.token_ids[seq.num_computed:seq.num_computed + n - seq.k] + (seq.draft.tokens if seq.draft else [])
         lo, hi = seq.num_computed, seq.num_computed + n
         inside = tuple(sorted(b for b in seq.snapshot_at if lo < b < hi))
-        images = tuple((max(im.start, lo) - lo, self.image_rows[im.digest][max(im.start, lo) - im.start:
-                                                                           min(im.end, hi) - im.start])
-                       for im in seq.images if im.meets(lo, hi))
+        # (image_rows holds the rows of the images a chunk needs, not of every image of the prompt)
+        images = chunk_images(((im.start, self.image_rows[im.digest]) for im in seq.images if im.meets(lo, hi)),
+                              lo, hi)
         return SeqChunk(fastdecode.to_device(tokens, device), seq.num_computed,
                         fastdecode.to_device(seq.table(), device), seq.slot, inside, images)
 

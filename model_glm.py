@@ -313,6 +313,13 @@ class SeqChunk:
     images: tuple[tuple[int, torch.Tensor], ...] = ()
 
 
+def chunk_images(placed, lo: int, hi: int) -> tuple[tuple[int, torch.Tensor], ...]:
+    """SeqChunk.images of a chunk whose rows are positions lo..hi-1, from images placed at positions
+    ((first position, rows), ...): each one's rows inside the chunk, at its row there."""
+    return tuple((max(pos, lo) - lo, rows[max(pos, lo) - pos:min(pos + len(rows), hi) - pos])
+                 for pos, rows in placed if pos < hi and pos + len(rows) > lo)
+
+
 @dataclass
 class KDASnapshot:
     """A sequence's KDA rows after a position: per KDA layer, in cache row order (CachePool.kda_index),
