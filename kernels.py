@@ -290,6 +290,18 @@ def _fp8_default_split(device: torch.device, programs: int, parts: int, target: 
     return split
 
 
+def _check_fp8_weight(weight: torch.Tensor, scale_inv: torch.Tensor) -> tuple[int, int]:
+    """(n, k) of a float8_e4m3fn weight [n, k] whose fp32 scale_inv holds one scale per 128 x 128 block."""
+    if weight.dim() != 2 or weight.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"weight must be float8_e4m3fn [n, k], got {weight.dtype} {tuple(weight.shape)}")
+    n, k = weight.shape
+    grid_shape = (triton.cdiv(n, FP8_BLOCK), triton.cdiv(k, FP8_BLOCK))
+    if tuple(scale_inv.shape) != grid_shape or scale_inv.dtype != torch.float32:
+        raise ValueError(f"scale_inv must be fp32 {grid_shape} for weight {tuple(weight.shape)}, "
+                         f"got {scale_inv.dtype} {tuple(scale_inv.shape)}")
+    return n, k
+
+
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, out: torch.Tensor | None = None,
              *, block_n: int | None = None, split_k: int | None = None, num_warps: int | None = None,
              num_stages: int | None = None) -> torch.Tensor:
@@ -308,13 +320,7 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, out
     the time of 64 and 3 on the k-long shapes (o_proj 4096x16384: 22.0 vs 26.0 µs), ~0.93x on the
     24576-row ones, the same on the rest.
     """
-    if weight.dim() != 2 or weight.dtype != torch.float8_e4m3fn:
-        raise ValueError(f"weight must be float8_e4m3fn [n, k], got {weight.dtype} {tuple(weight.shape)}")
-    n, k = weight.shape
-    grid_shape = (triton.cdiv(n, FP8_BLOCK), triton.cdiv(k, FP8_BLOCK))
-    if tuple(scale_inv.shape) != grid_shape or scale_inv.dtype != torch.float32:
-        raise ValueError(f"scale_inv must be fp32 {grid_shape} for weight {tuple(weight.shape)}, "
-                         f"got {scale_inv.dtype} {tuple(scale_inv.shape)}")
+    n, k = _check_fp8_weight(weight, scale_inv)
     if x.dim() != 2 or x.shape[1] != k or x.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"x must be bf16 or fp16 [m, {k}], got {x.dtype} {tuple(x.shape)}")
     m = x.shape[0]
@@ -394,20 +400,15 @@ def fp8_dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.d
     `fp8.dequantize_fp8_block`, which goes through a full fp32 copy. block_n (rows per program,
     divides 128) and num_warps are launch tuning.
     """
-    if weight.dim() != 2 or weight.dtype != torch.float8_e4m3fn:
-        raise ValueError(f"weight must be float8_e4m3fn [n, k], got {weight.dtype} {tuple(weight.shape)}")
-    n, k = weight.shape
-    grid_shape = (triton.cdiv(n, FP8_BLOCK), triton.cdiv(k, FP8_BLOCK))
-    if tuple(scale_inv.shape) != grid_shape or scale_inv.dtype != torch.float32:
-        raise ValueError(f"scale_inv must be fp32 {grid_shape} for weight {tuple(weight.shape)}, "
-                         f"got {scale_inv.dtype} {tuple(scale_inv.shape)}")
+    n, k = _check_fp8_weight(weight, scale_inv)
+    k_blocks = triton.cdiv(k, FP8_BLOCK)
     if dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"dtype must be torch.bfloat16 or torch.float16, got {dtype}")
     _check_block_n(block_n)
     weight, scale_inv = weight.contiguous(), scale_inv.contiguous()
     out = torch.empty((n, k), dtype=dtype, device=weight.device)
-    _fp8_dequantize_kernel[(triton.cdiv(n, block_n), grid_shape[1])](
-        weight, scale_inv, out, n, k, grid_shape[1], BN=block_n, num_warps=num_warps)
+    _fp8_dequantize_kernel[(triton.cdiv(n, block_n), k_blocks)](
+        weight, scale_inv, out, n, k, k_blocks, BN=block_n, num_warps=num_warps)
     return out
 
 
