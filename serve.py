@@ -433,6 +433,16 @@ def _answer_format(body: dict) -> tuple[dict, str | None]:
 
 
 @dataclass
+class CompletionPrompt:
+    """One prompt of a completions request: its token ids, the text it was sent as (None: sent as ids), and the
+    request field it came from ("prompt", or "prompt[i]" in a batch), named in its errors."""
+
+    ids: list[int]
+    text: str | None
+    param: str
+
+
+@dataclass
 class Job:
     """A validated generation request, ready for the engine."""
 
@@ -707,24 +717,26 @@ class Server:
 
     def _outputs(self, job: Job, sock: socket.socket | None) -> Iterator[Any]:
         """The engine's outputs for a job of one choice."""
-        choices = self._choices(job, sock)
+        choices = self._choices([job], sock)
         try:
             for _, o in choices:
                 yield o
         finally:
             choices.close()
 
-    def _choices(self, job: Job, sock: socket.socket | None) -> Iterator[tuple[int, Any]]:
-        """The engine's outputs for a job's n choices, as (choice index, output) in the order they come; cancels
-        the unfinished ones if the client goes away or stops reading. A seeded job's choice i has seed + i."""
+    def _choices(self, jobs: list[Job], sock: socket.socket | None) -> Iterator[tuple[int, Any]]:
+        """The engine's outputs for the jobs' choices (n each, numbered job by job: a completions batch's choices
+        prompt by prompt, as OpenAI and vLLM number them), as (choice index, output) in the order they come;
+        cancels the unfinished ones if the client goes away or stops reading. A seeded job's choice i has
+        seed + i."""
         shared: queue.Queue = queue.Queue()
-        seeded = job.sampling.seed is not None
-        pending = [self.loop.submit(job.prompt_ids, replace(job.sampling, seed=job.sampling.seed + i) if seeded
-                                    else job.sampling, shared, job.images) for i in range(job.n)]
+        pending = [self.loop.submit(job.prompt_ids, replace(job.sampling, seed=job.sampling.seed + i)
+                                    if job.sampling.seed is not None else job.sampling, shared, job.images)
+                   for job in jobs for i in range(job.n)]
         index = {p.request_id: i for i, p in enumerate(pending)}
         arrived = checked = time.monotonic()
         last: dict[int, float] = {}  # each choice's last token time
-        unfinished = set(range(job.n))
+        unfinished = set(range(len(pending)))
         try:
             while True:
                 try:
@@ -784,7 +796,7 @@ class Server:
         job = self._job(body, prompt.ids, top if logprobs else None, skip_special=False, prompt_param="messages",
                         prompt=prompt)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        choices = self._choices(job, request.environ.get("werkzeug.socket"))
+        choices = self._choices([job], request.environ.get("werkzeug.socket"))
         # each choice parses its own answer; the head (a forced start) is already fed to the parser
         parsers = [parser] + [copy.deepcopy(parser) for _ in range(job.n - 1)]
         if job.stream:
@@ -1012,32 +1024,34 @@ class Server:
 
     # --- /v1/completions --------------------------------------------------------------------
 
-    def _completion_prompt(self, body: dict) -> list[int]:
-        """The token ids of a completions request's `prompt`: text (encoded without special tokens) or ids."""
+    def _completion_prompts(self, body: dict) -> list[CompletionPrompt]:
+        """A completions request's `prompt`: text (encoded without special tokens), token ids, or a batch (an array
+        of either, each a prompt with its own choices, as in OpenAI's API and vLLM)."""
         prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]  # a batch of one
+        if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+            return [self._completion_prompt(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
+        return [self._completion_prompt(prompt, "prompt")]
+
+    def _completion_prompt(self, prompt: Any, param: str) -> CompletionPrompt:
         if isinstance(prompt, str) and prompt:
             prompt_ids = self.engine.tokenizer.encode(prompt, add_special_tokens=False).ids
         elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
             bad = [t for t in prompt if not 0 <= t < self.engine.vocab_size]
             if bad:
-                raise ApiError(400, f"prompt token ids {bad[:5]} are outside the vocabulary [0, "
-                                    f"{self.engine.vocab_size})", "prompt", "invalid_value")
+                raise ApiError(400, f"'{param}': token ids {bad[:5]} are outside the vocabulary [0, "
+                                    f"{self.engine.vocab_size})", param, "invalid_value")
             prompt_ids = list(prompt)
-        elif isinstance(prompt, list) and len(prompt) > 1:
-            raise ApiError(400, "a batch of several prompts is not supported: send one prompt per request", "prompt",
-                           "unsupported")
         else:
-            raise ApiError(400, "'prompt' must be a non-empty string or a non-empty array of token ids", "prompt",
-                           "invalid_value")
+            batch = " (or an array of those, a batch)" if param == "prompt" else ""
+            raise ApiError(400, f"'{param}' must be a non-empty string or a non-empty array of token ids{batch}",
+                           param, "invalid_value")
         if not prompt_ids:
-            raise ApiError(400, "'prompt' encodes to no tokens", "prompt", "invalid_value")
-        return prompt_ids
+            raise ApiError(400, f"'{param}' encodes to no tokens", param, "invalid_value")
+        return CompletionPrompt(prompt_ids, prompt if isinstance(prompt, str) else None, param)
 
     def completions(self):
         body = self._body()
-        prompt_ids = self._completion_prompt(body)
+        prompts = self._completion_prompts(body)
         echo = field_of(body, "echo", "bool", False)
         if body.get("suffix") is not None:
             raise ApiError(400, "'suffix' is not supported", "suffix", "unsupported")
@@ -1049,16 +1063,20 @@ class Server:
         skip = field_of(body, "skip_special_tokens", "bool", True)
         score_only = echo and body.get("max_tokens") == 0  # the prompt's logprobs only (lm-eval's loglikelihood)
         # (a request that generates nothing is checked as one that generates a token)
-        job = self._job({**body, "max_tokens": 1} if score_only else body, prompt_ids, logprobs, skip_special=skip,
-                        prompt_param="prompt")
-        cut = len(job.prompt_ids) < len(prompt_ids)  # truncate_prompt_tokens
-        head_text, head_lps = self._echo(body, job.prompt_ids, logprobs, skip, cut) if echo else ("", None)
+        jobs = [self._job({**body, "max_tokens": 1} if score_only else body, p.ids, logprobs, skip_special=skip,
+                          prompt_param=p.param) for p in prompts]
+        # echo: each prompt's choices start with it (cut: truncate_prompt_tokens took its start off)
+        heads = [self._echo(p.text, job.prompt_ids, logprobs, skip, len(job.prompt_ids) < len(p.ids)) if echo
+                 else ("", None) for p, job in zip(prompts, jobs)]
+        n, job = jobs[0].n, jobs[0]  # (the fields every prompt's job shares)
+        total = n * len(jobs)  # choice k is prompt k // n's
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         if score_only:
-            usage = self.engine_mod.Usage(len(job.prompt_ids), 0, 0)
-            choices = ((i, self.engine_mod.RequestOutput("", [], "", True, "length", usage)) for i in range(job.n))
+            choices = ((k, self.engine_mod.RequestOutput("", [], "", True, "length",
+                                                         self.engine_mod.Usage(len(jobs[k // n].prompt_ids), 0, 0)))
+                       for k in range(total))
         else:
-            choices = self._choices(job, request.environ.get("werkzeug.socket"))
+            choices = self._choices(jobs, request.environ.get("werkzeug.socket"))
 
         def legacy_logprobs(lps, head: list[dict] | None) -> dict | None:
             if job.logprobs is None:
@@ -1068,39 +1086,37 @@ class Server:
                     "top_logprobs": [None if e["top_logprobs"] is None else
                                      {t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries]}
 
-        def choice(i: int, text: str, finish: str | None, lps, head: list[dict] | None) -> dict:
-            return {"index": i, "text": text, "finish_reason": finish, "logprobs": legacy_logprobs(lps, head)}
+        def choice(k: int, text: str, finish: str | None, lps, head: list[dict] | None) -> dict:
+            return {"index": k, "text": text, "finish_reason": finish, "logprobs": legacy_logprobs(lps, head)}
 
         if job.stream:
             def chunks() -> Iterator[dict]:
-                lasts = [None] * job.n
-                for i, o in choices:
-                    text, head = (head_text, head_lps) if lasts[i] is None else ("", None)  # echo: a choice's first
-                    lasts[i] = o
+                lasts = [None] * total
+                for k, o in choices:
+                    text, head = heads[k // n] if lasts[k] is None else ("", None)  # echo: a choice's first
+                    lasts[k] = o
                     yield {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
-                           "choices": [choice(i, text + o.text, o.finish_reason if o.finished else None, o.logprobs,
+                           "choices": [choice(k, text + o.text, o.finish_reason if o.finished else None, o.logprobs,
                                               head)]}
                 if job.include_usage and all(o is not None and o.finished for o in lasts):
                     yield {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
-                           "choices": [], "usage": _usage(lasts)}
+                           "choices": [], "usage": _usage(lasts, n)}
             return self._sse(chunks(), choices)
-        texts, lps, lasts = [[head_text] for _ in range(job.n)], [[] for _ in range(job.n)], [None] * job.n
-        for i, o in choices:
-            texts[i].append(o.text)
-            lps[i] += o.logprobs or []
-            lasts[i] = o
+        texts, lps, lasts = [[heads[k // n][0]] for k in range(total)], [[] for _ in range(total)], [None] * total
+        for k, o in choices:
+            texts[k].append(o.text)
+            lps[k] += o.logprobs or []
+            lasts[k] = o
         if not all(o is not None and o.finished for o in lasts):
             raise ApiError(499, "the client went away", None, "cancelled")
         return {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
-                "choices": [choice(i, "".join(texts[i]), lasts[i].finish_reason, lps[i], head_lps)
-                            for i in range(job.n)], "usage": _usage(lasts)}
+                "choices": [choice(k, "".join(texts[k]), lasts[k].finish_reason, lps[k], heads[k // n][1])
+                            for k in range(total)], "usage": _usage(lasts, n)}
 
-    def _echo(self, body: dict, prompt_ids: list[int], logprobs: int | None, skip: bool,
+    def _echo(self, sent: str | None, prompt_ids: list[int], logprobs: int | None, skip: bool,
               cut: bool) -> tuple[str, list[dict] | None]:
-        """What an echoed choice starts with: the prompt's text (as sent, or its ids decoded: always where its start
+        """What an echoed choice starts with: the prompt's text (as `sent`, or its ids decoded: always where its start
         was cut off) and, when logprobs are asked for, its tokens' entries."""
-        p = body["prompt"]
-        sent = p if isinstance(p, str) else p[0] if isinstance(p[0], str) else None
         text = sent if sent is not None and not cut else self.engine.tokenizer.decode(prompt_ids,
                                                                                       skip_special_tokens=skip)
         return text, self._prompt_logprobs(prompt_ids, logprobs) if logprobs is not None else None
@@ -1180,8 +1196,12 @@ class Server:
             ids = vision.write_out(prompt.ids, self.engine.vision.image_token_id, prompt.images)[0] \
                 if prompt.images else prompt.ids
             return {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids}
-        prompt_ids = self._completion_prompt(body)
-        return {"count": len(prompt_ids), "max_model_len": self.engine.max_model_len, "tokens": prompt_ids}
+        prompts = self._completion_prompts(body)
+        if len(prompts) > 1:
+            raise ApiError(400, f"'prompt': /tokenize takes one prompt, got a batch of {len(prompts)}", "prompt",
+                           "unsupported")
+        ids = prompts[0].ids
+        return {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids}
 
     def detokenize(self):
         ids = self._token_ids(self._body(), "tokens")
@@ -1296,14 +1316,15 @@ def _named_choice(choice: Any) -> bool:
             and isinstance(choice["function"].get("name"), str))
 
 
-def _usage(lasts: list[Any]) -> dict:
-    """The usage of a request's finished choices (their final engine.RequestOutputs): the prompt once (as the
-    first choice saw the prefix cache), the completions summed; with a speculator, their drafts too
-    (serving.md §1.6 asks for acceptance per request)."""
+def _usage(lasts: list[Any], n: int | None = None) -> dict:
+    """The usage of a request's finished choices (their final engine.RequestOutputs), n a prompt (None: all of one
+    prompt): each prompt once (as its first choice saw the prefix cache), the completions summed; with a
+    speculator, their drafts too (serving.md §1.6 asks for acceptance per request)."""
     us = [o.usage for o in lasts]
-    prompt, completion = us[0].prompt_tokens, sum(u.completion_tokens for u in us)
+    firsts = us[::n or len(us)]
+    prompt, completion = sum(u.prompt_tokens for u in firsts), sum(u.completion_tokens for u in us)
     usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-             "prompt_tokens_details": {"cached_tokens": us[0].cached_tokens},
+             "prompt_tokens_details": {"cached_tokens": sum(u.cached_tokens for u in firsts)},
              "completion_tokens_details": {"reasoning_tokens": sum(u.reasoning_tokens for u in us)}}
     accs = [o.acceptance for o in lasts if o.acceptance is not None]
     if accs:

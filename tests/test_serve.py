@@ -455,7 +455,8 @@ def test_tokenize_and_detokenize(server, url, client):
     assert r["count"] == prompt_len(server, q, [WEATHER], "low") == client.chat.completions.create(
         model=default_model.NAME, messages=q, tools=[WEATHER], reasoning_effort="low", max_tokens=1).usage.prompt_tokens
     assert post("/detokenize", {"tokens": r["tokens"]}).json()["prompt"].endswith("<|assistant|><think>")
-    for path, body, param in (("/tokenize", {}, "prompt"), ("/tokenize", {"messages": []}, "messages"),
+    for path, body, param in (("/tokenize", {}, "prompt"), ("/tokenize", {"prompt": ["a", "b"]}, "prompt"),
+                              ("/tokenize", {"messages": []}, "messages"),
                               ("/detokenize", {"tokens": [10**9]}, "tokens"),
                               ("/detokenize", {"tokens": "x"}, "tokens")):
         r = post(path, body)
@@ -607,6 +608,8 @@ def test_usage_counts_the_prompt_once_and_reports_drafts_when_the_engine_specula
     u = serve._usage([out, other])  # two choices of one request
     assert (u["prompt_tokens"], u["completion_tokens"], u["total_tokens"]) == (20, 15, 35)
     assert u["prompt_tokens_details"] == {"cached_tokens": 16}
+    b = serve._usage([out, other, other, out], 2)  # a batch of two prompts, two choices each
+    assert (b["prompt_tokens"], b["completion_tokens"], b["prompt_tokens_details"]["cached_tokens"]) == (40, 30, 36)
     assert u["completion_tokens_details"]["reasoning_tokens"] == 5
     assert u["speculative"] == {"verify_steps": 6, "draft_tokens": 16, "accepted_tokens": 8,
                                 "mean_accepted_length": round(14 / 6, 4)}
@@ -635,6 +638,40 @@ def test_n_choices_chat_and_completions_whole_and_streamed(server, client):
     streamed = list(client.completions.create(n=2, stream=True, **ckw))
     assert ["".join(ch.choices[0].text for ch in streamed if ch.choices[0].index == i) for i in range(2)] == \
         [x.text for x in c.choices]
+
+
+def test_a_batch_of_prompts_is_each_prompt_alone(server, url, client):
+    """/v1/completions with an array of prompts (text or ids, as lm-eval batches them): choice p * n + i is prompt p's
+    choice i alone, whole and streamed; the usage adds every prompt's tokens; echo scores each prompt."""
+    tok = server.engine.tokenizer
+    texts = ["Once upon", "The quick brown fox", "A"]
+    ckw = dict(model=default_model.NAME, max_tokens=5, temperature=1.0, seed=7, logprobs=2)
+    r = client.completions.create(prompt=texts, n=2, **ckw)
+    alone = [client.completions.create(prompt=t, n=2, **ckw) for t in texts]
+    assert [c.index for c in r.choices] == list(range(6))
+    want = [c for a in alone for c in a.choices]
+    assert [c.text for c in r.choices] == [c.text for c in want]
+    for c, w in zip(r.choices, want):
+        assert c.logprobs.tokens == w.logprobs.tokens
+        assert c.logprobs.token_logprobs == pytest.approx(w.logprobs.token_logprobs, abs=1e-4)
+    assert r.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone) == \
+        sum(len(tok.encode(t, add_special_tokens=False).ids) for t in texts)
+    assert r.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+    streamed = list(client.completions.create(prompt=texts, n=2, stream=True, stream_options={"include_usage": True},
+                                              **ckw))
+    assert ["".join(ch.choices[0].text for ch in streamed if ch.choices and ch.choices[0].index == k)
+            for k in range(6)] == [c.text for c in r.choices]
+    assert streamed[-1].usage.prompt_tokens == r.usage.prompt_tokens
+    ids = [tok.encode(t, add_special_tokens=False).ids for t in texts]
+    for max_tokens in (0, 1):  # lm-eval's loglikelihood batch: token ids, echo, logprobs 1
+        body = {"echo": True, "logprobs": 1, "temperature": 0, "max_tokens": max_tokens}
+        got = requests.post(url + "/v1/completions", json={"prompt": ids, **body}, timeout=60).json()
+        for p, c in enumerate(got["choices"]):
+            (one,) = requests.post(url + "/v1/completions", json={"prompt": ids[p], **body}, timeout=60).json()["choices"]
+            assert c["index"] == p and c["text"] == one["text"] and c["text"].startswith(texts[p])
+            assert c["logprobs"]["tokens"] == one["logprobs"]["tokens"]
+            assert c["logprobs"]["token_logprobs"] == pytest.approx(one["logprobs"]["token_logprobs"], abs=1e-4)
+        assert got["usage"]["prompt_tokens"] == sum(map(len, ids))
 
 
 def test_tool_choice_none_renders_no_tools(server, client, scripted):
@@ -879,7 +916,10 @@ BAD = [  # (path, body: dict or raw str, status, param, code)
     ("/v1/completions", {"prompt": []}, 400, "prompt", None),
     ("/v1/completions", {"prompt": [10 ** 9]}, 400, "prompt", None),
     ("/v1/completions", {"prompt": [-1, 2]}, 400, "prompt", None),
-    ("/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt", "unsupported"),
+    ("/v1/completions", {"prompt": ["a", ""]}, 400, "prompt[1]", "invalid_value"),
+    ("/v1/completions", {"prompt": [[1, 2], [10 ** 9]]}, 400, "prompt[1]", "invalid_value"),
+    ("/v1/completions", {"prompt": ["a", 3]}, 400, "prompt", "invalid_value"),
+    ("/v1/completions", {"prompt": ["x", LONG]}, 400, "prompt[1]", "context_length_exceeded"),
     ("/v1/completions", {"prompt": "x", "logprobs": 100}, 400, "logprobs", "invalid_value"),
     ("/v1/completions", {"prompt": "x", "echo": 1}, 400, "echo", "invalid_type"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens", "invalid_value"),
