@@ -484,7 +484,9 @@ class Server:
         self.load_error: str | None = None
         self.engine: Any = None
         self.loop: EngineLoop | None = None
-        self.model_name = args.served_model_name
+        # the ids clients may send (vLLM's --served-model-name: several, e.g. Claude Code's main and small model);
+        # replies name the first
+        self.model_names: list[str] = list(args.served_model_name or [])
         self.model_path: Path | None = None
         self.defaults: dict[str, float] = {}
         self.metrics = Metrics()
@@ -504,8 +506,8 @@ class Server:
         try:
             path = Path(default_model.ensure()) if a.model is None else checkpoint.resolve_model_path(a.model)
             self.model_path = path
-            self.model_name = self.model_name or (default_model.NAME if a.model is None else
-                                                  a.model.rstrip("/").split("/")[-1])
+            self.model_names = self.model_names or [default_model.NAME if a.model is None else
+                                                    a.model.rstrip("/").split("/")[-1]]
             opts = {k: v for k, v in dict(max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
                                           max_batch_tokens=a.max_batch_tokens, max_cache_tokens=a.max_cache_tokens,
                                           speculator=a.speculator, drafter_path=a.drafter,
@@ -610,17 +612,26 @@ class Server:
         self.loop.call(lambda e: e.reset_prefix_cache())
         return {"status": "ok"}
 
+    @property
+    def model_name(self) -> str | None:
+        return self.model_names[0] if self.model_names else None
+
     def models(self):
-        return {"object": "list", "data": [self._model_card()]}
+        return {"object": "list", "data": [self._model_card(name) for name in self.model_names]}
 
     def model(self, name: str):
-        if name not in (self.model_name, self.args.model):
-            raise ApiError(404, f"the model '{name}' does not exist; this server serves '{self.model_name}'", "model",
-                           "model_not_found")
-        return self._model_card()
+        self._check_model(name)
+        return self._model_card(name if name in self.model_names else self.model_name)
 
-    def _model_card(self) -> dict:
-        return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "glm53",
+    def _check_model(self, name: str | None) -> None:
+        """A request's model: one of the served names, the --model it was loaded from, or none."""
+        if name not in (None, *self.model_names, self.args.model):
+            served = ", ".join(f"'{n}'" for n in self.model_names)
+            raise ApiError(404, f"the model '{name}' does not exist; this server serves {served}", "model",
+                           "model_not_found")
+
+    def _model_card(self, name: str) -> dict:
+        return {"id": name, "object": "model", "created": 0, "owned_by": "glm53",
                 "max_model_len": self.engine.max_model_len}
 
     # --- request parsing --------------------------------------------------------------------
@@ -636,9 +647,7 @@ class Server:
         model = body.get("model")
         if model is not None and not isinstance(model, str):
             raise ApiError(400, "'model' must be a string", "model", "invalid_type")
-        if model not in (None, self.model_name, self.args.model):
-            raise ApiError(404, f"the model '{model}' does not exist; this server serves '{self.model_name}'",
-                           "model", "model_not_found")
+        self._check_model(model)
         return body
 
     def _job(self, body: dict, prompt_ids: list[int], logprobs: int | None, skip_special: bool,
@@ -1350,7 +1359,8 @@ def _client_gone(sock: socket.socket | None) -> bool:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="checkpoint folder or Hugging Face id (default: built-in tiny model)")
-    ap.add_argument("--served-model-name", default=None, help="the model id clients send (default: folder name)")
+    ap.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                    help="the model ids clients may send; replies name the first (default: the folder's name)")
     ap.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
     ap.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     ap.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")

@@ -1280,10 +1280,12 @@ def test_load_32_streaming_clients_a_third_disconnect(url):
 
 def test_command_line_server_starts_shows_progress_and_checks_the_key(server, client, cache_dir):
     """`python serve.py` itself: listens at once, prints load progress and the time to ready; with
-    `--speculator mtp` its greedy answers equal the plain server's and /metrics counts the drafts."""
+    `--speculator mtp` its greedy answers equal the plain server's and /metrics counts the drafts; with two
+    served model names it takes either and replies with the first."""
     env = {**os.environ, "GLM53_CACHE": str(cache_dir), "OMP_NUM_THREADS": "1"}
+    names = ["glm-5.3-flash", "claude-haiku-4-5"]
     proc = subprocess.Popen([sys.executable, "serve.py", "--port", "0", "--api-key", "k1", "--speculator", "mtp",
-                             "--max-model-len", str(MAX_MODEL_LEN)],
+                             "--max-model-len", str(MAX_MODEL_LEN), "--served-model-name", *names],
                             cwd=Path(serve.__file__).parent, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     lines = []
@@ -1301,12 +1303,16 @@ def test_command_line_server_starts_shows_progress_and_checks_the_key(server, cl
         assert requests.get(base + "/health", timeout=10).json()["status"] == "ok"
         assert requests.get(base + "/v1/models", timeout=10).status_code == 401
         models = requests.get(base + "/v1/models", timeout=10, headers={"Authorization": "Bearer k1"}).json()
-        assert models["data"][0]["id"] == default_model.NAME
+        assert [m["id"] for m in models["data"]] == names
         ask = dict(model=default_model.NAME, messages=HI, max_tokens=24, temperature=0)
         plain = client.chat.completions.create(**ask).choices[0].message
         import openai
         spec_client = openai.OpenAI(base_url=base + "/v1", api_key="k1", max_retries=0, timeout=120)
-        spec = spec_client.chat.completions.create(**ask).choices[0].message
+        reply = spec_client.chat.completions.create(**{**ask, "model": names[1]})
+        spec = reply.choices[0].message
+        assert reply.model == names[0]
+        with pytest.raises(openai.NotFoundError):
+            spec_client.chat.completions.create(**ask)  # the built-in model's name is not among those served
         assert (spec.content, spec.model_extra.get("reasoning_content")) == \
             (plain.content, plain.model_extra.get("reasoning_content"))
         m = metrics(base, headers={"Authorization": "Bearer k1"})
