@@ -662,6 +662,9 @@ def test_a_batch_of_prompts_is_each_prompt_alone(server, url, client):
     assert ["".join(ch.choices[0].text for ch in streamed if ch.choices and ch.choices[0].index == k)
             for k in range(6)] == [c.text for c in r.choices]
     assert streamed[-1].usage.prompt_tokens == r.usage.prompt_tokens
+    echoed = list(client.completions.create(prompt=texts, n=2, stream=True, echo=True, **ckw))
+    assert ["".join(ch.choices[0].text for ch in echoed if ch.choices[0].index == k) for k in range(6)] == \
+        [texts[k // 2] + c.text for k, c in enumerate(r.choices)]
     ids = [tok.encode(t, add_special_tokens=False).ids for t in texts]
     for max_tokens in (0, 1):  # lm-eval's loglikelihood batch: token ids, echo, logprobs 1
         body = {"echo": True, "logprobs": 1, "temperature": 0, "max_tokens": max_tokens}
